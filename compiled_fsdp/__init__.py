@@ -1,0 +1,19 @@
+"""compiled_fsdp: Fully Sharded Data Parallel whose collectives live in torch.compile graphs.
+
+See README.md for usage and DESIGN.md for how the pieces fit.
+"""
+from ._api import ShardingOptions, fully_shard
+from ._collectives import collective_counts, reset_collective_counts
+from ._state import get_fsdp_state, iter_fsdp_states
+from ._state_dict import get_full_state_dict, load_full_state_dict
+
+__all__ = [
+    "ShardingOptions",
+    "collective_counts",
+    "fully_shard",
+    "get_fsdp_state",
+    "get_full_state_dict",
+    "iter_fsdp_states",
+    "load_full_state_dict",
+    "reset_collective_counts",
+]

@@ -1,0 +1,182 @@
+"""``fully_shard``: the public entry point.
+
+[Note: Ownership]
+Each application of ``fully_shard`` owns the parameters of its subtree that no
+nested application already owns (the seeds' "fully sharded module"): apply it to
+the blocks first, then to the root, which picks up the leftovers (embedding,
+final norm, head). A parameter object reachable from several modules (a tied
+weight) is one managed parameter with several owners, as long as all of them
+fall under the same application; a parameter split across two applications
+cannot be gathered by one of them alone and is rejected.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._param import FSDPParam, install_param_properties
+from ._param_group import FSDPParamGroup
+from ._state import FSDPState, get_fsdp_state
+
+Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
+
+# Original parameter -> its FSDPParam, to detect a parameter claimed twice.
+_MANAGED: "weakref.WeakKeyDictionary[nn.Parameter, FSDPParam]" = weakref.WeakKeyDictionary()
+_SHARDS: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
+# Group keys: the n-th application of fully_shard in a program is key n on every
+# rank, so markers and buckets agree across ranks.
+_KEYS = itertools.count()
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """The frozen per-application policy."""
+
+    process_group: dist.ProcessGroup
+    reshard_after_forward: bool
+
+
+def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_after_forward: bool) -> ShardingOptions:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard: torch.distributed is not initialized. Call "
+            "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) first; "
+            "under torchrun the rendezvous variables are already set."
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"fully_shard: reshard_after_forward must be True or False, got {reshard_after_forward!r} "
+            "(resharding to a smaller group, FSDP2's int form, is not supported)."
+        )
+    if mesh is None:
+        group = dist.distributed_c10d._get_default_group()
+    elif isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(f"fully_shard: mesh must be 1-D, got a {mesh.ndim}-D DeviceMesh.")
+        group = mesh.get_group()
+    elif isinstance(mesh, dist.ProcessGroup):
+        group = mesh
+    else:
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
+    return ShardingOptions(group, reshard_after_forward)
+
+
+def _policy_matches(policy: Policy) -> Callable[[nn.Module], bool]:
+    if callable(policy) and not isinstance(policy, type):
+        return policy
+    classes = tuple(policy)
+    return lambda m: isinstance(m, classes)
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: Union[DeviceMesh, dist.ProcessGroup, None] = None,
+    reshard_after_forward: bool = True,
+    policy: Optional[Policy] = None,
+    ignored_params: Optional[set[nn.Parameter]] = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``mesh`` (default: the whole world) and
+    return the same module object.
+
+    Apply it to each block, then to the root; or once to the root with ``policy``,
+    a set of module classes (or a predicate) whose instances are sharded first.
+    ``reshard_after_forward=True`` frees the unsharded parameters after forward
+    and gathers them again in backward (ZeRO-3); ``False`` keeps them to backward.
+    """
+    options = _resolve_options(mesh, reshard_after_forward)
+    if policy is not None:
+        matches = _policy_matches(policy)
+        targets = [m for m in module.modules() if m is not module and matches(m)]
+        for m in reversed(targets):  # post-order: children before parents
+            if get_fsdp_state(m) is None:
+                _shard_one(m, options, ignored_params)
+    return _shard_one(module, options, ignored_params)
+
+
+def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Optional[set[nn.Parameter]]) -> nn.Module:
+    if get_fsdp_state(module) is not None:
+        raise ValueError(
+            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
+            "(blocks first, then the root)."
+        )
+    ignored = set(ignored_params or ())
+    owners = _collect_owned(module, ignored)
+    group = None
+    if owners:
+        devices = sorted({str(p.device) for p in owners})
+        if len(devices) > 1:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): its parameters are on several devices {devices}; "
+                "move the module to one device (e.g. module.to(device)) before fully_shard."
+            )
+        world, rank = options.process_group.size(), options.process_group.rank()
+        fsdp_params = []
+        for param, places in owners.items():
+            fqn = places[0][2]
+            fp = FSDPParam(param, [(m, n) for m, n, _ in places], fqn, world, rank)
+            _MANAGED[param] = fp
+            _SHARDS.add(fp.sharded)
+            fsdp_params.append(fp)
+        group = FSDPParamGroup(
+            fsdp_params,
+            options.process_group,
+            next(_KEYS),
+            options.reshard_after_forward,
+            type(module).__name__,
+        )
+        by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
+        for fp in fsdp_params:
+            for m, n in fp.owners:
+                by_module.setdefault(m, {})[n] = fp
+        for m, names in by_module.items():
+            install_param_properties(m, names)
+    for m in module.modules():  # See seed 002: Dynamo traces these unspecialized.
+        m._is_fsdp_managed_module = True
+        m._fsdp_use_orig_params = True
+    FSDPState(module, group, options.reshard_after_forward)
+    from . import _compile
+
+    _compile.install()
+    return module
+
+
+def _collect_owned(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:
+    """Parameters this application owns, each with every (module, name, fqn) place
+    it is registered at, in ``named_modules`` order. See [Note: Ownership]."""
+    owned: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    for prefix, m, in _modules_outside_nested(module):
+        for name, p in list(m._parameters.items()):
+            if p is None or p in ignored:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            if p in _MANAGED or p in _SHARDS:
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already managed by another "
+                    "fully_shard application (a weight shared between two fully sharded modules, or fully_shard "
+                    "applied to a parent before its child). Apply fully_shard to a common ancestor of every "
+                    "module that uses it (children first, then parents), or pass it in ignored_params."
+                )
+            owned.setdefault(p, []).append((m, name, fqn))
+    return owned
+
+
+def _modules_outside_nested(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(prefix, module) for ``module``'s subtree, skipping subtrees already sharded."""
+    out = []
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        out.append((prefix, m))
+        for name, child in m.named_children():
+            if get_fsdp_state(child) is None:
+                visit(f"{prefix}.{name}" if prefix else name, child)
+
+    visit("", module)
+    return out

@@ -1,0 +1,95 @@
+"""Pure collective functions of the eager runtime: pack, communicate, unpack.
+
+Every eager collective the project issues goes through ``_issue`` so tests can
+count them (see ``collective_counts``). See [Note: Shard layout] for the layout.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._layout import ShardSpec, bucket_offsets
+
+_COUNTS: collections.Counter = collections.Counter()
+
+
+def collective_counts() -> dict[str, int]:
+    """How many eager collectives the runtime issued, by kind, since the last reset."""
+    return dict(_COUNTS)
+
+
+def reset_collective_counts() -> None:
+    _COUNTS.clear()
+
+
+@dataclass
+class PendingCollective:
+    """An issued, not yet awaited collective and the buffer it writes."""
+
+    output: torch.Tensor
+    work: Optional[dist.Work]
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.output
+
+
+def all_gather_bucket(
+    shards: Sequence[torch.Tensor], group: dist.ProcessGroup, async_op: bool = True
+) -> PendingCollective:
+    """One all-gather of the concatenated flattened ``shards``: output ``[N * T]``."""
+    world = group.size()
+    flat_in = torch.cat([s.detach().reshape(-1) for s in shards])
+    out = flat_in.new_empty(world * flat_in.numel())
+    _COUNTS["all_gather"] += 1
+    work = dist.all_gather_single(out, flat_in, group=group, async_op=async_op)
+    return PendingCollective(out, work if async_op else None)
+
+
+def copy_out_all_gather(
+    flat_out: torch.Tensor, specs: Sequence[ShardSpec], dests: Sequence[torch.Tensor]
+) -> None:
+    """Copy each parameter's full value out of an all-gather output into ``dests``."""
+    world = specs[0].world_size
+    rows = flat_out.view(world, -1)
+    for spec, off, dest in zip(specs, bucket_offsets(specs), dests):
+        block = rows[:, off : off + spec.shard_numel]
+        padded = block.reshape(spec.padded_dim0, *spec.rest)
+        with torch.no_grad():
+            dest.copy_(spec.unpad(padded))
+
+
+def reduce_scatter_bucket(
+    grads: Sequence[torch.Tensor],
+    specs: Sequence[ShardSpec],
+    group: dist.ProcessGroup,
+    async_op: bool = True,
+) -> PendingCollective:
+    """One reduce-scatter (sum) of the padded full ``grads``: output ``[T]``, not yet averaged."""
+    world = group.size()
+    cols = [spec.pad(g).reshape(world, -1) for g, spec in zip(grads, specs)]
+    flat_in = torch.cat(cols, dim=1).reshape(-1)
+    out = flat_in.new_empty(flat_in.numel() // world)
+    _COUNTS["reduce_scatter"] += 1
+    work = dist.reduce_scatter_single(
+        out, flat_in, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+    return PendingCollective(out, work if async_op else None)
+
+
+def split_reduce_scatter(
+    flat_out: torch.Tensor, specs: Sequence[ShardSpec]
+) -> list[torch.Tensor]:
+    """Average a reduce-scatter output over ranks and cut it into shard-shaped grads."""
+    world = specs[0].world_size
+    averaged = flat_out / world
+    return [
+        averaged[off : off + spec.shard_numel].view(spec.shard_shape)
+        for spec, off in zip(specs, bucket_offsets(specs))
+    ]

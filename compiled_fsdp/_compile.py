@@ -1,0 +1,102 @@
+"""Installs the compiled_fsdp joint-graph passes into torch.compile.
+
+[Note: Where the passes hook in]
+``torch._functorch.config.joint_custom_pass`` is called by AOTAutograd on
+the joint (forward + backward) graph before partitioning, for every
+aot_autograd backend: ``aot_eager`` and Inductor alike. It is the one hook
+that sees both the gathers and the reduce-scatters before the partitioner
+decides what to save, so lowering and recompute tagging both run there. It is
+*not* called for inference graphs (no grad): there the markers stay and run
+their eager per-parameter collectives (correct, unbucketed).
+
+``install()`` wraps whatever pass the user already configured: ours runs
+first (it removes our markers, which a user pass would not understand), then
+theirs. It is idempotent. On a graph without markers ours does nothing.
+
+[Note: AOTAutograd cache]
+The AOTAutograd cache key is computed from the Dynamo graph (which holds the
+markers) and does not include ``joint_custom_pass``. On a cache hit the
+joint pass does not run (the cached artifact already holds the lowered
+graph), so ``last_reports()`` stays empty for that compile. Tests that read
+reports should disable the cache (``torch._functorch.config.enable_autograd_cache
+= False``) or use a fresh cache dir.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+from torch._functorch import config as functorch_config
+
+# Importing _ops registers the marker ops, so any graph the passes see runs.
+import compiled_fsdp._ops  # noqa: F401
+from compiled_fsdp.passes import JointPassReport, run_joint_passes
+
+__all__ = ["install", "uninstall", "is_installed", "last_reports", "clear_reports"]
+
+_MAX_REPORTS = 64
+_reports: collections.deque[JointPassReport] = collections.deque(maxlen=_MAX_REPORTS)
+_lock = threading.Lock()
+
+JointPass = Callable[[fx.GraphModule, Any], fx.GraphModule]
+
+
+class _CompiledFSDPJointPass:
+    """The callable installed as ``joint_custom_pass``; composes with the
+    pass that was there before."""
+
+    def __init__(self, inner: JointPass | None) -> None:
+        self.inner = inner
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
+        report = run_joint_passes(gm)
+        if report.has_markers:
+            with _lock:
+                _reports.append(report)
+        if self.inner is not None:
+            gm = self.inner(gm, joint_inputs)
+        return gm
+
+    def __repr__(self) -> str:
+        return f"compiled_fsdp joint pass (then {self.inner!r})"
+
+
+def install() -> None:
+    """Installs the joint pass (idempotent). Called by ``fully_shard``."""
+    with _lock:
+        current = functorch_config.joint_custom_pass
+        if isinstance(current, _CompiledFSDPJointPass):
+            return
+        functorch_config.joint_custom_pass = _CompiledFSDPJointPass(
+            current if callable(current) else None
+        )
+
+
+def uninstall() -> None:
+    """Restores the joint pass that was set before ``install()`` (if ours is
+    still the installed one)."""
+    with _lock:
+        current = functorch_config.joint_custom_pass
+        if isinstance(current, _CompiledFSDPJointPass):
+            functorch_config.joint_custom_pass = current.inner
+
+
+def is_installed() -> bool:
+    return isinstance(functorch_config.joint_custom_pass, _CompiledFSDPJointPass)
+
+
+def last_reports() -> list[JointPassReport]:
+    """Reports of the most recent joint-pass runs that saw markers, oldest
+    first (bounded)."""
+    with _lock:
+        return list(_reports)
+
+
+def clear_reports() -> None:
+    with _lock:
+        _reports.clear()
+

@@ -1,0 +1,158 @@
+"""Marker ops that Dynamo traces when a managed parameter is read.
+
+``compiled_fsdp::unshard`` turns one parameter shard into the full parameter;
+its backward is ``compiled_fsdp::reduce_grad``, which turns the full gradient
+into the averaged gradient shard. Both have real (eager) implementations that
+run correct per-parameter collectives, so any backend that does not run our
+passes (e.g. ``backend="eager"``) still trains correctly; under
+``aot_eager``/Inductor the joint pass (``compiled_fsdp.passes``) replaces them
+with one bucketed collective per fully sharded module.
+
+Sharding layout (shared with the eager runtime): a parameter of full shape
+``(d0, *rest)`` (0-dim treated as ``(1,)``) is zero-padded to
+``ceil(d0 / N) * N`` rows; rank ``r`` holds rows ``[r * shard_d0, (r+1) * shard_d0)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "UNSHARD_SCHEMA",
+    "REDUCE_GRAD_SCHEMA",
+    "padded_dim0",
+    "shard_shape",
+    "unshard",
+    "reduce_grad",
+]
+
+UNSHARD_SCHEMA = (
+    "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
+    "int module_key, int param_index, bool reshard_after_forward) -> Tensor"
+)
+REDUCE_GRAD_SCHEMA = (
+    "(Tensor grad, SymInt[] full_shape, str group_name, int world_size, "
+    "int module_key, int param_index) -> Tensor"
+)
+
+
+def _as_nd(full_shape: Sequence[int]) -> list[int]:
+    """0-dim parameters are sharded as shape (1,)."""
+    return list(full_shape) if len(full_shape) > 0 else [1]
+
+
+def padded_dim0(full_shape: Sequence[int], world_size: int) -> int:
+    d0 = _as_nd(full_shape)[0]
+    return -(-d0 // world_size) * world_size
+
+
+def shard_shape(full_shape: Sequence[int], world_size: int) -> list[int]:
+    nd = _as_nd(full_shape)
+    return [padded_dim0(full_shape, world_size) // world_size, *nd[1:]]
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+# ---------------------------------------------------------------------------
+# unshard
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("compiled_fsdp::unshard", mutates_args=(), schema=UNSHARD_SCHEMA)
+def unshard(
+    shard: torch.Tensor,
+    full_shape: Sequence[int],
+    group_name: str,
+    world_size: int,
+    module_key: int,
+    param_index: int,
+    reshard_after_forward: bool,
+) -> torch.Tensor:
+    nd = _as_nd(full_shape)
+    shard = shard.contiguous()
+    if world_size == 1:
+        gathered = shard.clone()
+    else:
+        gathered = shard.new_empty([shard.shape[0] * world_size, *shard.shape[1:]])
+        dist.all_gather_into_tensor(gathered, shard, group=_group(group_name))
+    # custom ops must not return an alias of an input; `gathered` is fresh.
+    return gathered[: nd[0]].reshape(list(full_shape))
+
+
+@unshard.register_fake
+def _unshard_fake(
+    shard: torch.Tensor,
+    full_shape: Sequence[int],
+    group_name: str,
+    world_size: int,
+    module_key: int,
+    param_index: int,
+    reshard_after_forward: bool,
+) -> torch.Tensor:
+    return shard.new_empty(list(full_shape))
+
+
+def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    _, full_shape, group_name, world_size, module_key, param_index, _ = inputs
+    ctx.args = (list(full_shape), group_name, world_size, module_key, param_index)
+
+
+def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    full_shape, group_name, world_size, module_key, param_index = ctx.args
+    g = torch.ops.compiled_fsdp.reduce_grad(
+        grad, full_shape, group_name, world_size, module_key, param_index
+    )
+    return g, None, None, None, None, None, None
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# reduce_grad
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "compiled_fsdp::reduce_grad", mutates_args=(), schema=REDUCE_GRAD_SCHEMA
+)
+def reduce_grad(
+    grad: torch.Tensor,
+    full_shape: Sequence[int],
+    group_name: str,
+    world_size: int,
+    module_key: int,
+    param_index: int,
+) -> torch.Tensor:
+    nd = _as_nd(full_shape)
+    padded = padded_dim0(full_shape, world_size)
+    g = grad.reshape(nd)
+    if padded != nd[0]:
+        g = torch.cat([g, g.new_zeros([padded - nd[0], *nd[1:]])], dim=0)
+    g = g.contiguous()
+    if world_size == 1:
+        out = g.clone()
+    else:
+        out = g.new_empty(shard_shape(full_shape, world_size))
+        dist.reduce_scatter_tensor(out, g, op=dist.ReduceOp.SUM, group=_group(group_name))
+    # Sum then divide: identical to the bucketed path (see passes/lowering.py).
+    return out / world_size
+
+
+@reduce_grad.register_fake
+def _reduce_grad_fake(
+    grad: torch.Tensor,
+    full_shape: Sequence[int],
+    group_name: str,
+    world_size: int,
+    module_key: int,
+    param_index: int,
+) -> torch.Tensor:
+    return grad.new_empty(shard_shape(full_shape, world_size))

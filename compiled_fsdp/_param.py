@@ -1,0 +1,129 @@
+"""One parameter's lifecycle: sharded at rest, unsharded around its module's compute.
+
+[Note: Parameter property]
+``fully_shard`` swaps the class of every module that owns a managed parameter for
+a generated subclass with one property per managed parameter name. The property
+decides what ``module.weight`` means at the moment it is read:
+
+- while the eager runtime has the owning group unsharded (its pre-forward hook ran
+  and its post-forward hook has not): the unsharded tensor the hooks gathered;
+- while Dynamo traces the module and the hooks have not gathered it: the
+  ``compiled_fsdp::unshard`` marker applied to the shard, which the passes lower
+  to a bucketed in-graph all-gather;
+- otherwise (user code, ``state_dict()``, optimizers, guard evaluation): the local
+  shard. A read outside forward/backward never communicates;
+- except during another module's eager forward (a parent reading a child's
+  parameter): the shard would be silently wrong there, so that raises.
+
+``state_dict()`` and ``parameters()`` read ``_parameters`` directly, so they see
+the shards under the original FQNs. ``torch.nn.utils.parametrize`` is avoided
+because it renames state-dict keys.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn as nn
+
+from ._layout import ShardSpec
+
+if TYPE_CHECKING:
+    from ._param_group import FSDPParamGroup
+
+
+class FSDPParam:
+    """A managed parameter: its shard (the registered ``nn.Parameter``) and its
+    unsharded buffer, whose storage is freed while resharded."""
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        owners: list[tuple[nn.Module, str]],
+        fqn: str,
+        world_size: int,
+        rank: int,
+    ) -> None:
+        self.fqn = fqn
+        self.owners = owners
+        self.spec = ShardSpec(tuple(param.shape), world_size)
+        self.orig_dtype = param.dtype
+        with torch.no_grad():
+            shard = self.spec.shard(param.detach(), rank)
+        self.sharded = nn.Parameter(shard, requires_grad=param.requires_grad)
+        self.unsharded: Optional[torch.Tensor] = None
+        self.group: Optional["FSDPParamGroup"] = None
+        self.index = -1
+        for module, name in owners:
+            module._parameters[name] = self.sharded
+
+    # -- unsharded storage -------------------------------------------------
+    def alloc_unsharded(self) -> torch.Tensor:
+        """The unsharded buffer with its storage allocated (contents undefined)."""
+        if self.unsharded is None:
+            self.unsharded = self.sharded.new_empty(self.spec.full_shape)
+        else:
+            storage = self.unsharded.untyped_storage()
+            nbytes = self.unsharded.numel() * self.unsharded.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        return self.unsharded
+
+    def free_unsharded(self) -> None:
+        """Free the unsharded storage. Autograd's saved views keep the tensor object
+        but not the bytes; the next unshard refills the same storage in place."""
+        if self.unsharded is not None:
+            self.unsharded.untyped_storage().resize_(0)
+
+    # -- what a read of ``module.<name>`` returns --------------------------
+    def current_value(self) -> torch.Tensor:
+        """See [Note: Parameter property]."""
+        group = self.group
+        views = group.exposed_views if group is not None else None
+        if views is not None:
+            return views[self.index]
+        if group is not None and torch.compiler.is_compiling():
+            from . import _ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
+
+            return torch.ops.compiled_fsdp.unshard(
+                self.sharded,
+                list(self.spec.full_shape),
+                group.group_name,
+                self.spec.world_size,
+                group.key,
+                self.index,
+                group.reshard_after_forward,
+            )
+        if group is not None and group.forward_active():
+            raise RuntimeError(
+                f"compiled_fsdp: parameter {self.fqn!r} of fully sharded module {group.name} was read "
+                "during another module's forward. Parameters are gathered only for their own module's "
+                "forward; move this use into that module's forward, or let the parent own the parameter "
+                "(do not apply fully_shard to that module separately)."
+            )
+        return self.sharded
+
+
+_SUBCLASS_CACHE: dict[tuple[type, frozenset[str]], type] = {}
+
+
+def _make_property(name: str) -> property:
+    def getter(self: nn.Module) -> torch.Tensor:
+        return self._fsdp_params[name].current_value()
+
+    return property(getter, doc=f"managed parameter {name!r}; see [Note: Parameter property]")
+
+
+def install_param_properties(module: nn.Module, names: dict[str, FSDPParam]) -> None:
+    """Swap ``module``'s class for a subclass whose ``names`` are properties."""
+    params = module.__dict__.setdefault("_fsdp_params", {})
+    params.update(names)
+    base = getattr(module, "_fsdp_base_class", type(module))
+    key = (base, frozenset(params))
+    cls = _SUBCLASS_CACHE.get(key)
+    if cls is None:
+        attrs = {n: _make_property(n) for n in sorted(params)}
+        attrs["_fsdp_base_class"] = base
+        cls = type(f"FSDP{base.__name__}", (base,), attrs)
+        _SUBCLASS_CACHE[key] = cls
+    module.__class__ = cls

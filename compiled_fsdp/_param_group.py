@@ -1,0 +1,180 @@
+"""The parameter group: all managed parameters of one fully sharded module, the
+unit of communication (one all-gather, one reduce-scatter).
+
+[Note: Eager autograd through UnshardFn]
+In eager mode a group's unsharded parameters are the outputs of one autograd
+function, ``_UnshardFn``, whose inputs are the shards. Autograd runs its backward
+exactly once per backward pass, after every use of every parameter of the group
+has produced its gradient (a module called twice included: autograd sums the
+uses). That moment is the group's post-backward: it issues one bucketed
+reduce-scatter and returns no gradient to the shards; the reduced gradients are
+written to ``shard.grad`` when the reduce-scatter is awaited (in the root's
+end-of-backward callback, so every reduce-scatter has finished when
+``backward()`` returns). The outputs are views of the unsharded buffers, so
+freeing a buffer's storage after forward (reshard) and refilling it before
+backward is seen by autograd's saved tensors; the refill preserves the version
+counter, as FSDP2 does.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ._collectives import (
+    PendingCollective,
+    all_gather_bucket,
+    copy_out_all_gather,
+    reduce_scatter_bucket,
+    split_reduce_scatter,
+)
+from ._param import FSDPParam
+
+if TYPE_CHECKING:
+    from ._state import _RootContext
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather issued, not awaited (a prefetch)
+    UNSHARDED = "unsharded"
+
+
+class _UnshardFn(torch.autograd.Function):
+    """See [Note: Eager autograd through UnshardFn]."""
+
+    @staticmethod
+    def forward(ctx: Any, group: "FSDPParamGroup", *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        outs = tuple(p.unsharded.view_as(p.unsharded) for p in group.fsdp_params)
+        ctx.mark_non_differentiable(
+            *(o for o, p in zip(outs, group.fsdp_params) if not p.sharded.requires_grad)
+        )
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[None, ...]:
+        ctx.group.post_backward(grads)
+        return (None,) * (1 + len(grads))
+
+
+class FSDPParamGroup:
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        process_group: dist.ProcessGroup,
+        key: int,
+        reshard_after_forward: bool,
+        name: str,
+    ) -> None:
+        self.fsdp_params = fsdp_params
+        self.process_group = process_group
+        self.group_name = process_group.group_name
+        self.key = key
+        self.name = name
+        self.reshard_after_forward = reshard_after_forward
+        self.specs = [p.spec for p in fsdp_params]
+        for i, p in enumerate(fsdp_params):
+            p.group, p.index = self, i
+        self.state = ShardedState.SHARDED
+        self._pending_gather: Optional[PendingCollective] = None
+        self._pending_reduce: Optional[tuple[PendingCollective, list[FSDPParam]]] = None
+        # Views handed to the module's code while it runs eagerly; see [Note: Parameter property].
+        self.exposed_views: Optional[tuple[torch.Tensor, ...]] = None
+        # Autograd outputs of this iteration's _UnshardFn, reused by later calls.
+        self._iter_views: Optional[tuple[torch.Tensor, ...]] = None
+        self.needs_grad_sync = False  # a backward was registered for this iteration
+        # The root's _RootContext (see [Note: Roots and iterations]), set at lazy init.
+        self.ctx: Optional["_RootContext"] = None
+
+    def forward_active(self) -> bool:
+        """Whether the eager runtime is inside a forward of this group's root."""
+        return self.ctx is not None and self.ctx.in_forward
+
+    # -- all-gather ----------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the group's all-gather (if sharded); with ``async_op=False`` also wait."""
+        if self.state is ShardedState.SHARDED:
+            self._pending_gather = all_gather_bucket(
+                [p.sharded for p in self.fsdp_params], self.process_group
+            )
+            self.state = ShardedState.GATHERING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self.state is not ShardedState.GATHERING:
+            return
+        flat = self._pending_gather.wait()
+        self._pending_gather = None
+        dests = [p.alloc_unsharded() for p in self.fsdp_params]
+        with contextlib.ExitStack() as stack:
+            for d in dests:  # autograd's saved views must not see a version bump
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(d))
+            copy_out_all_gather(flat, self.specs, dests)
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.state is ShardedState.GATHERING:
+            self.wait_for_unshard()  # the collective was issued on every rank: finish it
+        for p in self.fsdp_params:
+            p.free_unsharded()
+        self.state = ShardedState.SHARDED
+
+    # -- forward -------------------------------------------------------------
+    def pre_forward(self) -> None:
+        self.unshard()
+        if self._iter_views is None:
+            shards = [p.sharded for p in self.fsdp_params]
+            if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
+                self._iter_views = _UnshardFn.apply(self, *shards)
+                self.needs_grad_sync = True
+            else:
+                self._iter_views = tuple(p.unsharded.view_as(p.unsharded) for p in self.fsdp_params)
+        self.exposed_views = self._iter_views
+
+    def post_forward(self, reshard: bool) -> None:
+        self.exposed_views = None
+        if reshard:
+            self.reshard()
+
+    # -- backward ------------------------------------------------------------
+    def pre_backward(self) -> None:
+        self.unshard()
+
+    def post_backward(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
+        """Reshard and issue the group's reduce-scatter (not awaited here)."""
+        owned = [(p, g) for p, g in zip(self.fsdp_params, grads) if g is not None]
+        self.reshard()
+        if not owned:
+            return
+        params = [p for p, _ in owned]
+        pending = reduce_scatter_bucket(
+            [g.to(p.sharded.dtype) for p, g in owned], [p.spec for p in params], self.process_group
+        )
+        self._pending_reduce = (pending, params)
+        if self.ctx is not None:
+            self.ctx.on_reduce_issued(self)
+
+    def finish_grad_sync(self) -> None:
+        """Await the reduce-scatter and accumulate the averaged shards into ``.grad``."""
+        if self._pending_reduce is not None:
+            pending, params = self._pending_reduce
+            self._pending_reduce = None
+            for p, g in zip(params, split_reduce_scatter(pending.wait(), [p.spec for p in params])):
+                if p.sharded.grad is None:
+                    p.sharded.grad = g.clone()
+                else:
+                    p.sharded.grad += g
+
+    def end_iteration(self) -> None:
+        """Reset per-iteration state: finish communication, free unsharded memory."""
+        self.finish_grad_sync()
+        self.reshard()
+        self.exposed_views = None
+        self._iter_views = None
+        self.needs_grad_sync = False

@@ -1,0 +1,183 @@
+"""Per-module state, the registry that maps modules to it, and the eager hooks.
+
+[Note: Roots and iterations]
+The first fully sharded module whose forward runs without an owner becomes a
+root: it owns a ``_RootContext`` shared by every fully sharded module in its
+subtree. An iteration starts at the root's pre-forward and ends in a callback
+queued on autograd's engine at the first pre-backward (or post-backward), which
+runs when ``backward()`` is about to return: it awaits every reduce-scatter,
+writes the gradients, and reshards whatever is still unsharded. A forward without
+backward (no grad, or an output that does not require grad) ends the iteration
+at the root's post-forward. The root does not reshard after forward: its
+backward starts right after (FSDP2 does the same).
+
+[Note: Prefetch order]
+Forward prefetch follows the previous iteration's pre-forward order; backward
+prefetch follows this iteration's pre-forward order reversed. Both orders are
+recorded from what ran, which is the same on every rank for the same program, so
+every rank issues the same prefetch all-gathers in the same order. A prefetch
+that turns out unused is still awaited (never dropped mid-flight) and freed at
+the end of the iteration.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from ._param_group import FSDPParamGroup, ShardedState
+
+_MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, FSDPState]" = weakref.WeakKeyDictionary()
+
+
+def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
+    """The state of ``module`` if ``fully_shard`` was applied to it, else None."""
+    return _MODULE_STATE.get(module)
+
+
+def iter_fsdp_states(module: nn.Module) -> list["FSDPState"]:
+    """States of ``module``'s subtree (itself included) in ``module.modules()`` order."""
+    out = []
+    for m in module.modules():
+        st = _MODULE_STATE.get(m)
+        if st is not None:
+            out.append(st)
+    return out
+
+
+class _RootContext:
+    def __init__(self, root: "FSDPState") -> None:
+        self.root = root
+        self.states: list[FSDPState] = []
+        self.forward_order: list[FSDPState] = []
+        self.prev_forward_order: list[FSDPState] = []
+        self.callback_queued = False
+        self.pending_reduces: list[FSDPParamGroup] = []
+        self.in_forward = False
+
+    def groups(self) -> list[FSDPParamGroup]:
+        return [s.param_group for s in self.states if s.param_group is not None]
+
+    def begin_iteration(self) -> None:
+        if self.forward_order:  # the last iteration ran no backward
+            self.end_iteration()
+        self.forward_order = []
+
+    def end_iteration(self) -> None:
+        """See [Note: Roots and iterations]."""
+        for g in self.pending_reduces:
+            g.finish_grad_sync()
+        self.pending_reduces = []
+        for g in self.groups():
+            g.end_iteration()
+        self.prev_forward_order = self.forward_order
+        self.forward_order = []
+        self.callback_queued = False
+
+    def ensure_callback_queued(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_iteration)
+
+    def on_reduce_issued(self, group: FSDPParamGroup) -> None:
+        self.ensure_callback_queued()
+        # Await earlier reduce-scatters so at most two buckets are in flight.
+        for g in self.pending_reduces:
+            g.finish_grad_sync()
+        self.pending_reduces = [group]
+
+    def forward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
+        """See [Note: Prefetch order]."""
+        i = len(self.forward_order) - 1
+        prev = self.prev_forward_order
+        if i + 1 < len(prev) and prev[i] is state:
+            return prev[i + 1]
+        return None
+
+    def backward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
+        order: list[FSDPState] = []
+        for s in reversed(self.forward_order):  # last use first, each state once
+            if not any(s is o for o in order):
+                order.append(s)
+        for i, s in enumerate(order[:-1]):
+            if s is state:
+                return order[i + 1]
+        return None
+
+
+class FSDPState:
+    """What ``fully_shard`` attaches to one module: its parameter group and hooks."""
+
+    def __init__(
+        self, module: nn.Module, param_group: Optional[FSDPParamGroup], reshard_after_forward: bool
+    ) -> None:
+        self.module = module
+        self.param_group = param_group
+        self.reshard_after_forward = reshard_after_forward
+        self.ctx: Optional[_RootContext] = None
+        _MODULE_STATE[module] = self
+        module.register_forward_pre_hook(self._pre_forward, prepend=True)
+        module.register_forward_hook(self._post_forward)
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    def _lazy_init(self) -> None:
+        """See [Note: Roots and iterations]."""
+        ctx = _RootContext(self)
+        ctx.states = iter_fsdp_states(self.module)
+        for st in ctx.states:
+            st.ctx = ctx
+            if st.param_group is not None:
+                st.param_group.ctx = ctx
+
+    # -- hooks -------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced: the passes own communication (see compiled_fsdp.passes)
+        if self.ctx is None:
+            self._lazy_init()
+        ctx = self.ctx
+        if self.is_root:
+            ctx.begin_iteration()
+            ctx.in_forward = True
+        ctx.forward_order.append(self)
+        if self.param_group is not None:
+            self.param_group.pre_forward()
+        target = ctx.forward_prefetch_target(self)
+        if target is not None and target.param_group is not None:
+            target.param_group.unshard(async_op=True)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return output
+        if self.is_root:
+            self.ctx.in_forward = False
+        grad_outputs = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
+        if self.param_group is not None:
+            reshard = not backward_follows or (self.reshard_after_forward and not self.is_root)
+            self.param_group.post_forward(reshard)
+        if backward_follows:
+            register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
+        elif self.is_root:
+            self.ctx.end_iteration()
+        return output
+
+    def _pre_backward(self, grad: Any) -> None:
+        ctx = self.ctx
+        ctx.ensure_callback_queued()
+        if self.param_group is not None:
+            self.param_group.pre_backward()
+        target = ctx.backward_prefetch_target(self)
+        if target is not None and target.param_group is not None:
+            group = target.param_group
+            if group.needs_grad_sync and group.state is ShardedState.SHARDED:
+                group.unshard(async_op=True)

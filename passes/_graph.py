@@ -1,0 +1,212 @@
+"""Small FX helpers shared by the passes: marker parsing, fake-value node
+construction, and a stable topological sort."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+UNSHARD_OP_NAME = "compiled_fsdp::unshard"
+REDUCE_GRAD_OP_NAME = "compiled_fsdp::reduce_grad"
+
+# Key under which passes record their own bookkeeping in node.meta.
+META_KEY = "compiled_fsdp"
+
+
+def _op_name(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    return None
+
+
+def is_unshard(node: fx.Node) -> bool:
+    return _op_name(node) == UNSHARD_OP_NAME
+
+
+def is_reduce_grad(node: fx.Node) -> bool:
+    return _op_name(node) == REDUCE_GRAD_OP_NAME
+
+
+def has_markers(graph: fx.Graph) -> bool:
+    return any(is_unshard(n) or is_reduce_grad(n) for n in graph.nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkerArgs:
+    """The static arguments of one marker node (shared by both ops)."""
+
+    full_shape: tuple[int, ...]
+    group_name: str
+    world_size: int
+    module_key: int
+    param_index: int
+    reshard_after_forward: bool | None  # None for reduce_grad
+
+    @property
+    def nd_shape(self) -> tuple[int, ...]:
+        """0-dim parameters are sharded as shape (1,)."""
+        return self.full_shape if len(self.full_shape) > 0 else (1,)
+
+    @property
+    def padded_d0(self) -> int:
+        d0 = self.nd_shape[0]
+        return -(-d0 // self.world_size) * self.world_size
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.padded_d0 // self.world_size, *self.nd_shape[1:])
+
+    @property
+    def shard_numel(self) -> int:
+        n = 1
+        for s in self.shard_shape:
+            n *= s
+        return n
+
+    def bucket_signature(self) -> tuple[str, int]:
+        return (self.group_name, self.world_size)
+
+
+_SCHEMA_NAMES_UNSHARD = (
+    "shard", "full_shape", "group_name", "world_size", "module_key", "param_index",
+    "reshard_after_forward",
+)
+_SCHEMA_NAMES_REDUCE = (
+    "grad", "full_shape", "group_name", "world_size", "module_key", "param_index",
+)
+
+
+def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
+    """Returns (tensor input node, static args). Raises ValueError when an
+    argument is symbolic (the passes only bucket static shapes)."""
+    names = _SCHEMA_NAMES_UNSHARD if is_unshard(node) else _SCHEMA_NAMES_REDUCE
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs)
+    shape = bound["full_shape"]
+    if not all(isinstance(s, int) for s in shape):
+        raise ValueError(f"symbolic full_shape {shape!r}")
+    for key in ("world_size", "module_key", "param_index"):
+        if not isinstance(bound[key], int):
+            raise ValueError(f"symbolic {key} {bound[key]!r}")
+    inp = bound[names[0]]
+    if not isinstance(inp, fx.Node):
+        raise ValueError("marker input is not a graph node")
+    return inp, MarkerArgs(
+        full_shape=tuple(shape),
+        group_name=str(bound["group_name"]),
+        world_size=int(bound["world_size"]),
+        module_key=int(bound["module_key"]),
+        param_index=int(bound["param_index"]),
+        reshard_after_forward=(
+            bool(bound["reshard_after_forward"]) if "reshard_after_forward" in bound else None
+        ),
+    )
+
+
+class NodeBuilder:
+    """Inserts call_function nodes and fills ``meta["val"]`` by running the op
+    on the input fake values under the graph's fake mode.
+
+    [Note: meta val on new nodes]
+    Every node added to the joint graph must carry ``meta["val"]``: the
+    partitioner and Inductor read it (``KeyError: 'val'`` otherwise). We
+    compute it by executing the target on the inputs' fake tensors, which also
+    validates shapes at pass time rather than at Inductor lowering time.
+    """
+
+    def __init__(self, graph: fx.Graph, extra_meta: dict[str, Any] | None = None) -> None:
+        self.graph = graph
+        vals = [n.meta.get("val") for n in graph.nodes if "val" in n.meta]
+        self.fake_mode = detect_fake_mode(vals)
+        self.extra_meta = dict(extra_meta or {})
+        self.created: list[fx.Node] = []
+
+    def __call__(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        fake_args, fake_kwargs = tree_map(
+            lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (args, kwargs)
+        )
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                val = target(*fake_args, **fake_kwargs)
+        else:  # graphs traced without fake tensors (meta/real "val")
+            val = target(*fake_args, **fake_kwargs)
+        node.meta["val"] = val
+        if isinstance(val, torch.Tensor):
+            from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+        for k, v in self.extra_meta.items():
+            node.meta[k] = dict(v) if isinstance(v, dict) else v
+        self.created.append(node)
+        return node
+
+
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def stable_topological_sort(graph: fx.Graph) -> int:
+    """Reorders nodes so every node follows its inputs, moving as few as
+    possible (a node is only delayed until its inputs exist). Returns the
+    number of nodes moved. Deterministic: depends only on graph order."""
+    ready: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    waiting: dict[fx.Node, list[fx.Node]] = {}
+    pending: set[fx.Node] = set()
+
+    def emit(first: fx.Node) -> None:
+        stack = [first]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            ready.add(n)
+            woken = [
+                w for w in waiting.pop(n, [])
+                if w in pending and all(i in ready for i in w.all_input_nodes)
+            ]
+            for w in woken:
+                pending.discard(w)
+            stack.extend(reversed(woken))
+
+    for n in graph.nodes:
+        missing = [i for i in n.all_input_nodes if i not in ready]
+        if not missing:
+            emit(n)
+        else:
+            pending.add(n)
+            for i in missing:
+                waiting.setdefault(i, []).append(n)
+    if pending:
+        raise RuntimeError("graph has a cycle")
+    moved = sum(1 for a, b in zip(order, graph.nodes) if a is not b)
+    if moved:
+        for prev, n in zip(order, order[1:]):
+            prev.append(n)
+    return moved
+
+
+def erase_nodes(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Erases nodes in reverse graph order (users first)."""
+    order = node_order(graph)
+    for n in sorted(nodes, key=lambda x: order[x], reverse=True):
+        graph.erase_node(n)
+
+
+def users_in_order(node: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
+    return sorted(node.users, key=lambda u: order[u])
+
+
+def sorted_keys(d: dict[Any, Any]) -> Sequence[Any]:
+    return sorted(d.keys())

@@ -1,0 +1,113 @@
+"""Recompute tagging: reshard-after-forward under compile.
+
+[Note: Reshard after forward through recompute tags]
+After lowering, each module's forward gather is a chain
+``view(shard) -> cat -> all_gather_into_tensor -> wait_tensor -> view ->
+slice -> clone -> view -> slice``, recorded in
+``node.meta["compiled_fsdp"]["role"] == "gather_chain"``. We tag *every* node
+of the chain:
+
+* ``reshard_after_forward=True``: ``CheckpointPolicy.MUST_RECOMPUTE``. The
+  min-cut partitioner then saves only the chain's inputs (the shards, which
+  are graph inputs anyway) and re-runs cat + all-gather + views in the
+  backward graph. Tagging only the collective is not enough: an untagged view
+  after it would be saved instead, keeping the unsharded weight alive between
+  forward and backward.
+* ``reshard_after_forward=False``: ``CheckpointPolicy.MUST_SAVE``: nothing in
+  the chain may be recomputed, so backward reads the saved unsharded params.
+
+The partitioner (torch 2.13 ``force_save_collectives``) forces every
+``_c10d_functional`` node to MUST_SAVE *unless* it is already tagged
+MUST_RECOMPUTE, so tagging the collective itself is what allows the re-gather.
+
+[Note: ac_graph_id]
+``cleanup_recompute_tags`` turns a MUST_RECOMPUTE node into MUST_SAVE when one
+of its users is MUST_RECOMPUTE with a *larger* ``ac_graph_id`` (the boundary
+between two consecutive user checkpoint regions). A gathered weight used
+inside a user's ``torch.utils.checkpoint`` region would hit that rule and get
+saved unsharded. Our chains therefore use an ``ac_graph_id`` larger than any
+id Dynamo assigns to user regions (they count up from 1), so the rule never
+fires on our nodes. All our chains share it; they never feed each other.
+
+Unshard markers that lowering left in place (see [Note: Fallback per module])
+are tagged the same way, so fallback modules still reshard after forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ._graph import META_KEY, is_unshard, parse_marker
+
+FSDP_AC_GRAPH_ID = 2**31 - 1
+
+
+@dataclasses.dataclass
+class TagPlan:
+    # (node, policy) in graph order
+    tags: list[tuple[fx.Node, CheckpointPolicy]]
+
+
+@dataclasses.dataclass
+class RecomputeReport:
+    must_recompute: int = 0
+    must_save: int = 0
+    modules_recompute: list[int] = dataclasses.field(default_factory=list)
+    modules_save: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.must_recompute or self.must_save)
+
+
+def _chain_info(node: fx.Node) -> tuple[int, bool] | None:
+    info = node.meta.get(META_KEY)
+    if isinstance(info, dict) and info.get("role") == "gather_chain":
+        return int(info["module_key"]), bool(info["reshard_after_forward"])
+    if is_unshard(node):
+        try:
+            _, a = parse_marker(node)
+        except ValueError:
+            return None
+        return a.module_key, bool(a.reshard_after_forward)
+    return None
+
+
+def plan_recompute_tags(gm: fx.GraphModule) -> TagPlan:
+    tags: list[tuple[fx.Node, CheckpointPolicy]] = []
+    for n in gm.graph.nodes:
+        info = _chain_info(n)
+        if info is None:
+            continue
+        _, reshard = info
+        policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+        tags.append((n, policy))
+    return TagPlan(tags=tags)
+
+
+def apply_recompute_tags(gm: fx.GraphModule, plan: TagPlan) -> RecomputeReport:
+    report = RecomputeReport()
+    recompute_keys: set[int] = set()
+    save_keys: set[int] = set()
+    for n, policy in plan.tags:
+        n.meta["recompute"] = policy
+        n.meta["ac_graph_id"] = FSDP_AC_GRAPH_ID
+        info = _chain_info(n)
+        assert info is not None
+        if policy == CheckpointPolicy.MUST_RECOMPUTE:
+            report.must_recompute += 1
+            recompute_keys.add(info[0])
+        else:
+            report.must_save += 1
+            save_keys.add(info[0])
+    report.modules_recompute = sorted(recompute_keys)
+    report.modules_save = sorted(save_keys)
+    return report
+
+
+def tag_recompute(gm: fx.GraphModule) -> RecomputeReport:
+    """Plan + apply in one call."""
+    return apply_recompute_tags(gm, plan_recompute_tags(gm))

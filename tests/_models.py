@@ -1,0 +1,59 @@
+"""Small models for tests, each with a batch maker and a loss."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.gpt import batch as gpt_batch
+from examples.gpt import loss_fn as gpt_loss
+from examples.gpt import tiny, tiny_tied
+
+
+class ScaledLinear(nn.Linear):
+    """A Linear with a learnable 0-dim output scale."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class Twice(nn.Module):
+    """``shared`` is called twice per forward; ``frozen`` never trains; ``spare``
+    owns a parameter that forward never uses; ``pre.scale`` is a 0-dim parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = ScaledLinear(7, 13)
+        self.shared = nn.Sequential(nn.Linear(13, 13), nn.Tanh())
+        self.frozen = nn.Linear(13, 13)
+        self.frozen.requires_grad_(False)
+        self.spare = nn.Linear(13, 5)
+        self.out = nn.Linear(13, 3)
+        self.register_buffer("offset", torch.linspace(-1, 1, 13))
+
+    def forward(self, x: torch.Tensor, y: object = None) -> torch.Tensor:
+        h = self.pre(x) + self.offset
+        h = self.shared(h)
+        h = self.frozen(h)
+        h = self.shared(h)
+        return self.out(h)
+
+
+def twice_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(5, 7, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def twice_loss(logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y)
+
+
+def gpt_case(tied: bool = False):
+    build = tiny_tied if tied else tiny
+    cfg = build().cfg
+    return build, (lambda step: (gpt_batch(cfg, 2, step),)), (lambda logits, toks: gpt_loss(logits, toks))
