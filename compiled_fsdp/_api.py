@@ -12,7 +12,6 @@ cannot be gathered by one of them alone and is rejected.
 from __future__ import annotations
 
 import itertools
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Union
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._param import FSDPParam, install_param_properties
 from ._param_group import FSDPParamGroup
@@ -28,8 +28,10 @@ from ._state import FSDPState, get_fsdp_state
 Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 
 # Original parameter -> its FSDPParam, to detect a parameter claimed twice.
-_MANAGED: "weakref.WeakKeyDictionary[nn.Parameter, FSDPParam]" = weakref.WeakKeyDictionary()
-_SHARDS: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
+# (Keyed by identity: tensors compare elementwise.)
+_MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Shard parameter -> its FSDPParam.
+_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Group keys: the n-th application of fully_shard in a program is key n on every
 # rank, so markers and buckets agree across ranks.
 _KEYS = itertools.count()
@@ -102,35 +104,26 @@ def fully_shard(
 
 
 def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Optional[set[nn.Parameter]]) -> nn.Module:
-    if get_fsdp_state(module) is not None:
-        raise ValueError(
-            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
-            "(blocks first, then the root)."
-        )
     ignored = set(ignored_params or ())
-    owners = _collect_owned(module, ignored)
+    error: Optional[str] = None
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    try:
+        owners = _validate(module, ignored)
+    except ValueError as exc:
+        error = str(exc)
+    fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
+    _agree(options.process_group, module, error, fingerprint)
     group = None
     if owners:
-        devices = sorted({str(p.device) for p in owners})
-        if len(devices) > 1:
-            raise ValueError(
-                f"fully_shard({type(module).__name__}): its parameters are on several devices {devices}; "
-                "move the module to one device (e.g. module.to(device)) before fully_shard."
-            )
         world, rank = options.process_group.size(), options.process_group.rank()
         fsdp_params = []
         for param, places in owners.items():
-            fqn = places[0][2]
-            fp = FSDPParam(param, [(m, n) for m, n, _ in places], fqn, world, rank)
+            fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], world, rank)
             _MANAGED[param] = fp
-            _SHARDS.add(fp.sharded)
+            _SHARDS[fp.sharded] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
-            fsdp_params,
-            options.process_group,
-            next(_KEYS),
-            options.reshard_after_forward,
-            type(module).__name__,
+            fsdp_params, options.process_group, next(_KEYS), options.reshard_after_forward, type(module).__name__
         )
         by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
         for fp in fsdp_params:
@@ -146,6 +139,45 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
 
     _compile.install()
     return module
+
+
+def _validate(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:
+    """Local checks; raises ValueError with what was wrong and what to do."""
+    if get_fsdp_state(module) is not None:
+        raise ValueError(
+            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
+            "(blocks first, then the root)."
+        )
+    owners = _collect_owned(module, ignored)
+    devices = sorted({str(p.device) for p in owners})
+    if len(devices) > 1:
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): its parameters are on several devices {devices}; "
+            "move the module to one device (e.g. module.to(device)) before fully_shard."
+        )
+    return owners
+
+
+def _agree(group: dist.ProcessGroup, module: nn.Module, error: Optional[str], fingerprint: list) -> None:
+    """[Note: Agreeing at fully_shard]
+    A check that fails on one rank only would let the other ranks run on into the
+    first all-gather and wait forever. So every rank shares its verdict and the
+    names, shapes and dtypes of what it is about to shard (one small collective per
+    call, at set-up only), and all ranks raise together if any rank failed or the
+    ranks disagree."""
+    verdicts: list = [None] * group.size()
+    dist.all_gather_object(verdicts, (error, fingerprint), group=group)
+    failed = [(r, e) for r, (e, _) in enumerate(verdicts) if e is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise ValueError(f"{msg} (found on rank {rank}; every rank stops here)")
+    for r, (_, fp) in enumerate(verdicts):
+        if fp != fingerprint:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): rank {r} shards different parameters than rank "
+                f"{group.rank()} ({len(fp)} vs {len(fingerprint)} parameters, or different names, shapes or "
+                "dtypes). Build the same model on every rank (same config and seed) before fully_shard."
+            )
 
 
 def _collect_owned(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:

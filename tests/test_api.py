@@ -1,0 +1,115 @@
+"""fully_shard's contract: sharding, FQNs, state dicts, and clear errors for bad input."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compiled_fsdp
+from compiled_fsdp import fully_shard, get_full_state_dict, load_full_state_dict
+from _dist import run_distributed
+from examples.gpt import Block, tiny, tiny_tied
+
+
+def test_requires_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fully_shard(nn.Linear(3, 3))
+
+
+def _sharding_rank(rank: int, world: int) -> dict:
+    ref = tiny()
+    model = copy.deepcopy(ref)
+    fully_shard(model, policy={Block})
+    total = sum(p.numel() for p in ref.parameters())
+    local = sum(p.numel() for p in model.parameters())
+    compiled_fsdp.reset_collective_counts()
+    # Reading parameters and the state dict outside forward returns shards, no communication.
+    w = model.layers[0].attn.qkv.weight
+    sd = model.state_dict()
+    counts = compiled_fsdp.collective_counts()
+    full = get_full_state_dict(model)
+    exact = all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    # Round trip: perturb the reference, load its full state dict, gather again.
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(1.0)
+    load_full_state_dict(model, ref.state_dict())
+    again = get_full_state_dict(model)
+    roundtrip = all(torch.equal(again[k], v) for k, v in ref.state_dict().items())
+    return {
+        "total": total,
+        "local": local,
+        "w_shape": tuple(w.shape),
+        "is_param": isinstance(w, nn.Parameter),
+        "keys_match": list(sd) == list(ref.state_dict()),
+        "counts": counts,
+        "exact": exact,
+        "roundtrip": roundtrip,
+        "grads_none": all(p.grad is None for p in model.parameters()),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharding_and_state_dicts(world: int) -> None:
+    for res in run_distributed(_sharding_rank, world):
+        # Each rank holds 1/N of the parameters, plus at most one padding row per parameter.
+        assert res["total"] / world <= res["local"] <= res["total"] / world + 0.02 * res["total"]
+        assert res["w_shape"] == (-(-72 // world), 24) and res["is_param"]
+        assert res["keys_match"] and res["counts"] == {}
+        assert res["exact"] and res["roundtrip"] and res["grads_none"]
+
+
+def _bad_input_rank(rank: int, world: int) -> list[str]:
+    messages = []
+
+    def expect(fn, match: str) -> None:
+        with pytest.raises(ValueError, match=match) as info:
+            fn()
+        messages.append(str(info.value))
+
+    m = nn.Linear(4, 4)
+    fully_shard(m)
+    expect(lambda: fully_shard(m), "already applied")
+
+    tied = tiny_tied()  # head.weight is embed.weight: shard the head alone, then the root
+    fully_shard(tied.head)
+    expect(lambda: fully_shard(tied), "already managed by another fully_shard")
+
+    parent = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(parent)
+    expect(lambda: fully_shard(parent[0]), "already (applied|managed)")
+
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    expect(lambda: fully_shard(mixed), "several devices")
+
+    # Only rank 1 is wrong: every rank must raise, none may wait in a collective.
+    lopsided = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta" if rank == 1 else "cpu"))
+    expect(lambda: fully_shard(lopsided), "several devices.*rank 1")
+    different = nn.Linear(4, 5 if rank == 1 else 4)
+    expect(lambda: fully_shard(different), "shards different parameters")
+
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        fully_shard(nn.Linear(2, 2), reshard_after_forward=2)
+
+    # A parent reading a separately sharded child's parameter in its forward.
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.child(x) * self.child.bias.sum()
+
+    p = Parent()
+    fully_shard(p.child)
+    fully_shard(p)
+    with pytest.raises(RuntimeError, match="read during another module's forward"):
+        p(torch.randn(2, 3))
+    return messages
+
+
+def test_bad_input_is_a_clear_error_on_every_rank() -> None:
+    for messages in run_distributed(_bad_input_rank, 2, timeout=120):
+        assert all("fully_shard" in m for m in messages)
