@@ -18,6 +18,28 @@ recorded from what ran, which is the same on every rank for the same program, so
 every rank issues the same prefetch all-gathers in the same order. A prefetch
 that turns out unused is still awaited (never dropped mid-flight) and freed at
 the end of the iteration.
+
+[Note: Hooks under Dynamo]
+The hooks see three situations:
+
+1. Inlined into a graph Dynamo is tracing (a module called from traced code):
+   ``torch.compiler.is_compiling()`` is True and the hooks return at once, so
+   they trace to nothing; parameter reads emit markers and the passes own the
+   module's communication.
+2. Called as Python while Dynamo is active: the module passed to
+   ``torch.compile`` (OptimizedModule runs its hooks outside Dynamo and hands the
+   ``forward`` frame to Dynamo). The root then leaves its parameters to the
+   markers of the compiled forward and registers nothing for backward.
+3. Plain eager: the hook runtime below.
+
+Left alone, Dynamo would compile a hook called as Python as a frame of its own;
+``is_compiling()`` is True while it traces, so the compiled hook would do
+nothing, silently (measured: a pre-hook on a graph-broken child never ran). So
+the hook code objects are marked skipped for Dynamo, with every frame they call
+(``set_code_exec_strategy``; frame evaluation only: inlining into a traced graph
+is unaffected), and the work runs under ``torch.compiler.disable`` as well.
+Skipping only the hook frame is not enough: Dynamo then compiles each Python
+function the hook calls as a frame of its own.
 """
 from __future__ import annotations
 
@@ -26,6 +48,8 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+from torch._dynamo.eval_frame import set_code_exec_strategy
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
@@ -49,6 +73,12 @@ def iter_fsdp_states(module: nn.Module) -> list["FSDPState"]:
     return out
 
 
+def _dynamo_frame_callback_active() -> bool:
+    """Whether Dynamo will be handed the next Python frame (we are inside a
+    ``torch.compile``d call, outside any traced region)."""
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
+
+
 class _RootContext:
     def __init__(self, root: "FSDPState") -> None:
         self.root = root
@@ -57,7 +87,8 @@ class _RootContext:
         self.prev_forward_order: list[FSDPState] = []
         self.callback_queued = False
         self.pending_reduces: list[FSDPParamGroup] = []
-        self.in_forward = False
+        self.in_forward = False  # the root's forward runs eagerly, now
+        self.compiled_forward = False  # the root's forward runs under Dynamo, now
 
     def groups(self) -> list[FSDPParamGroup]:
         return [s.param_group for s in self.states if s.param_group is not None]
@@ -138,13 +169,26 @@ class FSDPState:
 
     # -- hooks -------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        """See [Note: Hooks under Dynamo]."""
         if torch.compiler.is_compiling():
-            return  # traced: the passes own communication (see compiled_fsdp.passes)
+            return  # traced inside a graph: the passes own this module's communication
+        self._eager_pre_forward(_dynamo_frame_callback_active())
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return output
+        return self._eager_post_forward(output)
+
+    @torch.compiler.disable(recursive=True)
+    def _eager_pre_forward(self, dynamo_active: bool) -> None:
         if self.ctx is None:
             self._lazy_init()
         ctx = self.ctx
         if self.is_root:
             ctx.begin_iteration()
+            if dynamo_active:
+                ctx.compiled_forward = True  # the forward frame is Dynamo's: markers, no hooks
+                return
             ctx.in_forward = True
         ctx.forward_order.append(self)
         if self.param_group is not None:
@@ -153,11 +197,14 @@ class FSDPState:
         if target is not None and target.param_group is not None:
             target.param_group.unshard(async_op=True)
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return output
+    @torch.compiler.disable(recursive=True)
+    def _eager_post_forward(self, output: Any) -> Any:
+        ctx = self.ctx
         if self.is_root:
-            self.ctx.in_forward = False
+            ctx.in_forward = False
+            if ctx.compiled_forward:
+                ctx.compiled_forward = False
+                return output
         grad_outputs = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -168,7 +215,7 @@ class FSDPState:
         if backward_follows:
             register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
         elif self.is_root:
-            self.ctx.end_iteration()
+            ctx.end_iteration()
         return output
 
     def _pre_backward(self, grad: Any) -> None:
@@ -181,3 +228,9 @@ class FSDPState:
             group = target.param_group
             if group.needs_grad_sync and group.state is ShardedState.SHARDED:
                 group.unshard(async_op=True)
+
+
+# See [Note: Hooks under Dynamo]: skip these frames and every frame they call.
+_SKIP_RECURSIVELY = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+for _hook in (FSDPState._pre_forward, FSDPState._post_forward):
+    set_code_exec_strategy(_hook.__code__, _SKIP_RECURSIVELY)
