@@ -14,23 +14,34 @@ first (it removes our markers, which a user pass would not understand), then
 theirs. It is idempotent. On a graph without markers ours does nothing.
 
 [Note: AOTAutograd cache]
-The AOTAutograd cache key is computed from the Dynamo graph (which holds the
-markers) and does not include ``joint_custom_pass``. On a cache hit the
-joint pass does not run (the cached artifact already holds the lowered
-graph), so ``last_reports()`` stays empty for that compile. Tests that read
-reports should disable the cache (``torch._functorch.config.enable_autograd_cache
-= False``) or use a fresh cache dir.
+The AOTAutograd cache key (Inductor only; ``aot_eager`` does not cache) is
+computed from the Dynamo graph, which holds the markers, and does not include
+``joint_custom_pass`` (torch 2.13 lists it in ``_save_config_ignore``). On a
+cache hit the joint pass does not run at all: the cached artifact already
+holds the lowered graph, and ``last_reports()`` stays empty for that compile.
+Measured: a second process compiling the same model hits the cache, gets the
+same numerics, and records no report. A change to the passes would therefore
+be served stale artifacts. To key the cache on our code, ``install()`` also
+appends a no-op ``CustomGraphPass`` to Inductor's
+``post_grad_custom_post_pass`` (a tuple is accepted there) whose ``uuid()``
+hashes the source files of the passes; Inductor puts that uuid into both the
+FX-graph and the AOTAutograd cache keys. Tests that read reports should
+still disable the cache (``torch._functorch.config.enable_autograd_cache =
+False``) or use a fresh ``TORCHINDUCTOR_CACHE_DIR``.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
 from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 # Importing _ops registers the marker ops, so any graph the passes see runs.
 import compiled_fsdp._ops  # noqa: F401
@@ -65,9 +76,41 @@ class _CompiledFSDPJointPass:
         return f"compiled_fsdp joint pass (then {self.inner!r})"
 
 
+def _source_files() -> tuple[str, ...]:
+    import compiled_fsdp._ops as ops_mod
+    import compiled_fsdp.passes as passes_mod
+
+    pdir = os.path.dirname(os.path.abspath(passes_mod.__file__))
+    files = [os.path.join(pdir, f) for f in sorted(os.listdir(pdir)) if f.endswith(".py")]
+    return (os.path.abspath(__file__), os.path.abspath(ops_mod.__file__), *files)
+
+
+class _CacheKeyPass(CustomGraphPass):
+    """No-op post-grad pass whose uuid puts our passes' source into Inductor's
+    cache keys (see [Note: AOTAutograd cache])."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_source_files(), "compiled_fsdp")
+
+
+def _install_cache_key() -> None:
+    current = inductor_config.post_grad_custom_post_pass
+    passes = (
+        tuple(current) if isinstance(current, (list, tuple))
+        else () if current is None else (current,)
+    )
+    if any(isinstance(p, _CacheKeyPass) for p in passes):
+        return
+    inductor_config.post_grad_custom_post_pass = (*passes, _CacheKeyPass())
+
+
 def install() -> None:
     """Installs the joint pass (idempotent). Called by ``fully_shard``."""
     with _lock:
+        _install_cache_key()
         current = functorch_config.joint_custom_pass
         if isinstance(current, _CompiledFSDPJointPass):
             return
@@ -77,12 +120,18 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restores the joint pass that was set before ``install()`` (if ours is
+    """Restores the passes that were set before ``install()`` (if ours is
     still the installed one)."""
     with _lock:
         current = functorch_config.joint_custom_pass
         if isinstance(current, _CompiledFSDPJointPass):
             functorch_config.joint_custom_pass = current.inner
+        post = inductor_config.post_grad_custom_post_pass
+        if isinstance(post, (list, tuple)):
+            rest = tuple(p for p in post if not isinstance(p, _CacheKeyPass))
+            inductor_config.post_grad_custom_post_pass = (
+                None if not rest else rest[0] if len(rest) == 1 else rest
+            )
 
 
 def is_installed() -> bool:

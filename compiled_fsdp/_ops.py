@@ -81,7 +81,7 @@ def unshard(
         gathered = shard.clone()
     else:
         gathered = shard.new_empty([shard.shape[0] * world_size, *shard.shape[1:]])
-        dist.all_gather_into_tensor(gathered, shard, group=_group(group_name))
+        dist.all_gather_single(gathered, shard, group=_group(group_name))
     # custom ops must not return an alias of an input; `gathered` is fresh.
     return gathered[: nd[0]].reshape(list(full_shape))
 
@@ -141,7 +141,7 @@ def reduce_grad(
         out = g.clone()
     else:
         out = g.new_empty(shard_shape(full_shape, world_size))
-        dist.reduce_scatter_tensor(out, g, op=dist.ReduceOp.SUM, group=_group(group_name))
+        dist.reduce_scatter_single(out, g, op=dist.ReduceOp.SUM, group=_group(group_name))
     # Sum then divide: identical to the bucketed path (see passes/lowering.py).
     return out / world_size
 

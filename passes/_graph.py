@@ -128,7 +128,12 @@ class NodeBuilder:
     def __init__(self, graph: fx.Graph, extra_meta: dict[str, Any] | None = None) -> None:
         self.graph = graph
         vals = [n.meta.get("val") for n in graph.nodes if "val" in n.meta]
-        self.fake_mode = detect_fake_mode(vals)
+        try:
+            self.fake_mode = detect_fake_mode(vals)
+        except AssertionError:
+            # Several fake modes (e.g. make_fx in real mode gives each value
+            # its own): fall back to the inputs' own mode per node.
+            self.fake_mode = None
         self.extra_meta = dict(extra_meta or {})
         self.created: list[fx.Node] = []
 
@@ -137,8 +142,17 @@ class NodeBuilder:
         fake_args, fake_kwargs = tree_map(
             lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (args, kwargs)
         )
-        if self.fake_mode is not None:
-            with self.fake_mode:
+        mode = self.fake_mode
+        if mode is None:
+            flat = [a for a in torch.utils._pytree.tree_leaves(fake_args)
+                    if isinstance(a, torch.Tensor)]
+            mode = getattr(flat[0], "fake_mode", None) if flat else None
+            if mode is not None:
+                fake_args = tree_map(
+                    lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, fake_args
+                )
+        if mode is not None:
+            with mode:
                 val = target(*fake_args, **fake_kwargs)
         else:  # graphs traced without fake tensors (meta/real "val")
             val = target(*fake_args, **fake_kwargs)

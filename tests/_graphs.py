@@ -1,0 +1,64 @@
+"""Capture the forward and backward graphs AOTAutograd hands to its compilers,
+after the project's joint passes and the min-cut partitioner (what aot_eager runs)."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+class GraphCapture:
+    """A torch.compile backend: aot_eager plus a record of every fw/bw graph."""
+
+    def __init__(self) -> None:
+        self.forward: list[fx.GraphModule] = []
+        self.backward: list[fx.GraphModule] = []
+
+        def fw(gm: fx.GraphModule, example_inputs: Any) -> Any:
+            self.forward.append(gm)
+            return gm.forward
+
+        def bw(gm: fx.GraphModule, example_inputs: Any) -> Any:
+            self.backward.append(gm)
+            return gm.forward
+
+        self.backend = aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=min_cut_rematerialization_partition)
+
+
+def count(gm: fx.GraphModule, target: Any) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def resharded_gathers(gm: fx.GraphModule) -> list[fx.Node]:
+    """All-gathers the lowering marked as belonging to a module that reshards after forward."""
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is AG
+        and n.meta.get("compiled_fsdp", {}).get("reshard_after_forward")
+    ]
+
+
+def saved_gathered(fw: fx.GraphModule) -> list[str]:
+    """Forward outputs saved for backward that are the result of a resharded
+    module's all-gather, or of a single-input chain of ops on one: an unsharded
+    parameter kept alive although its module reshards after forward."""
+    gathered: set[fx.Node] = set()
+    seeds = set(resharded_gathers(fw))
+    for n in fw.graph.nodes:
+        if n.op != "call_function":
+            continue
+        tensor_inputs = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if n in seeds or (len(tensor_inputs) == 1 and tensor_inputs[0] in gathered):
+            gathered.add(n)
+        elif n.target is operator.getitem and n.args[0] in gathered:
+            gathered.add(n)
+    out = fw.graph.output_node()
+    return [a.name for a in out.args[0] if isinstance(a, fx.Node) and a in gathered]

@@ -1,0 +1,319 @@
+"""Pure-FX tests of compiled_fsdp.passes on hand-built joint graphs.
+
+The graphs are traced with make_fx on fake tensors through autograd, so they
+look like AOTAutograd joint graphs: unshard markers in the forward part and
+reduce_grad markers (plus the ``add`` accumulating duplicates) in the
+backward part. No process group is needed: the group name is fake.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+import compiled_fsdp._ops  # noqa: F401  (registers the marker ops)
+from compiled_fsdp import _compile
+from compiled_fsdp.passes import (
+    FSDP_AC_GRAPH_ID,
+    apply_lowering,
+    lower_markers,
+    plan_lowering,
+    run_joint_passes,
+    tag_recompute,
+)
+
+U = torch.ops.compiled_fsdp.unshard
+c10d = torch.ops._c10d_functional
+GROUP = "fake_group"
+
+
+def _shard_shape(full: list[int], n: int) -> list[int]:
+    nd = full or [1]
+    return [-(-nd[0] // n), *nd[1:]]
+
+
+def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor]) -> fx.GraphModule:
+    """make_fx of ``fn(*shards, *extra)`` followed by autograd.grad w.r.t. the shards."""
+
+    def joint(*args):
+        shards = args[: len(shapes)]
+        out = fn(*args)
+        grads = torch.autograd.grad(out, shards, allow_unused=True)
+        return (out, *grads)
+
+    shards = [torch.randn(_shard_shape(s, n), requires_grad=True) for s in shapes]
+    return make_fx(joint, tracing_mode="fake")(*shards, *extra)
+
+
+def _two_module_graph(n: int = 2, tied: bool = True, raf1: bool = False) -> fx.GraphModule:
+    """module 0: W (5, 4) + b (5), W read twice if tied; module 1: W2 (3, 5)."""
+
+    def fn(s_w, s_b, s_w2, x):
+        w = U(s_w, [5, 4], GROUP, n, 0, 0, True)
+        b = U(s_b, [5], GROUP, n, 0, 1, True)
+        w2 = U(s_w2, [3, 5], GROUP, n, 1, 0, raf1)
+        h = torch.relu(torch.nn.functional.linear(x, w, b))
+        if tied:
+            w_again = U(s_w, [5, 4], GROUP, n, 0, 0, True)
+            h = h + torch.nn.functional.linear(x, w_again).sum()
+        return torch.nn.functional.linear(h, w2).sum()
+
+    return _joint(fn, [[5, 4], [5], [3, 5]], n, [torch.randn(7, 4)])
+
+
+def _calls(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [node for node in gm.graph.nodes if node.op == "call_function" and node.target is target]
+
+
+def _markers(gm: fx.GraphModule) -> list[fx.Node]:
+    return [
+        node for node in gm.graph.nodes
+        if node.op == "call_function" and "compiled_fsdp" in str(node.target)
+    ]
+
+
+def test_markers_present_before_lowering() -> None:
+    gm = _two_module_graph()
+    names = [str(m.target) for m in _markers(gm)]
+    assert names.count("compiled_fsdp.unshard.default") == 4
+    assert names.count("compiled_fsdp.reduce_grad.default") == 4
+
+
+def test_one_bucket_per_module_and_markers_gone() -> None:
+    gm = _two_module_graph()
+    report = run_joint_passes(gm)
+    assert report.has_markers and report.changed
+    low = report.lowering
+    assert [(b.kind, b.module_key, b.param_indices) for b in low.buckets] == [
+        ("gather", 0, [0, 1]), ("gather", 1, [0]), ("reduce", 0, [0, 1]), ("reduce", 1, [0]),
+    ]
+    assert low.skipped == []
+    assert _markers(gm) == []
+    assert len(_calls(gm, c10d.all_gather_into_tensor.default)) == 2
+    assert len(_calls(gm, c10d.reduce_scatter_tensor.default)) == 2
+    assert len(_calls(gm, c10d.wait_tensor.default)) == 4
+    # bucket sizes: module 0 = 3*4 + 3 shard elements, module 1 = 2*5
+    assert [b.numel for b in low.buckets] == [15, 10, 15, 10]
+
+
+def test_every_node_has_val() -> None:
+    gm = _two_module_graph()
+    run_joint_passes(gm)
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            assert "val" in node.meta, node.format_node()
+
+
+def test_gather_output_shapes_and_layout() -> None:
+    gm = _two_module_graph(n=2)
+    run_joint_passes(gm)
+    gathers = _calls(gm, c10d.all_gather_into_tensor.default)
+    assert [tuple(g.meta["val"].shape) for g in gathers] == [(30,), (20,)]
+    # module 0 input: cat of flattened shards in param_index order
+    cat = gathers[0].args[0]
+    assert cat.target is torch.ops.aten.cat.default
+    assert [tuple(a.meta["val"].shape) for a in cat.args[0]] == [(12,), (3,)]
+    rs = _calls(gm, c10d.reduce_scatter_tensor.default)
+    assert [r.args[1] for r in rs] == ["sum", "sum"]
+    assert sorted(tuple(r.meta["val"].shape) for r in rs) == [(10,), (15,)]
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    assert [tuple(o.meta["val"].shape) for o in outputs[1:]] == [(3, 4), (3,), (2, 5)]
+
+
+def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:
+    gm = _two_module_graph(tied=True)
+    before = len(_calls(gm, torch.ops.aten.add.Tensor))
+    report = run_joint_passes(gm)
+    assert report.lowering.buckets[2].markers_replaced == 3  # 2 reads of W + b
+    # the add of two reduce_grad outputs is gone; one add of two full grads appears
+    rs0 = next(r for r in _calls(gm, c10d.reduce_scatter_tensor.default) if r.meta["val"].shape[0] == 15)
+    full_grad_adds = [
+        a for a in _calls(gm, torch.ops.aten.add.Tensor) if tuple(a.meta["val"].shape) == (5, 4)
+    ]
+    assert len(full_grad_adds) == 1
+    assert len(_calls(gm, torch.ops.aten.add.Tensor)) == before  # one removed, one added
+    # that add feeds module 0's reduce-scatter
+    seen, stack = set(), [rs0]
+    while stack:
+        cur = stack.pop()
+        seen.add(cur)
+        stack.extend(i for i in cur.all_input_nodes if i not in seen)
+    assert full_grad_adds[0] in seen
+
+
+def test_recompute_tags() -> None:
+    gm = _two_module_graph(raf1=False)
+    report = run_joint_passes(gm)
+    assert report.recompute.modules_recompute == [0]
+    assert report.recompute.modules_save == [1]
+    for node in gm.graph.nodes:
+        info = node.meta.get("compiled_fsdp")
+        if info and info["role"] == "gather_chain":
+            want = CheckpointPolicy.MUST_RECOMPUTE if info["module_key"] == 0 else CheckpointPolicy.MUST_SAVE
+            assert node.meta["recompute"] == want, node.format_node()
+            assert node.meta["ac_graph_id"] == FSDP_AC_GRAPH_ID
+        elif info and info["role"] == "reduce_chain":
+            assert "recompute" not in node.meta
+    # the whole chain is tagged: cat, gather, wait and every view/slice/clone
+    ag = _calls(gm, c10d.all_gather_into_tensor.default)[0]
+    assert ag.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    assert ag.args[0].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    chain, frontier = [], list(ag.users)
+    while frontier:
+        cur = frontier.pop()
+        if cur.meta.get("compiled_fsdp", {}).get("role") == "gather_chain":
+            chain.append(cur)
+            frontier.extend(cur.users)
+    assert len(chain) >= 8 and all(c.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE for c in chain)
+
+
+def test_forward_side_metadata_kept_for_partitioner() -> None:
+    gm = _two_module_graph()
+    run_joint_passes(gm)
+    wait_of_rs = [w for w in _calls(gm, c10d.wait_tensor.default)
+                  if w.args[0].target is c10d.reduce_scatter_tensor.default]
+    assert len(wait_of_rs) == 2
+
+
+def test_noop_without_markers() -> None:
+    def fn(w, x):
+        return torch.nn.functional.linear(x, w).relu().sum()
+
+    gm = _joint(fn, [[3, 4]], 1, [torch.randn(2, 4)])
+    code, nodes = gm.code, [(n.name, n.target, n.args) for n in gm.graph.nodes]
+    report = run_joint_passes(gm)
+    assert not report.has_markers and not report.changed
+    assert gm.code == code and [(n.name, n.target, n.args) for n in gm.graph.nodes] == nodes
+    assert all("recompute" not in n.meta for n in gm.graph.nodes)
+
+
+def test_deterministic() -> None:
+    codes = []
+    for _ in range(2):
+        gm = _two_module_graph()
+        run_joint_passes(gm)
+        codes.append(gm.code)
+    assert codes[0] == codes[1]
+
+
+def test_plan_apply_split() -> None:
+    gm = _two_module_graph()
+    code = gm.code
+    plan = plan_lowering(gm)
+    assert gm.code == code  # planning does not mutate
+    assert [(b.kind, b.module_key) for b in plan.buckets] == [
+        ("gather", 0), ("gather", 1), ("reduce", 0), ("reduce", 1)]
+    report = apply_lowering(gm, plan)
+    assert report.count("gather") == 2 and report.count("reduce") == 2
+    assert tag_recompute(gm).must_recompute > 0
+
+
+def test_zero_dim_and_padding_world_3() -> None:
+    n = 3
+
+    def fn(s_scale, s_w, x):
+        scale = U(s_scale, [], GROUP, n, 7, 0, True)
+        w = U(s_w, [4, 2], GROUP, n, 7, 1, True)
+        return (torch.nn.functional.linear(x, w) * scale).sum()
+
+    gm = _joint(fn, [[], [4, 2]], n, [torch.randn(5, 2)])
+    report = run_joint_passes(gm)
+    assert report.lowering.count("gather") == 1 and report.lowering.count("reduce") == 1
+    assert _markers(gm) == []
+    ag = _calls(gm, c10d.all_gather_into_tensor.default)[0]
+    assert tuple(ag.meta["val"].shape) == (3 * (1 + 4),)  # shards (1,) and (2, 2)
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    assert [tuple(o.meta["val"].shape) for o in outputs[1:]] == [(1,), (2, 2)]
+
+
+def test_mixed_dtypes_fall_back_to_markers() -> None:
+    def fn(s_a, s_b, x):
+        a = U(s_a, [4, 2], GROUP, 2, 0, 0, True)
+        b = U(s_b.double(), [4, 2], GROUP, 2, 0, 1, True)
+        return (torch.nn.functional.linear(x, a).sum() + (b * 2).sum().float())
+
+    gm = _joint(fn, [[4, 2], [4, 2]], 2, [torch.randn(5, 2)])
+    report = run_joint_passes(gm)
+    # the double grad makes the reduce side mixed too: both fall back
+    assert [s[:2] for s in report.lowering.skipped] == [("gather", 0), ("reduce", 0)]
+    assert all("mixed dtypes" in s[2] for s in report.lowering.skipped)
+    assert len([m for m in _markers(gm) if "unshard" in str(m.target)]) == 2
+    # the leftover markers are still tagged for reshard-after-forward
+    assert all(m.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+               for m in _markers(gm) if "unshard" in str(m.target))
+
+
+@pytest.fixture
+def single_rank_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def test_lowered_graph_matches_markers_numerically(single_rank_group: str) -> None:
+    g = single_rank_group
+
+    def fn(s_w, s_b, x):
+        w = U(s_w, [5, 4], g, 1, 0, 0, True)
+        b = U(s_b, [5], g, 1, 0, 1, True)
+        w2 = U(s_w, [5, 4], g, 1, 0, 0, True)
+        return (torch.nn.functional.linear(x, w, b) * torch.nn.functional.linear(x, w2)).sum()
+
+    def joint(s_w, s_b, x):
+        out = fn(s_w, s_b, x)
+        return (out, *torch.autograd.grad(out, [s_w, s_b]))
+
+    args = [torch.randn(5, 4, requires_grad=True), torch.randn(5, requires_grad=True), torch.randn(3, 4)]
+    gm = make_fx(joint, tracing_mode="fake")(*args)
+    expected = gm(*args)  # markers run their eager (real) implementations
+    lower_markers(gm)
+    assert _markers(gm) == []
+    got = gm(*args)
+    for e, r in zip(expected, got):
+        torch.testing.assert_close(r, e, rtol=0, atol=0)
+
+
+def test_install_is_idempotent_and_composes() -> None:
+    from torch._functorch import config as fc
+    from torch._inductor import config as ic
+
+    seen = []
+
+    def user_pass(gm, inputs):
+        seen.append(gm)
+        return gm
+
+    old_joint, old_post = fc.joint_custom_pass, ic.post_grad_custom_post_pass
+    try:
+        fc.joint_custom_pass = user_pass
+        _compile.install()
+        _compile.install()
+        assert _compile.is_installed()
+        assert fc.joint_custom_pass.inner is user_pass
+        assert len(ic.post_grad_custom_post_pass) == 1 + (0 if old_post is None else 1)
+        _compile.clear_reports()
+        gm = _two_module_graph()
+        out = fc.joint_custom_pass(gm, None)
+        assert out is gm and seen == [gm] and _markers(gm) == []
+        assert len(_compile.last_reports()) == 1
+        gm2 = _joint(lambda w, x: (x @ w).sum(), [[4, 2]], 1, [torch.randn(3, 4)])
+        fc.joint_custom_pass(gm2, None)
+        assert len(_compile.last_reports()) == 1  # no markers -> no report
+        _compile.uninstall()
+        assert fc.joint_custom_pass is user_pass and not _compile.is_installed()
+        assert ic.post_grad_custom_post_pass == old_post
+    finally:
+        fc.joint_custom_pass, ic.post_grad_custom_post_pass = old_joint, old_post
