@@ -3,11 +3,14 @@
 See README.md for usage and DESIGN.md for how the pieces fit.
 """
 from ._api import ShardingOptions, fully_shard
+from ._explain import ModuleReport, explain
 from ._collectives import collective_counts, reset_collective_counts
 from ._state import get_fsdp_state, iter_fsdp_states
 from ._state_dict import get_full_state_dict, load_full_state_dict
 
 __all__ = [
+    "ModuleReport",
+    "explain",
     "ShardingOptions",
     "collective_counts",
     "fully_shard",

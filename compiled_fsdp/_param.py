@@ -21,11 +21,13 @@ because it renames state-dict keys.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
+from torch._dynamo.comptime import comptime
 
+from . import _ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
 from ._layout import ShardSpec
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ class FSDPParam:
         self.unsharded: Optional[torch.Tensor] = None
         self.group: Optional["FSDPParamGroup"] = None
         self.index = -1
+        self.record_trace: Any = None  # set with the group; see [Note: Fallback decision rule]
         for module, name in owners:
             module._parameters[name] = self.sharded
 
@@ -83,8 +86,7 @@ class FSDPParam:
         if views is not None:
             return views[self.index]
         if group is not None and torch.compiler.is_compiling():
-            from . import _ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
-
+            comptime(self.record_trace)  # at trace time; see [Note: Fallback decision rule]
             return torch.ops.compiled_fsdp.unshard(
                 self.sharded,
                 list(self.spec.full_shape),

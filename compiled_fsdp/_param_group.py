@@ -31,7 +31,9 @@ from ._collectives import (
     reduce_scatter_bucket,
     split_reduce_scatter,
 )
+from ._fallback import record_marker_trace
 from ._param import FSDPParam
+from ._testing import skips_grad_reduction
 
 if TYPE_CHECKING:
     from ._state import _RootContext
@@ -76,10 +78,14 @@ class FSDPParamGroup:
         self.group_name = process_group.group_name
         self.key = key
         self.name = name
+        self.fqn = name  # the module's name under its root, set at the root's lazy init
         self.reshard_after_forward = reshard_after_forward
         self.specs = [p.spec for p in fsdp_params]
         for i, p in enumerate(fsdp_params):
             p.group, p.index = self, i
+            # Run by comptime when Dynamo traces this parameter's marker (a function
+            # object that exists before tracing, as comptime requires).
+            p.record_trace = lambda ctx, i=i: record_marker_trace(key, i)
         self.state = ShardedState.SHARDED
         self._pending_gather: Optional[PendingCollective] = None
         self._pending_reduce: Optional[tuple[PendingCollective, list[FSDPParam]]] = None
@@ -150,7 +156,7 @@ class FSDPParamGroup:
         """Reshard and issue the group's reduce-scatter (not awaited here)."""
         owned = [(p, g) for p, g in zip(self.fsdp_params, grads) if g is not None]
         self.reshard()
-        if not owned:
+        if not owned or skips_grad_reduction(self.fqn):
             return
         params = [p for p, _ in owned]
         pending = reduce_scatter_bucket(

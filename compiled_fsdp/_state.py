@@ -55,6 +55,7 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from ._fallback import is_split
 from ._param_group import FSDPParamGroup, ShardedState
 
 _MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, FSDPState]" = weakref.WeakKeyDictionary()
@@ -85,6 +86,7 @@ class _RootContext:
         self.pending_reduces: list[FSDPParamGroup] = []
         self.in_forward = False  # the root's forward runs eagerly, now
         self.compiled_forward = False  # the root's forward runs under Dynamo, now
+        self.step = 0  # root forwards so far
 
     def groups(self) -> list[FSDPParamGroup]:
         return [s.param_group for s in self.states if s.param_group is not None]
@@ -93,6 +95,7 @@ class _RootContext:
         if self.forward_order:  # the last iteration ran no backward
             self.end_iteration()
         self.forward_order = []
+        self.step += 1
 
     def end_iteration(self) -> None:
         """See [Note: Roots and iterations]."""
@@ -146,6 +149,9 @@ class FSDPState:
         self.param_group = param_group
         self.reshard_after_forward = reshard_after_forward
         self.ctx: Optional[_RootContext] = None
+        # How the last forward ran (see compiled_fsdp.explain) and in which step.
+        self.last_path: Optional[str] = None
+        self.path_step = -1
         _MODULE_STATE[module] = self
         module.register_forward_pre_hook(self._pre_forward, prepend=True)
         module.register_forward_hook(self._post_forward)
@@ -162,10 +168,15 @@ class FSDPState:
             # in between (FSDP2 does the same). The compiled path reads this too.
             self.param_group.reshard_after_forward = False
         ctx.states = iter_fsdp_states(self.module)
+        fqns = {m: name for name, m in self.module.named_modules()}
         for st in ctx.states:
             st.ctx = ctx
             if st.param_group is not None:
                 st.param_group.ctx = ctx
+                st.param_group.fqn = fqns[st.module]
+
+    def _set_path(self, path: str) -> None:
+        self.last_path, self.path_step = path, self.ctx.step
 
     # -- hooks -------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -185,10 +196,14 @@ class FSDPState:
         ctx = self.ctx
         if self.is_root:
             ctx.begin_iteration()
-            if in_compiled_call:
+            group = self.param_group
+            if in_compiled_call and (group is None or not is_split(group.key)):
                 ctx.compiled_forward = True  # Dynamo traces the forward: markers, no hooks
+                self._set_path("compiled")
                 return
             ctx.in_forward = True
+        # See [Note: Fallback decision rule] in _fallback.py.
+        self._set_path("fallback" if in_compiled_call else "eager")
         ctx.forward_order.append(self)
         if self.param_group is not None:
             self.param_group.pre_forward()

@@ -2,6 +2,7 @@
 after the project's joint passes and the min-cut partitioner (what aot_eager runs)."""
 from __future__ import annotations
 
+import collections
 import operator
 from typing import Any
 
@@ -16,21 +17,40 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 class GraphCapture:
-    """A torch.compile backend: aot_eager plus a record of every fw/bw graph."""
+    """A torch.compile backend: aot_eager plus a record of every fw/bw graph and
+    of the in-graph collectives that actually ran (``runtime``, resettable)."""
 
     def __init__(self) -> None:
         self.forward: list[fx.GraphModule] = []
         self.backward: list[fx.GraphModule] = []
+        self.runtime: collections.Counter = collections.Counter()
 
-        def fw(gm: fx.GraphModule, example_inputs: Any) -> Any:
-            self.forward.append(gm)
-            return gm.forward
+        def compiler(graphs: list[fx.GraphModule], phase: str) -> Any:
+            def compile_one(gm: fx.GraphModule, example_inputs: Any) -> Any:
+                graphs.append(gm)
+                n_ag, n_rs = count(gm, AG), count(gm, RS)
 
-        def bw(gm: fx.GraphModule, example_inputs: Any) -> Any:
-            self.backward.append(gm)
-            return gm.forward
+                def run(args: list) -> Any:
+                    self.runtime[f"{phase}_all_gather"] += n_ag
+                    self.runtime[f"{phase}_reduce_scatter"] += n_rs
+                    return gm(*args)
 
-        self.backend = aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=min_cut_rematerialization_partition)
+                run._boxed_call = True  # take the argument list, as AOTAutograd prefers
+                return run
+
+            return compile_one
+
+        self.backend = aot_autograd(
+            fw_compiler=compiler(self.forward, "fw"),
+            bw_compiler=compiler(self.backward, "bw"),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+
+    def take_runtime(self) -> dict[str, int]:
+        """In-graph collectives run since the last call (zero entries dropped)."""
+        out = {k: v for k, v in self.runtime.items() if v}
+        self.runtime.clear()
+        return out
 
 
 def count(gm: fx.GraphModule, target: Any) -> int:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from examples.gpt import batch as gpt_batch
 from examples.gpt import loss_fn as gpt_loss
-from examples.gpt import tiny, tiny_tied
+from examples.gpt import GPT, Block, GPTConfig, tiny, tiny_tied
 
 
 class ScaledLinear(nn.Linear):
@@ -57,3 +57,51 @@ def gpt_case(tied: bool = False):
     build = tiny_tied if tied else tiny
     cfg = build().cfg
     return build, (lambda step: (gpt_batch(cfg, 2, step),)), (lambda logits, toks: gpt_loss(logits, toks))
+
+
+class BreakGPT(GPT):
+    """The tiny GPT with a graph break where ``where`` says:
+
+    - "block": inside layers.1's forward (``torch._dynamo.graph_break()``)
+    - "data_dep": a data-dependent ``if`` on a tensor value inside layers.1
+    - "between": in the root's forward, between layers.0 and layers.1
+    - "twice": inside layers.0, which the root calls twice
+    """
+
+    def __init__(self, where: str, tie_head: bool = False) -> None:
+        torch.manual_seed(0)
+        super().__init__(GPTConfig(vocab=67, dim=24, n_layers=2, n_heads=2, seq=16, tie_head=tie_head))
+        self.where = where
+        if where in ("block", "data_dep", "twice"):
+            idx = 0 if where == "twice" else 1
+            self.layers[idx].__class__ = DataDepBlock if where == "data_dep" else BreakBlock
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        x = self.layers[0](x)
+        if self.where == "twice":
+            x = self.layers[0](x)
+        if self.where == "between":
+            torch._dynamo.graph_break()
+        x = self.layers[1](x)
+        return self.head(self.norm(x))
+
+
+class BreakBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        torch._dynamo.graph_break()
+        return x + self.mlp(self.norm2(x))
+
+
+class DataDepBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        if x.abs().max() > 0:  # data-dependent: Dynamo cannot trace the branch
+            x = x * 1.0
+        return x + self.mlp(self.norm2(x))
+
+
+def break_case(where: str, tied: bool = False):
+    cfg = tiny().cfg
+    return (lambda: BreakGPT(where, tied)), (lambda step: (gpt_batch(cfg, 2, step),)), (lambda logits, toks: gpt_loss(logits, toks))

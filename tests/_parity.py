@@ -37,9 +37,12 @@ def run_parity(
     steps: int = 3,
     lr: float = 1e-3,
     wrap: Optional[Callable[[nn.Module], nn.Module]] = None,
+    graph_counts: Optional[Callable[[], dict]] = None,
+    after_step: Optional[Callable[[nn.Module], object]] = None,
 ) -> dict:
     """Per step: |loss diff|, max |grad diff| and max |param diff| over all params,
-    and the eager collective counts of the sharded step."""
+    the eager collective counts of the sharded step, the in-graph ones when
+    ``graph_counts`` reports them, and whatever ``after_step(model)`` returns."""
     ref = build()
     model = copy.deepcopy(ref)
     shard(model)
@@ -55,13 +58,17 @@ def run_parity(
         spec = specs.get(id(named[name]))
         return t if t is None or spec is None else spec.shard(t, rank)
 
-    out = {"loss": [], "grad": [], "param": [], "counts": []}
+    out = {"loss": [], "grad": [], "param": [], "counts": [], "graph_counts": [], "after": []}
     for step in range(steps):
         inputs = make_batch(step)
         compiled_fsdp.reset_collective_counts()
         loss = loss_fn(runner(*inputs), *inputs)
         loss.backward()
         out["counts"].append(compiled_fsdp.collective_counts())
+        if graph_counts is not None:
+            out["graph_counts"].append(graph_counts())
+        if after_step is not None:
+            out["after"].append(after_step(model))
         ref_loss = loss_fn(ref(*inputs), *inputs)
         ref_loss.backward()
         out["loss"].append(abs(loss.item() - ref_loss.item()))

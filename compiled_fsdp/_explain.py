@@ -1,0 +1,61 @@
+"""``compiled_fsdp.explain``: after a step, which fully sharded modules ran
+compiled and which fell back to the eager runtime, and why. See
+[Note: Fallback decision rule] in _fallback.py."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ._fallback import _TRACED_FRAMES
+from ._state import FSDPState, iter_fsdp_states
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleReport:
+    fqn: str  # "" is the root
+    module_type: str
+    path: str  # "compiled", "fallback" (eager under compile), "eager", or "not run"
+    reason: Optional[str]  # the graph break that sent it to the eager runtime
+
+    def __str__(self) -> str:
+        name = self.fqn or "<root>"
+        line = f"{name:<24} {self.module_type:<16} {self.path}"
+        return line + (f"\n{'':<24} reason: {self.reason}" if self.reason else "")
+
+
+def explain(model: nn.Module) -> list[ModuleReport]:
+    """After a step: for each fully sharded module, whether its last forward ran
+    compiled (in-graph collectives) or fell back to the eager runtime, and why.
+    See [Note: Fallback decision rule]."""
+    model = getattr(model, "_orig_mod", model)
+    fqns = {m: name for name, m in model.named_modules()}
+    reports = []
+    for state in iter_fsdp_states(model):
+        path = _last_path(state)
+        reason = _break_reason(state.module) if path == "fallback" else None
+        reports.append(ModuleReport(fqns.get(state.module, "?"), type(state.module).__name__, path, reason))
+    return reports
+
+
+def _last_path(state: FSDPState) -> str:
+    ctx = state.ctx
+    if ctx is not None and state.path_step == ctx.step and state.last_path is not None:
+        return state.last_path
+    group = state.param_group
+    if group is not None and group.key in _TRACED_FRAMES:
+        return "compiled"
+    return "not run"
+
+
+def _break_reason(module: nn.Module) -> Optional[str]:
+    """The graph break whose user stack runs through ``module``'s forward."""
+    code = type(module).forward.__code__
+    last_line = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+    for reason in reversed(torch._dynamo.utils.graph_break_reasons):
+        for frame in reason.user_stack:
+            if frame.filename == code.co_filename and code.co_firstlineno <= (frame.lineno or 0) <= last_line:
+                return f"{reason.reason.splitlines()[0]} at {frame.filename}:{frame.lineno}"
+    return None

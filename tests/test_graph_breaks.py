@@ -1,0 +1,110 @@
+"""Graph breaks: the modules a break touches fall back to the eager runtime,
+everything else stays compiled, and every parameter is communicated exactly once
+per use window. See [Note: Fallback decision rule] in compiled_fsdp/_fallback.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_fsdp
+from compiled_fsdp import explain, fully_shard
+from _dist import run_distributed
+from _graphs import GraphCapture
+from _models import break_case
+from _parity import assert_close, run_parity
+
+STEPS = 4
+
+
+def _rank(rank: int, world: int, where: str, tied: bool, reshard: bool, backend: str) -> dict:
+    torch._dynamo.reset()
+    build, make_batch, loss = break_case(where, tied)
+    capture = GraphCapture()
+
+    def shard(model):
+        for block in model.layers:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+
+    return run_parity(
+        rank, build, shard, make_batch, loss, steps=STEPS,
+        wrap=lambda m: torch.compile(m, backend=capture.backend if backend == "capture" else backend),
+        graph_counts=capture.take_runtime,
+        after_step=_after_step,
+    )
+
+
+def _after_step(model: torch.nn.Module) -> dict:
+    """explain()'s verdicts, and the eager collectives that reading parameters and
+    the state dict between steps issued (must be none)."""
+    compiled_fsdp.reset_collective_counts()
+    model.state_dict()
+    _ = [model.layers[0].mlp.up.weight, model.head.weight]
+    reads = compiled_fsdp.collective_counts()
+    return {"explain": {r.fqn: (r.path, r.reason) for r in explain(model)}, "reads": reads}
+
+
+def _steps(counts: dict, graph: dict) -> list:
+    return [(counts, graph)] * STEPS
+
+
+# Per case: (eager collectives, in-graph collectives) per step, and the modules
+# that fall back. The root is "" and reshards never; blocks reshard iff `reshard`.
+CASES = {
+    # layers.1 breaks inside: it falls back (gathered eagerly in forward and again in
+    # backward, reduced eagerly once). The root's forward is split into two frames
+    # around the eager call; each fragment gathers the root parameters it reads
+    # (embedding/pos, then norm/head), layers.0 stays in the first fragment.
+    ("block", False, True): (
+        _steps({"all_gather": 2, "reduce_scatter": 1}, {"fw_all_gather": 3, "bw_all_gather": 1, "bw_reduce_scatter": 3}),
+        {"layers.1"},
+    ),
+    # The same with a data-dependent `if`, not resharding: no backward re-gathers.
+    ("data_dep", False, False): (
+        _steps({"all_gather": 1, "reduce_scatter": 1}, {"fw_all_gather": 3, "bw_reduce_scatter": 3}),
+        {"layers.1"},
+    ),
+    # A break between blocks in the root's forward: every child stays compiled,
+    # the root's leftovers are gathered by the fragment that reads them.
+    ("between", False, True): (
+        _steps({}, {"fw_all_gather": 4, "bw_all_gather": 2, "bw_reduce_scatter": 4}),
+        set(),
+    ),
+    # The same with the head tied to the embedding: the tied weight is read on both
+    # sides of the break, so after the first step the root falls back (one eager
+    # gather, one eager reduce-scatter); the first step gathers per fragment.
+    ("between", True, True): (
+        [({}, {"fw_all_gather": 4, "bw_all_gather": 2, "bw_reduce_scatter": 4})]
+        + [({"all_gather": 1, "reduce_scatter": 1}, {"fw_all_gather": 2, "bw_all_gather": 2, "bw_reduce_scatter": 2})]
+        * (STEPS - 1),
+        {""},
+    ),
+    # layers.0 breaks inside and is called twice: two eager gathers in forward (it
+    # reshards between the calls), one in backward, one reduce-scatter for both uses.
+    ("twice", False, True): (
+        _steps({"all_gather": 3, "reduce_scatter": 1}, {"fw_all_gather": 3, "bw_all_gather": 1, "bw_reduce_scatter": 3}),
+        {"layers.0"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}-reshard{c[2]}")
+def test_fallback_counts_and_parity(case: tuple) -> None:
+    expected, fallback = CASES[case]
+    for res in run_distributed(_rank, 2, *case, "capture"):
+        assert_close(res, 0.0)  # aot_eager partitioning: bitwise with the reference
+        assert list(zip(res["counts"], res["graph_counts"])) == expected
+        assert all(after["reads"] == {} for after in res["after"])
+        last = res["after"][-1]["explain"]
+        assert {fqn for fqn, (path, _) in last.items() if path == "fallback"} == fallback
+        assert all(path == "compiled" for fqn, (path, _) in last.items() if fqn not in fallback)
+        for fqn in fallback:  # the reason names the break
+            reason = last[fqn][1]
+            assert reason and ("graph_break()" in reason or "generic_jump" in reason), reason
+
+
+def test_fallback_under_inductor() -> None:
+    for res in run_distributed(_rank, 2, "block", False, True, "inductor", timeout=900):
+        assert_close(res, 1e-5)
+        assert res["counts"] == [{"all_gather": 2, "reduce_scatter": 1}] * STEPS
+        assert res["after"][-1]["explain"]["layers.1"][0] == "fallback"
