@@ -51,7 +51,8 @@ def run_parity(
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     named_ref = dict(ref.named_parameters())
-    named = dict(model.named_parameters())
+    # torch.compile wrappers put "_orig_mod." into names; compare by the plain FQN.
+    named = {n.replace("_orig_mod.", ""): p for n, p in model.named_parameters()}
     assert named.keys() == named_ref.keys(), (named.keys(), named_ref.keys())
 
     def local(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
