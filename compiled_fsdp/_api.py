@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._param import FSDPParam, install_param_properties
 from ._param_group import FSDPParamGroup
-from ._state import FSDPState, get_fsdp_state
+from ._state import FSDPState, get_fsdp_state, iter_fsdp_states
 
 Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 
@@ -134,7 +134,10 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     for m in module.modules():  # See seed 002: Dynamo traces these unspecialized.
         m._is_fsdp_managed_module = True
         m._fsdp_use_orig_params = True
-    FSDPState(module, group, options.reshard_after_forward)
+    for nested in iter_fsdp_states(module):
+        if nested.param_group is not None:
+            nested.param_group.outermost = False
+    FSDPState(module, group)
     from . import _compile
 
     _compile.install()

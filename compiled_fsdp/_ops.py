@@ -8,9 +8,7 @@ passes (e.g. ``backend="eager"``) still trains correctly; under
 ``aot_eager``/Inductor the joint pass (``compiled_fsdp.passes``) replaces them
 with one bucketed collective per fully sharded module.
 
-Sharding layout (shared with the eager runtime): a parameter of full shape
-``(d0, *rest)`` (0-dim treated as ``(1,)``) is zero-padded to
-``ceil(d0 / N) * N`` rows; rank ``r`` holds rows ``[r * shard_d0, (r+1) * shard_d0)``.
+The layout is the eager runtime's: see [Note: Shard layout] in _layout.py.
 """
 
 from __future__ import annotations
@@ -20,14 +18,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "UNSHARD_SCHEMA",
-    "REDUCE_GRAD_SCHEMA",
-    "padded_dim0",
-    "shard_shape",
-    "unshard",
-    "reduce_grad",
-]
+from ._layout import ShardSpec
+
+__all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
 
 UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
@@ -39,19 +32,8 @@ REDUCE_GRAD_SCHEMA = (
 )
 
 
-def _as_nd(full_shape: Sequence[int]) -> list[int]:
-    """0-dim parameters are sharded as shape (1,)."""
-    return list(full_shape) if len(full_shape) > 0 else [1]
-
-
-def padded_dim0(full_shape: Sequence[int], world_size: int) -> int:
-    d0 = _as_nd(full_shape)[0]
-    return -(-d0 // world_size) * world_size
-
-
-def shard_shape(full_shape: Sequence[int], world_size: int) -> list[int]:
-    nd = _as_nd(full_shape)
-    return [padded_dim0(full_shape, world_size) // world_size, *nd[1:]]
+def _spec(full_shape: Sequence[int], world_size: int) -> ShardSpec:
+    return ShardSpec(tuple(full_shape), world_size)
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -75,15 +57,15 @@ def unshard(
     param_index: int,
     reshard_after_forward: bool,
 ) -> torch.Tensor:
-    nd = _as_nd(full_shape)
+    spec = _spec(full_shape, world_size)
     shard = shard.contiguous()
     if world_size == 1:
         gathered = shard.clone()
     else:
-        gathered = shard.new_empty([shard.shape[0] * world_size, *shard.shape[1:]])
+        gathered = shard.new_empty([spec.padded_dim0, *spec.rest])
         dist.all_gather_single(gathered, shard, group=_group(group_name))
     # custom ops must not return an alias of an input; `gathered` is fresh.
-    return gathered[: nd[0]].reshape(list(full_shape))
+    return spec.unpad(gathered)
 
 
 @unshard.register_fake
@@ -131,16 +113,12 @@ def reduce_grad(
     module_key: int,
     param_index: int,
 ) -> torch.Tensor:
-    nd = _as_nd(full_shape)
-    padded = padded_dim0(full_shape, world_size)
-    g = grad.reshape(nd)
-    if padded != nd[0]:
-        g = torch.cat([g, g.new_zeros([padded - nd[0], *nd[1:]])], dim=0)
-    g = g.contiguous()
+    spec = _spec(full_shape, world_size)
+    g = spec.pad(grad).contiguous()
     if world_size == 1:
         out = g.clone()
     else:
-        out = g.new_empty(shard_shape(full_shape, world_size))
+        out = g.new_empty(spec.shard_shape)
         dist.reduce_scatter_single(out, g, op=dist.ReduceOp.SUM, group=_group(group_name))
     # Sum then divide: identical to the bucketed path (see passes/lowering.py).
     return out / world_size
@@ -155,4 +133,4 @@ def _reduce_grad_fake(
     module_key: int,
     param_index: int,
 ) -> torch.Tensor:
-    return grad.new_empty(shard_shape(full_shape, world_size))
+    return grad.new_empty(_spec(full_shape, world_size).shard_shape)

@@ -94,7 +94,7 @@ class FSDPParam:
                 self.spec.world_size,
                 group.key,
                 self.index,
-                group.reshard_after_forward,
+                group.reshards_after_forward,
             )
         if group is not None and group.forward_active():
             raise RuntimeError(

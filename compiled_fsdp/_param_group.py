@@ -80,6 +80,8 @@ class FSDPParamGroup:
         self.name = name
         self.fqn = name  # the module's name under its root, set at the root's lazy init
         self.reshard_after_forward = reshard_after_forward
+        # No fully sharded module contains this one (yet): see ``reshards_after_forward``.
+        self.outermost = True
         self.specs = [p.spec for p in fsdp_params]
         for i, p in enumerate(fsdp_params):
             p.group, p.index = self, i
@@ -96,6 +98,14 @@ class FSDPParamGroup:
         self.needs_grad_sync = False  # a backward was registered for this iteration
         # The root's _RootContext (see [Note: Roots and iterations]), set at lazy init.
         self.ctx: Optional["_RootContext"] = None
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """The policy in effect: an outermost module (the root) never reshards after
+        forward, since its backward starts right after (FSDP2 does the same). Decided
+        from structure, so the eager runtime and the markers agree even when the
+        root's hooks never run as Python."""
+        return self.reshard_after_forward and not self.outermost
 
     def forward_active(self) -> bool:
         """Whether the eager runtime is inside a forward of this group's root."""

@@ -8,8 +8,8 @@ queued on autograd's engine at the first pre-backward (or post-backward), which
 runs when ``backward()`` is about to return: it awaits every reduce-scatter,
 writes the gradients, and reshards whatever is still unsharded. A forward without
 backward (no grad, or an output that does not require grad) ends the iteration
-at the root's post-forward. The root does not reshard after forward: its
-backward starts right after (FSDP2 does the same).
+at the root's post-forward. The outermost module (the root) does not reshard after
+forward (see ``FSDPParamGroup.reshards_after_forward``).
 
 [Note: Prefetch order]
 Forward prefetch follows the previous iteration's pre-forward order; backward
@@ -142,12 +142,9 @@ class _RootContext:
 class FSDPState:
     """What ``fully_shard`` attaches to one module: its parameter group and hooks."""
 
-    def __init__(
-        self, module: nn.Module, param_group: Optional[FSDPParamGroup], reshard_after_forward: bool
-    ) -> None:
+    def __init__(self, module: nn.Module, param_group: Optional[FSDPParamGroup]) -> None:
         self.module = module
         self.param_group = param_group
-        self.reshard_after_forward = reshard_after_forward
         self.ctx: Optional[_RootContext] = None
         # How the last forward ran (see compiled_fsdp.explain) and in which step.
         self.last_path: Optional[str] = None
@@ -163,10 +160,6 @@ class FSDPState:
     def _lazy_init(self) -> None:
         """See [Note: Roots and iterations]."""
         ctx = _RootContext(self)
-        if self.param_group is not None:
-            # The root's backward starts right after its forward: never reshard it
-            # in between (FSDP2 does the same). The compiled path reads this too.
-            self.param_group.reshard_after_forward = False
         ctx.states = iter_fsdp_states(self.module)
         fqns = {m: name for name, m in self.module.named_modules()}
         for st in ctx.states:
@@ -223,7 +216,7 @@ class FSDPState:
         ]
         backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
         if self.param_group is not None:
-            reshard = not backward_follows or self.param_group.reshard_after_forward
+            reshard = not backward_follows or self.param_group.reshards_after_forward
             self.param_group.post_forward(reshard)
         if backward_follows:
             register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
