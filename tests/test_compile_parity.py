@@ -41,6 +41,13 @@ def test_aot_eager_parity(world: int, reshard: bool, tied: bool) -> None:
         assert res["counts"] == [{}] * 3
 
 
+def test_markers_run_eagerly_without_passes() -> None:
+    """backend="eager" runs Dynamo's graph without AOTAutograd, so no pass lowers
+    the markers: their own per-parameter collectives must still train exactly."""
+    for res in run_distributed(_parity_rank, 2, "eager", True, True):
+        assert_close(res, 0.0)
+
+
 def test_inductor_parity() -> None:
     """Inductor (the default backend) fuses and reorders float math: tight tolerance."""
     for res in run_distributed(_parity_rank, 2, "inductor", True, False, timeout=900):
