@@ -5,6 +5,7 @@ See README.md for usage and DESIGN.md for how the pieces fit.
 from ._api import ShardingOptions, fully_shard
 from ._explain import ModuleReport, explain
 from ._collectives import collective_counts, reset_collective_counts
+from ._debug import dump_graphs
 from ._state import get_fsdp_state, iter_fsdp_states
 from ._state_dict import get_full_state_dict, load_full_state_dict
 
@@ -13,6 +14,7 @@ __all__ = [
     "explain",
     "ShardingOptions",
     "collective_counts",
+    "dump_graphs",
     "fully_shard",
     "get_fsdp_state",
     "get_full_state_dict",

@@ -15,7 +15,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Union
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh

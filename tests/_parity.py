@@ -9,23 +9,7 @@ import torch
 import torch.nn as nn
 
 import compiled_fsdp
-from compiled_fsdp._state import iter_fsdp_states
-
-
-def shard_specs(model: nn.Module) -> dict[int, object]:
-    """id(shard parameter) -> its ShardSpec."""
-    return {
-        id(fp.sharded): fp.spec
-        for st in iter_fsdp_states(getattr(model, "_orig_mod", model))
-        if st.param_group is not None
-        for fp in st.param_group.fsdp_params
-    }
-
-
-def max_diff(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> float:
-    if a is None or b is None:
-        return 0.0 if a is None and b is None else float("inf")
-    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+from compiled_fsdp._check_worker import max_diff, shard_specs
 
 
 def run_parity(

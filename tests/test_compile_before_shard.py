@@ -8,7 +8,7 @@ import torch
 from compiled_fsdp import fully_shard
 from _dist import run_distributed
 from _models import gpt_case
-from _parity import assert_close, run_parity, shard_specs
+from _parity import assert_close, run_parity
 
 
 def _rank(rank: int, world: int, scenario: str) -> dict:

@@ -1,0 +1,260 @@
+"""Per-rank, per-graph dumps of what torch.compile and our passes did.
+
+[Note: Dump hooks]
+Every artifact comes from a supported torch 2.13 hook; nothing in torch is
+patched:
+
+* ``torch._logging`` structured trace: the logger ``torch.__trace`` emits a
+  record per compile artifact (``dynamo_output_graph``, ``aot_forward_graph``,
+  ``aot_backward_graph``, ``aot_inference_graph``, ``inductor_output_code``,
+  ``dynamo_graph_break_reason``) with its compile id, but only while it has a
+  handler (``trace_structured`` checks ``trace_log.handlers``). We add a
+  handler for the dump's lifetime; ``TORCH_TRACE`` keeps working beside it.
+  Under ``aot_eager`` there is no Inductor output code, and the index says so.
+* ``compiled_fsdp._compile.add_observer``: the joint graph before and after
+  each of our passes, with each pass's report.
+* ``torch._dynamo.convert_frame.register_bytecode_hook``: the bytecode Dynamo
+  generated for a frame, decompiled with ``depyf.decompile``. depyf 0.20 fails
+  on some resume functions on torch 2.13 (``DecompilationError``, opcode
+  ``SWAP``); any failure is recorded in the index, never raised.
+* ``torch._dynamo.callback_handler`` end callbacks: rewrite the index after
+  each compile; the start callback reads ``COMPILED_FSDP_DUMP``.
+
+The compile id (``CompileContext.current_compile_id()``, ``"frame/compile"``)
+ties the artifacts of one graph together. AOTAutograd's cache would skip the
+joint pass on a hit (see [Note: AOTAutograd cache] in ``_compile.py``), so a
+dump turns ``torch._functorch.config.enable_autograd_cache`` off and restores
+it when the dump ends. Nothing else changes: numerics are unaffected.
+
+[Note: A dump never breaks training]
+Every hook body runs under ``_guard``: an exception is recorded in the graph's
+``failures`` (shown in the index) and swallowed.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import traceback
+from collections.abc import Iterator
+from types import CodeType
+from typing import Any, Optional
+
+import depyf
+import torch.distributed as dist
+import torch.fx as fx
+from torch._dynamo import callback_handler
+from torch._dynamo.convert_frame import register_bytecode_hook
+from torch._functorch import config as functorch_config
+from torch._guards import CompileContext
+from torch._logging._internal import trace_log
+
+from compiled_fsdp import _compile
+
+from ._debug_render import GraphRecord, graph_stats, module_names, render_graph, write_index, write_readme
+from ._debug_timeline import chrome_trace, estimate_timeline
+
+__all__ = ["DUMP_ENV", "DumpSession", "dump_graphs"]
+
+DUMP_ENV = "COMPILED_FSDP_DUMP"
+
+# structured-trace event -> (file name, what it is)
+_TRACE_FILES = {
+    "dynamo_output_graph": ("01_dynamo_graph.py", "the FX graph Dynamo traced from Python (markers not yet lowered)"),
+    "aot_forward_graph": ("20_forward.py", "the forward graph after partitioning (what runs in forward)"),
+    "aot_backward_graph": ("21_backward.py", "the backward graph after partitioning (what runs in backward)"),
+    "aot_inference_graph": ("20_inference.py", "the inference graph (no backward: markers run eagerly)"),
+}
+
+
+class _TraceHandler(logging.Handler):
+    def __init__(self, session: "DumpSession") -> None:
+        super().__init__(logging.DEBUG)
+        self.session = session
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.session._on_trace(getattr(record, "metadata", {}), getattr(record, "payload", None))
+
+
+class DumpSession:
+    """Writes ``<root>/rank<r>/graph_<frame>_<compile>/...`` and ``rank<r>/index.md``
+    while started. See [Note: Dump hooks]."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.graphs: dict[str, GraphRecord] = {}
+        self._lock = threading.RLock()
+        self._handler = _TraceHandler(self)
+        self._hook_handle: Any = None
+        self._saved_cache: Optional[bool] = None
+        self.active = False
+
+    # -- lifecycle ---------------------------------------------------------
+    def start(self) -> None:
+        self._saved_cache = functorch_config.enable_autograd_cache
+        functorch_config.enable_autograd_cache = False
+        trace_log.addHandler(self._handler)
+        self._hook_handle = register_bytecode_hook(self._on_bytecode)
+        _compile.add_observer(self._on_pass)
+        callback_handler.register_end_callback(self._on_compile_end)
+        self.active = True
+
+    def stop(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        callback_handler.remove_end_callback(self._on_compile_end)
+        _compile.remove_observer(self._on_pass)
+        self._hook_handle.remove()
+        trace_log.removeHandler(self._handler)
+        functorch_config.enable_autograd_cache = self._saved_cache
+        self.flush()
+
+    def flush(self) -> None:
+        """(Re)write the index of this rank."""
+        with self._guard(None):
+            with self._lock:
+                write_readme(self.root)
+                write_index(self.rank_dir(), self.rank(), list(self.graphs.values()))
+
+    # -- places ------------------------------------------------------------
+    @staticmethod
+    def rank() -> int:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        return int(os.environ.get("RANK", "0"))
+
+    def rank_dir(self) -> str:
+        return os.path.join(self.root, f"rank{self.rank()}")
+
+    def _graph(self, compile_id: Optional[str]) -> GraphRecord:
+        cid = compile_id or "unknown"
+        rec = self.graphs.get(cid)
+        if rec is None:
+            rec = self.graphs[cid] = GraphRecord(cid, os.path.join(self.rank_dir(), "graph_" + cid.replace("/", "_")))
+        return rec
+
+    @contextlib.contextmanager
+    def _guard(self, rec: Optional[GraphRecord], what: str = "dump") -> Iterator[None]:
+        """See [Note: A dump never breaks training]."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001
+            msg = f"{what}: {type(e).__module__}.{type(e).__name__}: {e}".splitlines()[0]
+            if rec is not None:
+                rec.failures.append(msg)
+            else:
+                logging.getLogger(__name__).warning("compiled_fsdp dump failed: %s\n%s", msg, traceback.format_exc())
+
+    def _write(self, rec: GraphRecord, name: str, what: str, text: str) -> None:
+        os.makedirs(rec.dir, exist_ok=True)
+        with open(os.path.join(rec.dir, name), "w") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+        rec.files[name] = what
+
+    # -- hooks -------------------------------------------------------------
+    def _on_trace(self, metadata: dict[str, Any], payload: Optional[str]) -> None:
+        if not metadata:
+            return
+        event = next(iter(metadata))
+        detail = metadata[event] if isinstance(metadata[event], dict) else {}
+        if event == "artifact":
+            event = detail.get("name", "")
+        if event not in _TRACE_FILES and event not in ("inductor_output_code", "dynamo_graph_break_reason"):
+            return
+        frame, comp = metadata.get("frame_id"), metadata.get("frame_compile_id")
+        cid = f"{frame}/{comp}" if frame is not None else None
+        with self._lock:
+            rec = self._graph(cid)
+            with self._guard(rec, event):
+                if event == "dynamo_graph_break_reason":
+                    rec.graph_breaks.append((payload or "").strip())
+                    self._write(rec, "00_graph_breaks.txt", "why Dynamo split the code here (graph breaks)",
+                                "\n\n".join(rec.graph_breaks))
+                elif event == "inductor_output_code":
+                    # forward is compiled first, then backward
+                    part = ("forward", "backward", "extra")[min(rec.inductor_outputs, 2)]
+                    rec.inductor_outputs += 1
+                    self._write(rec, f"3{rec.inductor_outputs - 1}_inductor_{part}.py",
+                                f"Inductor's generated Python/C++ for the {part} graph", payload or "")
+                else:
+                    name, what = _TRACE_FILES[event]
+                    self._write(rec, name, what, render_graph(what, rec, self.rank(), payload or ""))
+                    if event == "dynamo_output_graph":
+                        rec.dynamo_graphs += 1
+
+    def _on_bytecode(self, code: CodeType, new_code: CodeType) -> None:
+        with self._lock:
+            rec = self._graph(str(CompileContext.current_compile_id()))
+            rec.frame = f"{getattr(code, 'co_qualname', code.co_name)} " \
+                        f"({code.co_filename}:{code.co_firstlineno})"
+            with self._guard(rec, "depyf.decompile"):
+                src = depyf.decompile(new_code)
+                self._write(rec, "02_bytecode_decompiled.py",
+                            "the Python bytecode Dynamo generated for the frame, decompiled by depyf "
+                            "(calls the compiled graph, then resume functions after graph breaks)", src)
+        return None
+
+    def _on_pass(self, stage: str, gm: fx.GraphModule, report: Optional[Any]) -> None:
+        with self._lock:
+            rec = self._graph(str(CompileContext.current_compile_id()))
+            with self._guard(rec, f"graph {stage}"):
+                names = module_names()
+                rec.stages.append(stage)
+                idx = 10 + len(rec.stages) - 1
+                kind = _graph_kind(gm)
+                if stage == "before":
+                    fname, what = f"{idx}_joint_before_passes.py", "the joint forward+backward graph AOTAutograd built, before our passes"
+                else:
+                    fname, what = f"{idx}_{kind}_after_{stage}.py", f"the {kind} graph after our '{stage}' pass"
+                    rec.pass_reports.append((f"{stage} ({kind})", report))
+                body = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+                self._write(rec, fname, what, render_graph(what, rec, self.rank(), body))
+                if kind == "joint":  # see [Note: Predicted timeline]: from the joint graph
+                    rec.stats = graph_stats(gm, names)
+                    trace = chrome_trace(estimate_timeline(gm, names),
+                                         f"rank {self.rank()} graph {rec.compile_id} (predicted)", pid=self.rank())
+                    self._write(rec, "40_timeline.json",
+                                "predicted timeline (Chrome trace: open in https://ui.perfetto.dev)",
+                                json.dumps(trace, indent=0))
+
+    def _on_compile_end(self, args: Any) -> None:
+        self.flush()
+
+
+def _graph_kind(gm: fx.GraphModule) -> str:
+    """joint (primals and tangents), forward (primals only) or backward (tangents only)."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    primals = any(n.startswith("primals") for n in names)
+    tangents = any(n.startswith("tangents") for n in names)
+    return "joint" if primals and tangents else "backward" if tangents else "forward"
+
+
+@contextlib.contextmanager
+def dump_graphs(directory: str) -> Iterator[DumpSession]:
+    """Dump every graph compiled inside the ``with`` block (per rank, per graph)
+    under ``directory``; see README "Debug dumps". Configuration it changes is
+    restored on exit."""
+    session = DumpSession(directory)
+    session.start()
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+_env_session: Optional[DumpSession] = None
+
+
+def _start_from_env(args: Any) -> None:
+    """Compile-start callback: ``COMPILED_FSDP_DUMP=<dir>`` dumps the rest of the process."""
+    global _env_session
+    root = os.environ.get(DUMP_ENV)
+    if root and _env_session is None:
+        _env_session = DumpSession(root)
+        _env_session.start()
+
+
+callback_handler.register_start_callback(_start_from_env)

@@ -1,0 +1,189 @@
+"""What the dump writes: per-graph records, headers that explain each file,
+the pass reports, the index and the README of a dump directory."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pprint
+from typing import Any, Optional
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from compiled_fsdp import _compile
+from compiled_fsdp._state import _MODULE_STATE
+
+from ._debug_timeline import collective_bytes, is_collective
+
+__all__ = ["GraphRecord", "graph_stats", "module_names", "render_graph", "write_index", "write_readme"]
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """Everything the dump knows about one compiled graph (one compile id)."""
+
+    compile_id: str
+    dir: str
+    frame: str = "?"
+    files: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> what it is
+    failures: list[str] = dataclasses.field(default_factory=list)
+    graph_breaks: list[str] = dataclasses.field(default_factory=list)
+    stages: list[str] = dataclasses.field(default_factory=list)
+    pass_reports: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    stats: Optional[dict[str, Any]] = None
+    dynamo_graphs: int = 0
+    inductor_outputs: int = 0
+
+
+def module_names() -> dict[int, str]:
+    """module_key (the n-th ``fully_shard`` call) -> ``fqn (Class)``; the root is ``<root>``."""
+    out = {}
+    for module, state in list(_MODULE_STATE.items()):
+        g = state.param_group
+        if g is not None:
+            out[g.key] = f"{g.fqn or '<root>'} ({g.name})"
+    return out
+
+
+def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
+    """Collectives of a joint graph; a gather tagged MUST_RECOMPUTE runs again in backward."""
+    kinds: dict[str, int] = {}
+    total_bytes = 0
+    modules: set[str] = set()
+    for n in gm.graph.nodes:
+        if not is_collective(n):
+            continue
+        kind = "all-gather" if "gather" in str(n.target) or "unshard" in str(n.target) else (
+            "reduce-scatter" if "reduce" in str(n.target) else str(n.target))
+        if "compiled_fsdp" in str(n.target):
+            kind = f"unlowered {kind} marker"
+        runs = 2 if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE else 1
+        kinds[kind] = kinds.get(kind, 0) + runs
+        total_bytes += runs * collective_bytes(n)
+        info = n.meta.get("compiled_fsdp")
+        if isinstance(info, dict) and "module_key" in info:
+            modules.add(names.get(info["module_key"], str(info["module_key"])))
+    return {"kinds": kinds, "bytes": total_bytes, "buckets": sorted(modules)}
+
+
+def _legend(names: dict[int, str]) -> str:
+    return ", ".join(f"{k} = {v}" for k, v in sorted(names.items())) or "none"
+
+
+def render_graph(what: str, rec: GraphRecord, rank: int, body: str) -> str:
+    """A header that a first-time reader needs, then the graph code."""
+    return (
+        f"# {what}\n"
+        f"# graph {rec.compile_id} (frame/compile: a recompile of the same frame gets a new second number), "
+        f"rank {rank}; rank{rank}/index.md says which Python function it came from\n"
+        "# Reading it: torch.ops.compiled_fsdp.unshard(shard, full_shape, group, world_size, module_key, "
+        "param_index, reshard_after_forward)\n"
+        "#   marks a read of a sharded parameter, reduce_grad(...) its gradient; our passes replace them with one\n"
+        "#   bucketed _c10d_functional.all_gather_into_tensor / reduce_scatter_tensor (+ wait_tensor) per module.\n"
+        f"# module_key -> fully sharded module: {_legend(module_names())}\n\n"
+        + body
+    )
+
+
+def _render_report(obj: Any, names: dict[int, str]) -> str:
+    if dataclasses.is_dataclass(obj):
+        text = pprint.pformat(dataclasses.asdict(obj), width=110, sort_dicts=False)
+    else:
+        text = repr(obj)
+    return text + f"\n  (module_key legend: {_legend(names)})"
+
+
+def _joint_report(rec: GraphRecord) -> Any:
+    """The ``last_reports()`` entry that holds the reports this graph's observers saw."""
+    mine = {id(r) for _, r in rec.pass_reports}
+    for report in reversed(_compile.last_reports()):
+        if dataclasses.is_dataclass(report) and any(
+            id(getattr(report, f.name)) in mine for f in dataclasses.fields(report)
+        ):
+            return report
+    return None
+
+
+def _write_reports(rec: GraphRecord, names: dict[int, str]) -> None:
+    if not rec.pass_reports:
+        return
+    joint = _joint_report(rec)
+    parts = [f"# What each compiled_fsdp pass did in graph {rec.compile_id}\n"]
+    if joint is not None:
+        parts.append(f"summary: {joint.summary()}\n")
+    for stage, report in rec.pass_reports:
+        parts.append(f"## pass '{stage}'\n{_render_report(report, names)}\n")
+    with open(os.path.join(rec.dir, "50_pass_reports.txt"), "w") as f:
+        f.write("\n".join(parts))
+    rec.files["50_pass_reports.txt"] = "what each of our passes did (buckets, recompute tags), with summary()"
+
+
+def _index_line(rec: GraphRecord) -> str:
+    st = rec.stats
+    if st is None:
+        coll = "no compiled_fsdp collectives (no markers: the passes did not run)"
+    else:
+        kinds = ", ".join(f"{v} {k}" for k, v in st["kinds"].items()) or "none"
+        coll = (f"collectives per step: {sum(st['kinds'].values())} ({kinds}); "
+                f"{st['bytes'] / 1024:.1f} KiB of unsharded data; buckets (one per fully sharded module): {', '.join(st['buckets']) or '-'}")
+    breaks = f"{len(rec.graph_breaks)} graph break(s) (see 00_graph_breaks.txt)" if rec.graph_breaks else "0 graph breaks"
+    return f"- **graph {rec.compile_id}** `{rec.frame}` — {coll}; {breaks}"
+
+
+def write_index(rank_dir: str, rank: int, records: list[GraphRecord]) -> None:
+    os.makedirs(rank_dir, exist_ok=True)
+    names = module_names()
+    lines = [f"# compiled_fsdp dump, rank {rank}", "",
+             "One line per compiled graph, then its files. Start with the README.md one level up.", ""]
+    for rec in sorted(records, key=lambda r: r.compile_id):
+        if not rec.files and not rec.failures:
+            continue
+        _write_reports(rec, names)
+        lines.append(_index_line(rec))
+        if not rec.inductor_outputs and rec.dynamo_graphs:
+            lines.append("  - (no Inductor output code: the backend was not Inductor)")
+        for name in sorted(rec.files):
+            lines.append(f"  - `{os.path.basename(rec.dir)}/{name}`: {rec.files[name]}")
+        for failure in rec.failures:
+            lines.append(f"  - FAILED (dump only; training went on): {failure}")
+        lines.append("")
+    with open(os.path.join(rank_dir, "index.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+_README = """# A compiled_fsdp graph dump
+
+compiled_fsdp shards every parameter across ranks (FSDP / ZeRO-3). Under
+torch.compile, a read of a sharded parameter becomes a marker op, and our FX
+passes replace the markers with one bucketed all-gather per fully sharded module
+(forward) and one bucketed reduce-scatter of its gradients (backward).
+
+Layout: `rank<r>/index.md` lists, per compiled graph, what was compiled and
+how many collectives it runs; `rank<r>/graph_<frame>_<compile>/` holds:
+
+- `00_graph_breaks.txt`: why Dynamo split the Python code there (only if it did)
+- `01_dynamo_graph.py`: the FX graph Dynamo traced from Python
+- `02_bytecode_decompiled.py`: the bytecode Dynamo generated, decompiled by depyf
+- `10_joint_before_passes.py`, `11_joint_after_<pass>.py`, ...: the joint
+  forward+backward graph before and after each of our passes, in order
+- `20_forward.py`, `21_backward.py`: the graphs after the partitioner split the
+  joint graph (with reshard-after-forward, all-gathers appear again in backward)
+- `30_inductor_forward.py`, `31_inductor_backward.py`: Inductor's output code
+  (only with the Inductor backend)
+- `40_timeline.json`: a *predicted* timeline (crude cost estimate, not
+  measured), compute and communication on separate tracks; open it in
+  https://ui.perfetto.dev
+- `50_pass_reports.txt`: what each pass did
+
+`module_key` n is the n-th `fully_shard` call of the program; every file's
+header maps the keys to module names. A graph without markers (e.g. a model
+that was not fully sharded) shows no joint-graph files.
+"""
+
+
+def write_readme(root: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "README.md")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(_README)

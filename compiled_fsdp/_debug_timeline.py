@@ -1,0 +1,227 @@
+"""A predicted timeline of one compiled training step, as a Chrome trace.
+
+[Note: Predicted timeline]
+Until the scheduling pass brings a real cost model, the dump predicts a
+timeline from the joint graph *after* our passes, in graph order, with a
+crude cost estimate (``CostModel``): a matmul costs its FLOPs, any other op
+the bytes it writes, a collective its bytes over a link bandwidth plus a
+latency. Two tracks, as a runtime with one compute stream and one
+communication stream would run it:
+
+* a collective (``_c10d_functional.*`` but ``wait_tensor``) starts when the
+  compute track reaches it *and* the communication track is free;
+* ``wait_tensor`` blocks the compute track until its collective is done (the
+  gap is exposed communication); every other op runs on the compute track.
+
+Forward and backward are told apart as the partitioner does: a node that
+depends on a ``tangents_*`` input is backward. A gather chain tagged
+``MUST_RECOMPUTE`` (reshard after forward) runs again in backward; the
+timeline issues that re-gather right before the first backward node that
+reads the chain. View ops cost nothing and are left out.
+
+The timeline is a plain list of ``Slice``s, and ``chrome_trace`` only
+formats it: a schedule report with real estimates replaces
+``estimate_timeline`` without touching the writer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from compiled_fsdp.passes._graph import META_KEY, is_reduce_grad, is_unshard
+
+__all__ = ["CostModel", "Slice", "chrome_trace", "collective_bytes", "estimate_timeline", "is_collective"]
+
+COMPUTE, COMM, PHASE = "compute", "communication", "phase"
+_TRACKS = {PHASE: 0, COMPUTE: 1, COMM: 2}
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+_VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.slice.Tensor,
+    aten.select.int, aten.t.default, aten.transpose.int, aten.permute.default,
+    aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.alias.default, aten.detach.default,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Crude, machine-independent guesses (a CPU-class device)."""
+
+    flops_per_s: float = 50e9
+    mem_bytes_per_s: float = 20e9
+    link_bytes_per_s: float = 1e9
+    collective_latency_s: float = 20e-6
+
+
+@dataclasses.dataclass
+class Slice:
+    name: str
+    track: str  # COMPUTE | COMM | PHASE
+    start_us: float
+    dur_us: float
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A collective that moves data (not its wait), ours or a leftover marker."""
+    if node.op != "call_function":
+        return False
+    if is_unshard(node) or is_reduce_grad(node):
+        return True
+    ns = getattr(node.target, "namespace", None)
+    return ns == "_c10d_functional" and "wait_tensor" not in str(node.target)
+
+
+def _bytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Bytes of the full (unsharded) side: a gather's output, a reduce-scatter's input."""
+    if "reduce_scatter" in str(node.target) or is_reduce_grad(node):
+        src = node.args[0]
+        return _bytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
+    return _bytes(node.meta.get("val"))
+
+
+def _world_size(node: fx.Node) -> int:
+    for a in node.args[1:]:
+        if isinstance(a, int) and not isinstance(a, bool) and a > 1:
+            return a
+    return 2
+
+
+def _compute_us(node: fx.Node, cost: CostModel) -> float:
+    val = node.meta.get("val")
+    if node.target in _MATMULS and isinstance(val, torch.Tensor):
+        a = node.args[-2] if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[0]
+        k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) and "val" in a.meta else 1
+        return 2.0 * val.numel() * int(k) / cost.flops_per_s * 1e6
+    return _bytes(val) / cost.mem_bytes_per_s * 1e6
+
+
+def _comm_us(node: fx.Node, cost: CostModel) -> float:
+    n = _world_size(node)
+    wire = collective_bytes(node) * (n - 1) / n
+    return (cost.collective_latency_s + wire / cost.link_bytes_per_s) * 1e6
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    bw: set[fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in bw for a in n.all_input_nodes):
+            bw.add(n)
+    return bw
+
+
+def _label(node: fx.Node, module_names: dict[int, str]) -> dict[str, Any]:
+    args: dict[str, Any] = {"node": node.name, "op": str(node.target)}
+    info = node.meta.get(META_KEY)
+    if isinstance(info, dict) and "module_key" in info:
+        args["module"] = module_names.get(int(info["module_key"]), f"module_key {info['module_key']}")
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if stack and "module" not in args:
+        args["module"] = list(stack.values())[-1][0]
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        args["shape"] = list(val.shape)
+    return args
+
+
+def estimate_timeline(
+    gm: fx.GraphModule, module_names: dict[int, str], cost: CostModel = CostModel()
+) -> list[Slice]:
+    """See [Note: Predicted timeline]."""
+    graph = gm.graph
+    backward = _backward_nodes(graph)
+    slices: list[Slice] = []
+    t_compute = t_comm = 0.0
+    done_at: dict[fx.Node, float] = {}  # collective -> when its data is there
+    regathered: set[int] = set()
+    phase_start, phase = 0.0, "forward"
+
+    def issue(node: fx.Node, name: str) -> None:
+        nonlocal t_comm
+        start = max(t_compute, t_comm)
+        dur = _comm_us(node, cost)
+        args = _label(node, module_names)
+        args["bytes"] = collective_bytes(node)
+        slices.append(Slice(name, COMM, start, dur, args))
+        t_comm = done_at[node] = start + dur
+
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node in backward and phase == "forward":
+            slices.append(Slice("forward", PHASE, phase_start, t_compute - phase_start))
+            phase_start, phase = t_compute, "backward"
+        if node in backward:
+            for inp in node.all_input_nodes:
+                info = inp.meta.get(META_KEY)
+                if (
+                    inp.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+                    and isinstance(info, dict) and info.get("module_key") not in regathered
+                ):
+                    key = info.get("module_key")
+                    regathered.add(key)
+                    for c in graph.nodes:  # the chain's collective
+                        if is_collective(c) and (c.meta.get(META_KEY) or {}).get("module_key") == key:
+                            issue(c, f"re-gather {module_names.get(key, key)} (reshard after forward)")
+                            t_compute = max(t_compute, done_at[c])
+                            break
+        if is_collective(node):
+            issue(node, _collective_name(node, module_names))
+        elif "wait_tensor" in str(node.target):
+            src = node.args[0]
+            ready = done_at.get(src, t_compute) if isinstance(src, fx.Node) else t_compute
+            if ready > t_compute:
+                slices.append(Slice("wait (exposed communication)", COMPUTE, t_compute, ready - t_compute,
+                                    _label(node, module_names)))
+                t_compute = ready
+        elif node.target not in _VIEWS and not str(node.target).startswith("<built-in function getitem"):
+            dur = _compute_us(node, cost)
+            slices.append(Slice(str(getattr(node.target, "__name__", node.target)), COMPUTE, t_compute, dur,
+                                _label(node, module_names)))
+            t_compute += dur
+    end = max(t_compute, t_comm)
+    slices.append(Slice(phase, PHASE, phase_start, end - phase_start))
+    return slices
+
+
+def _collective_name(node: fx.Node, module_names: dict[int, str]) -> str:
+    kind = "all-gather" if "all_gather" in str(node.target) or is_unshard(node) else (
+        "reduce-scatter" if "reduce_scatter" in str(node.target) or is_reduce_grad(node) else str(node.target))
+    info = node.meta.get(META_KEY) or {}
+    key = info.get("module_key") if isinstance(info, dict) else None
+    if is_unshard(node) or is_reduce_grad(node):
+        key = node.args[4]
+        kind += " (unbucketed marker)"
+    return f"{kind} {module_names.get(key, '')}".strip() if key is not None else kind
+
+
+def chrome_trace(slices: list[Slice], process_name: str, pid: int = 0) -> dict[str, Any]:
+    """Chrome-trace JSON (opens in Perfetto / chrome://tracing): one track per kind."""
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process_name}},
+    ]
+    for track, tid in _TRACKS.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+    for s in slices:
+        events.append({
+            "name": s.name, "cat": s.track, "ph": "X", "pid": pid, "tid": _TRACKS[s.track],
+            "ts": round(s.start_us, 3), "dur": round(max(s.dur_us, 0.001), 3),
+            "args": s.args,
+        })
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"note": "predicted from graph order with a crude cost model; not measured"}}

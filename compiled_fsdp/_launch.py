@@ -1,0 +1,78 @@
+"""Launch a function on several local gloo ranks: real process groups, a timeout
+that fails instead of hanging, and each rank's exception re-raised in the caller.
+Used by the numerics checker and by the tests."""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    result: dict[str, Any]
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        try:
+            result = {"ok": True, "value": fn(rank, world_size, *args)}
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything goes back to the test process
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's value.
+
+    ``fn`` must be importable (module level). A rank that raises fails the call with
+    its traceback; ranks still running after ``timeout`` seconds are killed and the
+    call fails: a hang is a test failure, never a stuck CI job.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, store_path, tmp, fn, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results = []
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                continue
+            with open(path, "rb") as f:
+                res = pickle.load(f)
+            if res["ok"]:
+                results.append(res["value"])
+            else:
+                errors.append(f"rank {r} raised:\n{res['error']}")
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s (a hang); killed.\n" + "\n".join(errors))
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results

@@ -1,0 +1,38 @@
+"""The numerics checker, run as the README runs it (a subprocess launching its
+own gloo ranks). Inductor is left to the README's test command, which runs the
+checker with every variant after pytest: here it would add ~60 s of compile per
+rank and prove nothing about the checker itself."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "compiled_fsdp.check", "--model", "examples.gpt:tiny", "--world-size", "2",
+         "--timeout", "300", *args],
+        cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=400,
+    )
+
+
+def test_checker_passes_bitwise() -> None:
+    res = _check("--steps", "2", "--variants", "eager,aot_eager")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "OK: every variant within tolerance" in res.stdout
+    assert "vs eager: 0 ok" in res.stdout  # aot_eager bitwise equal to the eager runtime
+
+
+def test_checker_names_the_module_that_skipped_its_reduction() -> None:
+    res = _check("--steps", "1", "--variants", "eager",
+                 env={"COMPILED_FSDP_TEST_SKIP_GRAD_REDUCTION": "layers.1"})
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "first module whose gradient diverges: layers.1" in res.stdout, res.stdout
+
+
+def test_checker_rejects_unknown_variant() -> None:
+    res = _check("--variants", "nope")
+    assert res.returncode == 2 and "unknown variants" in res.stderr

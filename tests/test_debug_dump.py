@@ -1,0 +1,102 @@
+"""Graph dumps of a 2-rank compiled run: every file, a valid Perfetto trace, and
+a dump that survives a depyf failure."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from compiled_fsdp import dump_graphs, fully_shard
+from _dist import run_distributed
+from _models import gpt_case
+
+GRAPH_FILES = [
+    "01_dynamo_graph.py", "02_bytecode_decompiled.py", "10_joint_before_passes.py",
+    "11_joint_after_lowering.py", "12_joint_after_recompute.py", "20_forward.py", "21_backward.py",
+    "40_timeline.json", "50_pass_reports.txt",
+]
+INDUCTOR_FILES = ["30_inductor_forward.py", "31_inductor_backward.py"]
+
+
+def _train(backend: str) -> None:
+    build, make_batch, loss_fn = gpt_case(False)
+    model = build()
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    step = torch.compile(model, backend=backend)
+    for i in range(2):
+        inputs = make_batch(i)
+        loss_fn(step(*inputs), *inputs).backward()
+
+
+def _env_rank(rank: int, world: int, root: str, backend: str) -> None:
+    os.environ["COMPILED_FSDP_DUMP"] = root  # read at the first compile
+    _train(backend)
+
+
+def _broken_depyf_rank(rank: int, world: int, root: str) -> bool:
+    import depyf
+
+    def broken(code):  # noqa: ANN001, ANN202
+        raise depyf.decompiler.DecompilationError("forced by the test")
+
+    depyf.decompile = broken  # this child process only
+    before = torch._functorch.config.enable_autograd_cache
+    with dump_graphs(root):
+        _train("aot_eager")
+    return torch._functorch.config.enable_autograd_cache == before
+
+
+def _graph_dir(root: str, rank: int) -> str:
+    rank_dir = os.path.join(root, f"rank{rank}")
+    graphs = sorted(d for d in os.listdir(rank_dir) if d.startswith("graph_"))
+    assert graphs == ["graph_0_0"], graphs  # fullgraph model: one graph, no break
+    return os.path.join(rank_dir, graphs[0])
+
+
+def _check_trace(path: str) -> None:
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"compute", "communication"} <= tracks.keys()
+    slices = [e for e in events if e["ph"] == "X"]
+    comm = [e for e in slices if e["tid"] == tracks["communication"]]
+    assert any("all-gather" in e["name"] for e in comm) and any("reduce-scatter" in e["name"] for e in comm)
+    assert any(e["tid"] == tracks["compute"] for e in slices)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+
+
+@pytest.mark.parametrize("backend", ["inductor"])
+def test_env_dump_has_every_file(tmp_path, backend: str) -> None:
+    root = str(tmp_path / "dump")
+    run_distributed(_env_rank, 2, root, backend, timeout=600)
+    assert os.path.exists(os.path.join(root, "README.md"))
+    for rank in range(2):
+        gdir = _graph_dir(root, rank)
+        for name in GRAPH_FILES + INDUCTOR_FILES:
+            assert os.path.getsize(os.path.join(gdir, name)) > 0, name
+        _check_trace(os.path.join(gdir, "40_timeline.json"))
+        index = open(os.path.join(root, f"rank{rank}", "index.md")).read()
+        assert "graph 0/0" in index and "collectives per step:" in index, index
+        assert "all-gather" in index and "reduce-scatter" in index, index
+        assert "0 graph breaks" in index and "FAILED" not in index
+        for name in GRAPH_FILES + INDUCTOR_FILES:
+            assert name in index
+        assert "all_gather_into_tensor" in open(os.path.join(gdir, "21_backward.py")).read()
+
+
+def test_depyf_failure_keeps_everything_else(tmp_path) -> None:
+    root = str(tmp_path / "dump")
+    assert run_distributed(_broken_depyf_rank, 2, root) == [True, True]  # config restored
+    for rank in range(2):
+        gdir = _graph_dir(root, rank)
+        for name in GRAPH_FILES:
+            if name != "02_bytecode_decompiled.py":
+                assert os.path.getsize(os.path.join(gdir, name)) > 0, name
+        assert not os.path.exists(os.path.join(gdir, "02_bytecode_decompiled.py"))
+        index = open(os.path.join(root, f"rank{rank}", "index.md")).read()
+        assert "FAILED" in index and "DecompilationError: forced by the test" in index
