@@ -13,7 +13,8 @@ forward (see ``FSDPParamGroup.reshards_after_forward``).
 
 [Note: Prefetch order]
 Forward prefetch follows the previous iteration's pre-forward order; backward
-prefetch follows this iteration's pre-forward order reversed. Both orders are
+prefetch follows this iteration's post-forward order reversed (the root finishes
+its forward last, so its backward starts first), as FSDP2 does. Both orders are
 recorded from what ran, which is the same on every rank for the same program, so
 every rank issues the same prefetch all-gathers in the same order. A prefetch
 that turns out unused is still awaited (never dropped mid-flight) and freed at
@@ -82,11 +83,15 @@ class _RootContext:
         self.states: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
         self.prev_forward_order: list[FSDPState] = []
+        self.post_forward_order: list[FSDPState] = []
         self.callback_queued = False
         self.pending_reduces: list[FSDPParamGroup] = []
         self.in_forward = False  # the root's forward runs eagerly, now
         self.compiled_forward = False  # the root's forward runs under Dynamo, now
         self.step = 0  # root forwards so far
+        # (phase, module fqn) of each prefetch this iteration, and the last iteration's.
+        self.prefetched: list[tuple[str, str]] = []
+        self.last_prefetched: list[tuple[str, str]] = []
 
     def groups(self) -> list[FSDPParamGroup]:
         return [s.param_group for s in self.states if s.param_group is not None]
@@ -94,7 +99,7 @@ class _RootContext:
     def begin_iteration(self) -> None:
         if self.forward_order:  # the last iteration ran no backward
             self.end_iteration()
-        self.forward_order = []
+        self.forward_order, self.post_forward_order = [], []
         self.step += 1
 
     def end_iteration(self) -> None:
@@ -105,8 +110,9 @@ class _RootContext:
         for g in self.groups():
             g.end_iteration()
         self.prev_forward_order = self.forward_order
-        self.forward_order = []
+        self.forward_order, self.post_forward_order = [], []
         self.callback_queued = False
+        self.last_prefetched, self.prefetched = self.prefetched, []
 
     def ensure_callback_queued(self) -> None:
         if not self.callback_queued:
@@ -120,6 +126,15 @@ class _RootContext:
             g.finish_grad_sync()
         self.pending_reduces = [group]
 
+    def prefetch(self, target: Optional["FSDPState"], phase: str) -> None:
+        """Issue ``target``'s all-gather now, not awaited. See [Note: Prefetch order]."""
+        if target is None or target.param_group is None:
+            return
+        group = target.param_group
+        if group.state is ShardedState.SHARDED:
+            group.unshard(async_op=True)
+            self.prefetched.append((phase, group.fqn))
+
     def forward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
         """See [Note: Prefetch order]."""
         i = len(self.forward_order) - 1
@@ -130,7 +145,7 @@ class _RootContext:
 
     def backward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
         order: list[FSDPState] = []
-        for s in reversed(self.forward_order):  # last use first, each state once
+        for s in reversed(self.post_forward_order):  # last finished first, each state once
             if not any(s is o for o in order):
                 order.append(s)
         for i, s in enumerate(order[:-1]):
@@ -200,9 +215,7 @@ class FSDPState:
         ctx.forward_order.append(self)
         if self.param_group is not None:
             self.param_group.pre_forward()
-        target = ctx.forward_prefetch_target(self)
-        if target is not None and target.param_group is not None:
-            target.param_group.unshard(async_op=True)
+        ctx.prefetch(ctx.forward_prefetch_target(self), "forward")
 
     def _eager_post_forward(self, output: Any) -> Any:
         ctx = self.ctx
@@ -211,6 +224,7 @@ class FSDPState:
             if ctx.compiled_forward:
                 ctx.compiled_forward = False
                 return output
+        ctx.post_forward_order.append(self)
         grad_outputs = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -230,10 +244,8 @@ class FSDPState:
         if self.param_group is not None:
             self.param_group.pre_backward()
         target = ctx.backward_prefetch_target(self)
-        if target is not None and target.param_group is not None:
-            group = target.param_group
-            if group.needs_grad_sync and group.state is ShardedState.SHARDED:
-                group.unshard(async_op=True)
+        if target is not None and target.param_group is not None and target.param_group.needs_grad_sync:
+            ctx.prefetch(target, "backward")
 
 
 # See [Note: Hooks under Dynamo]: skip these frames and every frame they call.

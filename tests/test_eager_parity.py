@@ -65,3 +65,28 @@ def test_called_twice_frozen_unused(world: int, reshard: bool) -> None:
         bwd = 3 if reshard else 0
         # Reduce-scatters: pre, shared, root (out). frozen has no trainable params.
         assert res["counts"] == [{"all_gather": fwd + bwd, "reduce_scatter": 3}] * 3
+
+
+def _prefetch_rank(rank: int, world: int) -> list:
+    from compiled_fsdp import get_fsdp_state
+
+    build, make_batch, loss = gpt_case(False)
+    seen = []
+
+    def shard(model):
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+
+    run_parity(rank, build, shard, make_batch, loss,
+               after_step=lambda m: seen.append(get_fsdp_state(m).ctx.last_prefetched))
+    return seen
+
+
+def test_prefetch_forward_and_backward() -> None:
+    """Backward prefetches the next block in reverse forward order from the first
+    step; forward prefetch follows the previous step's order, so from step 2."""
+    backward = [("backward", "layers.1"), ("backward", "layers.0")]
+    forward = [("forward", "layers.0"), ("forward", "layers.1")]
+    for seen in run_distributed(_prefetch_rank, 2):
+        assert seen == [backward, forward + backward, forward + backward]
