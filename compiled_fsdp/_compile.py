@@ -28,6 +28,21 @@ hashes the source files of the passes; Inductor puts that uuid into both the
 FX-graph and the AOTAutograd cache keys. Tests that read reports should
 still disable the cache (``torch._functorch.config.enable_autograd_cache =
 False``) or use a fresh ``TORCHINDUCTOR_CACHE_DIR``.
+
+[Note: Scheduling under Inductor]
+The same ``_CacheKeyPass`` is the scheduling pass: Inductor calls it on the
+partitioned forward and backward graphs after its own post-grad passes, and
+its uuid also hashes ``passes.config.overlap`` (the knobs change the output).
+Inductor keeps the relative order of collectives (its scheduler chains each
+to the previous one) but its default ``reorder_for_peak_memory`` moves waits
+back next to their collectives; ``pin_order`` turns the schedule into control
+dependencies it must respect (see [Note: Inductor reorders for peak memory]
+in passes/pin.py). Inductor's opt-in ``reorder_for_compute_comm_overlap``
+and overlap scheduling (off by default) import triton and fail on CPU; we
+leave them off. Under ``aot_eager`` there is no
+post-partition hook (see [Note: Where scheduling runs] in passes/schedule.py):
+the partitioner's order runs. ``last_schedule_reports()`` returns what the
+pass did, with the predicted timelines (the debug dump reads them).
 """
 
 from __future__ import annotations
@@ -45,13 +60,27 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 # Importing _ops registers the marker ops, so any graph the passes see runs.
 import compiled_fsdp._ops  # noqa: F401
-from compiled_fsdp.passes import JointPassReport, run_joint_passes
+from compiled_fsdp.passes import JointPassReport, Observer, run_joint_passes
+from compiled_fsdp.passes import config as passes_config
+from compiled_fsdp.passes.pin import pin_order
+from compiled_fsdp.passes.schedule import ScheduleReport, schedule_graph
 
-__all__ = ["install", "uninstall", "is_installed", "last_reports", "clear_reports"]
+__all__ = [
+    "add_observer",
+    "clear_reports",
+    "install",
+    "is_installed",
+    "last_reports",
+    "last_schedule_reports",
+    "remove_observer",
+    "uninstall",
+]
 
 _MAX_REPORTS = 64
 _reports: collections.deque[JointPassReport] = collections.deque(maxlen=_MAX_REPORTS)
+_schedule_reports: collections.deque[ScheduleReport] = collections.deque(maxlen=_MAX_REPORTS)
 _lock = threading.Lock()
+_observers: list["Observer"] = []
 
 JointPass = Callable[[fx.GraphModule, Any], fx.GraphModule]
 
@@ -64,7 +93,7 @@ class _CompiledFSDPJointPass:
         self.inner = inner
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
-        report = run_joint_passes(gm)
+        report = run_joint_passes(gm, _notify if _observers else None)
         if report.has_markers:
             with _lock:
                 _reports.append(report)
@@ -86,14 +115,24 @@ def _source_files() -> tuple[str, ...]:
 
 
 class _CacheKeyPass(CustomGraphPass):
-    """No-op post-grad pass whose uuid puts our passes' source into Inductor's
-    cache keys (see [Note: AOTAutograd cache])."""
+    """Post-grad pass: schedules the partitioned graphs (see [Note: Scheduling
+    under Inductor]); its uuid puts our passes' source and the overlap config
+    into Inductor's cache keys (see [Note: AOTAutograd cache])."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        return None
+        report = schedule_graph(graph, passes_config.overlap)
+        if report.changed:
+            pin_order(graph)
+        if report.graph != "none":
+            with _lock:
+                _schedule_reports.append(report)
+            if _observers and graph.owning_module is not None:
+                _notify("schedule", graph.owning_module, report)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files(_source_files(), "compiled_fsdp")
+        return get_hash_for_files(
+            _source_files(), "compiled_fsdp" + repr(passes_config.overlap)
+        )
 
 
 def _install_cache_key() -> None:
@@ -134,6 +173,23 @@ def uninstall() -> None:
             )
 
 
+def add_observer(fn: Observer) -> None:
+    """Call ``fn(stage, gm, report)`` around every joint pass (see ``run_joint_passes``)."""
+    with _lock:
+        _observers.append(fn)
+
+
+def remove_observer(fn: Observer) -> None:
+    with _lock:
+        if fn in _observers:
+            _observers.remove(fn)
+
+
+def _notify(stage: str, gm: fx.GraphModule, report: Any) -> None:
+    for fn in list(_observers):
+        fn(stage, gm, report)
+
+
 def is_installed() -> bool:
     return isinstance(functorch_config.joint_custom_pass, _CompiledFSDPJointPass)
 
@@ -145,7 +201,17 @@ def last_reports() -> list[JointPassReport]:
         return list(_reports)
 
 
+def last_schedule_reports() -> list[ScheduleReport]:
+    """Reports of the most recent scheduling runs on graphs holding the
+    passes' collectives (forward and backward, oldest first, bounded). Each
+    has ``before``/``after`` predicted timelines; ``as_dict()`` gives plain
+    dicts (seconds from the graph's start)."""
+    with _lock:
+        return list(_schedule_reports)
+
+
 def clear_reports() -> None:
     with _lock:
         _reports.clear()
+        _schedule_reports.clear()
 

@@ -7,10 +7,14 @@ and leaves a graph without ``compiled_fsdp`` markers untouched.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch.fx as fx
 
+from . import config
 from ._graph import has_markers
+from .cost_model import CostModel
 from .lowering import (
     BucketReport,
     LoweringPlan,
@@ -19,6 +23,15 @@ from .lowering import (
     lower_markers,
     plan_lowering,
 )
+from .schedule import (
+    Move,
+    SchedulePlan,
+    ScheduleReport,
+    apply_schedule,
+    plan_schedule,
+    schedule_graph,
+)
+from .timeline import CommEvent, ModuleSpan, Timeline
 from .recompute import (
     FSDP_AC_GRAPH_ID,
     RecomputeReport,
@@ -29,6 +42,17 @@ from .recompute import (
 
 __all__ = [
     "BucketReport",
+    "CommEvent",
+    "CostModel",
+    "ModuleSpan",
+    "Move",
+    "SchedulePlan",
+    "ScheduleReport",
+    "Timeline",
+    "apply_schedule",
+    "config",
+    "plan_schedule",
+    "schedule_graph",
     "FSDP_AC_GRAPH_ID",
     "JointPassReport",
     "LoweringPlan",
@@ -40,6 +64,7 @@ __all__ = [
     "lower_markers",
     "plan_lowering",
     "plan_recompute_tags",
+    "Observer",
     "run_joint_passes",
     "tag_recompute",
 ]
@@ -70,11 +95,24 @@ class JointPassReport:
         )
 
 
-def run_joint_passes(gm: fx.GraphModule) -> JointPassReport:
-    """Runs every joint-graph pass on ``gm`` in place: lowering, then
-    recompute tagging. A graph without markers is returned untouched."""
+# observe(stage, graph_module, report_or_None): called before the first pass
+# ("before") and after each pass (its name) -- the debug dump's hook.
+Observer = Callable[[str, fx.GraphModule, Optional[Any]], None]
+
+
+def run_joint_passes(gm: fx.GraphModule, observe: Optional[Observer] = None) -> JointPassReport:
+    """Runs every joint-graph pass on ``gm`` in place: lowering (with
+    bucketing of small modules), then recompute tagging. A graph without
+    markers is returned untouched. Scheduling runs later, on the partitioned
+    graphs (see schedule.py)."""
     if not has_markers(gm.graph):
         return JointPassReport(has_markers=False)
+    if observe is not None:
+        observe("before", gm, None)
     lowering = lower_markers(gm)
+    if observe is not None:
+        observe("lowering", gm, lowering)
     recompute = tag_recompute(gm)
+    if observe is not None:
+        observe("recompute", gm, recompute)
     return JointPassReport(has_markers=True, lowering=lowering, recompute=recompute)

@@ -34,6 +34,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from .bucketing import merge_small_buckets
+from .config import overlap
 from ._graph import (
     META_KEY,
     MarkerArgs,
@@ -76,7 +78,9 @@ class BucketPlan:
     group_name: str
     world_size: int
     reshard_after_forward: bool | None
-    slots: list[Slot]  # sorted by param_index
+    slots: list[Slot]  # sorted by (module order in the bucket, param_index)
+    # Every module in the bucket; more than one after bucketing merged small ones.
+    module_keys: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def total_numel(self) -> int:
@@ -96,6 +100,7 @@ class BucketReport:
     group_name: str
     world_size: int
     param_indices: list[int]
+    module_keys: list[int]
     markers_replaced: int
     numel: int
     reshard_after_forward: bool | None
@@ -202,22 +207,40 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         world_size=first.world_size,
         reshard_after_forward=first.reshard_after_forward,
         slots=ordered,
+        module_keys=[module_key],
     )
 
 
-def plan_lowering(gm: fx.GraphModule) -> LoweringPlan:
+def _combine(group: list[BucketPlan]) -> BucketPlan:
+    """One bucket for several modules' slots (see [Note: Bucket threshold])."""
+    head = group[0]
+    return dataclasses.replace(
+        head,
+        module_key=min(b.module_key for b in group),
+        slots=[s for b in group for s in b.slots],
+        module_keys=[k for b in group for k in b.module_keys],
+    )
+
+
+def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> LoweringPlan:
     """Groups the markers of ``gm`` into one gather bucket and one reduce
-    bucket per module_key. Reads the graph only."""
+    bucket per module_key, then merges buckets smaller than ``bucket_bytes``
+    (default ``config.overlap.bucket_bytes``) with a neighbour. Reads the
+    graph only."""
+    if bucket_bytes is None:
+        bucket_bytes = overlap.bucket_bytes
     buckets: list[BucketPlan] = []
     skipped: list[tuple[str, int, str]] = []
     for kind in ("gather", "reduce"):
         groups, bad = _group_markers(gm.graph, kind)
         skipped.extend(bad)
+        planned = []
         for key in sorted(groups):
             try:
-                buckets.append(_plan_bucket(kind, key, groups[key]))
+                planned.append(_plan_bucket(kind, key, groups[key]))
             except _Skip as e:
                 skipped.append((kind, key, str(e)))
+        buckets.extend(merge_small_buckets(gm.graph, planned, bucket_bytes, _combine))
     return LoweringPlan(buckets=buckets, skipped=skipped)
 
 
@@ -226,6 +249,7 @@ def _copied_meta(src: fx.Node, plan: BucketPlan) -> dict:
     meta[META_KEY] = {
         "role": f"{plan.kind}_chain",
         "module_key": plan.module_key,
+        "module_keys": list(plan.module_keys),
         "reshard_after_forward": plan.reshard_after_forward,
     }
     return meta
@@ -322,6 +346,7 @@ def apply_lowering(gm: fx.GraphModule, plan: LoweringPlan) -> LoweringReport:
                 group_name=bucket.group_name,
                 world_size=bucket.world_size,
                 param_indices=[s.args.param_index for s in bucket.slots],
+                module_keys=list(bucket.module_keys),
                 markers_replaced=sum(len(s.markers) for s in bucket.slots),
                 numel=bucket.total_numel,
                 reshard_after_forward=bucket.reshard_after_forward,

@@ -1,0 +1,119 @@
+"""The overlap benchmark: ours vs FSDP2 vs the physical limits, side by side.
+
+    pip install -e ".[bench]" && python benchmarks/run.py [--steps 5] [--warmup 2] [--out DIR]
+
+Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
+4x256 per rank, AdamW) on 2 gloo ranks, 1 thread each, in fresh processes:
+
+  ours_compiled          compiled_fsdp + torch.compile (Inductor), scheduling on
+  ours_compiled_nosched  the same, scheduling off (the partitioner's order)
+  ours_eager             compiled_fsdp's eager hook runtime
+  fsdp2_eager            torch.distributed.fsdp.fully_shard
+  fsdp2_compiled         FSDP2 + torch.compile
+  compute_eager/compiled unsharded model, two processes at once, no communication
+  comm_only              the step's collectives alone (same buckets and count)
+
+Writes ``results.json`` and ``results.png`` (if matplotlib is installed) to
+``--out`` (default /tmp/compiled_fsdp_bench) and prints a table with ratios.
+Not part of CI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests"), HERE]
+
+from _dist import run_distributed  # noqa: E402
+from workloads import comm_rank, train_rank  # noqa: E402
+
+TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_eager", "fsdp2_eager",
+               "fsdp2_compiled", "compute_eager", "compute_compiled"]
+
+
+def _summary(per_rank: list[dict]) -> dict:
+    out = {"step_s": max(r["step_s"] for r in per_rank), "per_rank": per_rank}
+    for key in ("rss_peak_mb", "step_peak_mb", "first_step_s"):
+        if key in per_rank[0]:
+            out[key] = max(r[key] for r in per_rank)
+    return out
+
+
+def _plot(results: dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(results["configs"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    a.barh(names, [results["configs"][n]["step_s"] for n in names], color="tab:blue")
+    a.set_xlabel("median step time (s), max over ranks")
+    mem = [n for n in names if "step_peak_mb" in results["configs"][n]]
+    b.barh(mem, [results["configs"][n]["step_peak_mb"] for n in mem], color="tab:orange")
+    b.set_xlabel("peak RSS growth during a step (MiB), max over ranks")
+    fig.suptitle("GPT ~30M, 2 gloo ranks x 1 thread, batch 4x256, AdamW")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default="/tmp/compiled_fsdp_bench")
+    ap.add_argument("--only", nargs="*", default=None, help="subset of configurations")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results: dict = {"steps": args.steps, "warmup": args.warmup, "configs": {}}
+    for kind in TRAIN_KINDS + ["comm_only"]:
+        if args.only and kind not in args.only:
+            continue
+        t0 = time.perf_counter()
+        if kind == "comm_only":
+            per_rank = run_distributed(comm_rank, 2, args.warmup, args.steps, timeout=1200)
+        else:
+            per_rank = run_distributed(train_rank, 2, kind, args.warmup, args.steps, timeout=1200)
+        res = results["configs"][kind] = _summary(per_rank)
+        res["wall_s"] = time.perf_counter() - t0
+        print(f"{kind:22s} step {res['step_s']:.3f} s  "
+              f"step-peak {res.get('step_peak_mb', float('nan')):7.1f} MiB  "
+              f"rss {res.get('rss_peak_mb', float('nan')):7.1f} MiB  (wall {res['wall_s']:.0f} s)",
+              flush=True)
+    c = {k: v["step_s"] for k, v in results["configs"].items()}
+    ratios = {}
+    if {"ours_compiled", "compute_compiled", "comm_only"} <= c.keys():
+        limit = max(c["compute_compiled"], c["comm_only"])
+        ratios["ours_compiled / max(compute_compiled, comm_only)"] = c["ours_compiled"] / limit
+        hidden = (c["compute_compiled"] + c["comm_only"] - c["ours_compiled"]) / c["comm_only"]
+        ratios["fraction of comm_only hidden (compiled)"] = hidden
+    if {"ours_compiled", "fsdp2_eager"} <= c.keys():
+        ratios["ours_compiled / fsdp2_eager"] = c["ours_compiled"] / c["fsdp2_eager"]
+    if {"ours_compiled", "fsdp2_compiled"} <= c.keys():
+        ratios["ours_compiled / fsdp2_compiled"] = c["ours_compiled"] / c["fsdp2_compiled"]
+    if {"ours_compiled", "ours_compiled_nosched"} <= c.keys():
+        ratios["ours_compiled / ours_compiled_nosched"] = c["ours_compiled"] / c["ours_compiled_nosched"]
+    if {"ours_eager", "fsdp2_eager"} <= c.keys():
+        ratios["ours_eager / fsdp2_eager"] = c["ours_eager"] / c["fsdp2_eager"]
+    cfg = results["configs"]
+    if {"ours_compiled", "fsdp2_eager"} <= cfg.keys():
+        ratios["step_peak ours_compiled / fsdp2_eager"] = (
+            cfg["ours_compiled"]["step_peak_mb"] / cfg["fsdp2_eager"]["step_peak_mb"])
+    results["ratios"] = ratios
+    for k, v in ratios.items():
+        print(f"{k:50s} {v:.3f}")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plotted = _plot(results, os.path.join(args.out, "results.png"))
+    print(f"wrote {args.out}/results.json" + (" and results.png" if plotted else ""))
+
+
+if __name__ == "__main__":
+    main()

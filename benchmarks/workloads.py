@@ -1,0 +1,166 @@
+"""One rank's side of each benchmark configuration (run by ``benchmarks/run.py``
+on 2 gloo ranks, 1 thread each).
+
+[Note: Measuring memory on CPU]
+There is no ``torch.cuda.max_memory_allocated`` for CPU tensors. A sampler
+thread reads the process's resident set size (``/proc/self/statm``) every
+2 ms during the measured steps. Reported: ``rss_peak_mb``, the peak RSS in the
+measured window (includes Python, torch, compiled code, glibc caches), and
+``step_peak_mb``, that peak minus the RSS just before the window: the
+transient memory of one step (activations, gathered parameters, gradient
+buffers) once the persistent state (shards, optimizer state) exists. Limits:
+a sample can miss a peak shorter than 2 ms, and memory glibc keeps cached
+after ``free`` still counts as resident.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from examples.gpt import GPTConfig, batch, bench, loss_fn
+
+BATCH = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class _RssSampler:
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def __enter__(self) -> "_RssSampler":
+        self.peak = _rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Returns (model whose parameters the optimizer steps, callable to run)."""
+    model = bench()
+    if kind.startswith("ours"):
+        import compiled_fsdp
+        from compiled_fsdp.passes import config
+
+        config.overlap.schedule = kind != "ours_compiled_nosched"
+        # A cache hit skips the passes, so the schedule report would be empty.
+        torch._functorch.config.enable_autograd_cache = False
+        torch._inductor.config.fx_graph_cache = False
+        for block in model.layers:
+            compiled_fsdp.fully_shard(block)
+        compiled_fsdp.fully_shard(model)
+    elif kind.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    compiled = kind.endswith("compiled") or kind == "ours_compiled_nosched"
+    return model, (torch.compile(model) if compiled else model)
+
+
+def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int) -> dict:
+    """Step times and memory of one configuration on this rank."""
+    torch.manual_seed(0)
+    model, run = _build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = batch(GPTConfig(), BATCH, seed=rank)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        loss = loss_fn(run(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    first = [step() for _ in range(warmup)]
+    before = _rss()
+    with _RssSampler() as mem:
+        times = [step() for _ in range(steps)]
+    out = {
+        "step_s": statistics.median(times), "times_s": times, "first_step_s": first[0],
+        "rss_peak_mb": mem.peak / 2**20, "step_peak_mb": (mem.peak - before) / 2**20,
+    }
+    if kind == "ours_compiled":
+        from compiled_fsdp._compile import last_schedule_reports
+
+        out["schedule"] = [
+            {"graph": r.graph, "changed": r.changed, "moves": len(r.moves),
+             "budget_bytes": r.budget_bytes, "max_in_flight_bytes": r.max_in_flight_bytes,
+             "predicted_exposed_before_s": r.before.exposed_s,
+             "predicted_exposed_after_s": r.after.exposed_s,
+             "predicted_compute_s": r.after.compute_s, "predicted_comm_s": r.after.comm_s}
+            for r in last_schedule_reports()
+        ]
+    return out
+
+
+def bucket_numels(world: int) -> tuple[list[int], list[int]]:
+    """Shard numel of each module's bucket, root first then blocks (forward
+    order), padded like the lowering: (root, blocks)."""
+    model = bench()
+
+    def shard_numel(params: list[torch.nn.Parameter]) -> int:
+        total = 0
+        for p in params:
+            d0 = p.shape[0] if p.dim() else 1
+            rest = p.numel() // d0 if p.dim() else 1
+            total += -(-d0 // world) * rest
+        return total
+
+    blocks = [shard_numel(list(b.parameters())) for b in model.layers]
+    block_ids = {id(p) for b in model.layers for p in b.parameters()}
+    root = shard_numel([p for p in model.parameters() if id(p) not in block_ids])
+    return [root], blocks
+
+
+def comm_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
+    """The step's collectives alone, in the compiled step's order and sizes:
+    forward gathers (root, blocks), backward re-gathers (blocks, reversed, the
+    root is not resharded), one reduce-scatter per module; each waited at once."""
+    fc = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    root, blocks = bucket_numels(world)
+    shards = {n: torch.randn(n) for n in set(root + blocks)}
+    fulls = {n: torch.randn(n * world) for n in set(root + blocks)}
+    plan = ([("ag", n) for n in root + blocks] + [("ag", n) for n in reversed(blocks)]
+            + [("rs", n) for n in reversed(root + blocks)])
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        for kind, n in plan:
+            if kind == "ag":
+                fc.wait_tensor(fc.all_gather_into_tensor(shards[n], world, group))
+            else:
+                fc.wait_tensor(fc.reduce_scatter_tensor(fulls[n], "sum", world, group))
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        step()
+    times = [step() for _ in range(steps)]
+    return {"step_s": statistics.median(times), "times_s": times, "collectives": len(plan),
+            "bytes_unsharded": sum(n * world * 4 for _, n in plan)}

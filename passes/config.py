@@ -1,0 +1,32 @@
+"""User-facing knobs of the overlap passes (bucketing, scheduling).
+
+Set them before the first compile: ``compiled_fsdp.passes.config.overlap.schedule
+= False``. Their values are part of Inductor's cache key (see
+``compiled_fsdp._compile._CacheKeyPass``), so changing them recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class OverlapConfig:
+    # Reorder the partitioned forward/backward graphs (Inductor only: see
+    # [Note: Where scheduling runs] in schedule.py).
+    schedule: bool = True
+    # Bytes of unsharded buffers allowed in flight beyond the module computing
+    # (prefetched gathers not yet waited on + reduce-scatters not yet waited on).
+    # None: twice the largest gathered bucket of the graph, i.e. at most two
+    # gathered modules alive beyond the one computing.
+    budget_bytes: int | None = None
+    # A gather is issued no earlier than needed to hide ``cover`` times its
+    # estimated duration behind compute (the cost model's estimates are rough:
+    # on 2 CPU cores gloo's own threads compete with compute).
+    cover: float = 2.0
+    # Gather/reduce buckets smaller than this many bytes (unsharded) are merged
+    # with their neighbour. See [Note: Bucket threshold] in bucketing.py.
+    bucket_bytes: int = 256 * 1024
+
+
+overlap = OverlapConfig()

@@ -1,0 +1,160 @@
+"""Analytic cost model: compute time from FLOP and byte counts per FX node,
+communication time from an alpha-beta model per backend.
+
+[Note: Estimates, not measurements]
+Nothing here runs the graph or times anything at compile time: every rank must
+reach the same scheduling decision, so every estimate is a pure function of the
+graph (shapes and dtypes in ``node.meta["val"]``) and of the constants below.
+Per-rank profiling (DeepCompile's approach) can disagree between ranks and
+hangs when shapes vary. The constants were measured once, offline, with
+``benchmarks/calibrate.py``; the schedule only needs their *ratios* to be
+roughly right (is a gather shorter than the block before it?), not their
+absolute values.
+
+Compute: matmul-like ops (mm, addmm, bmm, convolution, attention and their
+backward; the formulas of ``torch.utils.flop_counter``) cost
+``flops / flops_per_s``; every other op producing or reading tensors costs
+``bytes moved / bytes_per_s`` (inputs read + outputs written), views and
+collectives cost nothing. Communication: ``t = (N-1) * alpha + (N-1)/N * bytes
+/ link_bytes_per_s`` for a ring over N ranks, ``bytes`` being the unsharded
+buffer (the gather's output, the reduce-scatter's input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+c10d = torch.ops._c10d_functional
+
+AG = c10d.all_gather_into_tensor.default
+RS = c10d.reduce_scatter_tensor.default
+WAIT = c10d.wait_tensor.default
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeConstants:
+    flops_per_s: float
+    bytes_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CommConstants:
+    alpha_s: float  # per ring step
+    link_bytes_per_s: float
+
+
+# [Note: Calibrated constants]
+# CPU / gloo: measured 2026-11-22 with benchmarks/calibrate.py on the project's
+# 2-core CPU machine (torch 2.13.0 CPU build), 1 thread per process, 2 gloo
+# ranks on loopback. See DESIGN.md "Overlap" for the raw numbers.
+# CUDA / NCCL: not measured here (no GPU); vendor figures for one H100 SXM
+# node (bf16 dense ~60% of 989 TFLOP/s, HBM3 3.35 TB/s at ~70%, NVLink 4
+# ~370 GB/s bus bandwidth, ~10 us NCCL latency per step). Re-run the
+# calibration on the target before trusting them.
+# Measured: matmul 69-91 GFLOP/s, elementwise 10.4-10.8 GB/s; 2-rank fit
+# (relative error) all_gather alpha 338 us, 0.835 GB/s of unsharded buffer,
+# reduce_scatter alpha 468 us, 0.575 GB/s; link = 2-rank figure / 2.
+CPU_COMPUTE = ComputeConstants(flops_per_s=8.0e10, bytes_per_s=1.05e10)
+GLOO_COMM = {
+    "all_gather": CommConstants(alpha_s=3.4e-4, link_bytes_per_s=4.2e8),
+    "reduce_scatter": CommConstants(alpha_s=4.7e-4, link_bytes_per_s=2.9e8),
+}
+CUDA_COMPUTE = ComputeConstants(flops_per_s=6.0e14, bytes_per_s=2.3e12)
+NCCL_COMM = {
+    "all_gather": CommConstants(alpha_s=1.0e-5, link_bytes_per_s=3.7e11),
+    "reduce_scatter": CommConstants(alpha_s=1.0e-5, link_bytes_per_s=3.7e11),
+}
+
+_NO_COST_OPS = ("view", "_unsafe_view", "reshape", "slice", "select", "expand", "t",
+                "transpose", "permute", "squeeze", "unsqueeze", "alias", "as_strided",
+                "split", "split_with_sizes", "detach", "getitem")
+
+
+def tensor_bytes(val: Any) -> int:
+    """Bytes of every tensor in a ``meta["val"]`` value (0 for symbolic sizes)."""
+    total = 0
+    for t in tree_leaves(val):
+        if isinstance(t, torch.Tensor):
+            try:
+                total += int(t.numel()) * t.element_size()
+            except TypeError:  # symbolic numel
+                continue
+    return total
+
+
+def node_bytes(node: fx.Node) -> int:
+    return tensor_bytes(node.meta.get("val"))
+
+
+def _collective_kind(node: fx.Node) -> str | None:
+    if node.target is AG:
+        return "all_gather"
+    if node.target is RS:
+        return "reduce_scatter"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    compute: ComputeConstants = CPU_COMPUTE
+    comm: Any = dataclasses.field(default_factory=lambda: dict(GLOO_COMM))
+
+    @staticmethod
+    def for_graph(graph: fx.Graph) -> "CostModel":
+        """CUDA constants when the graph's tensors live on a GPU, else CPU/gloo.
+        Depends only on the graph, so it is the same on every rank."""
+        for n in graph.nodes:
+            vals = [t for t in tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)]
+            if vals:
+                if vals[0].device.type == "cuda":
+                    return CostModel(compute=CUDA_COMPUTE, comm=dict(NCCL_COMM))
+                return CostModel()
+        return CostModel()
+
+    def compute_time(self, node: fx.Node) -> float:
+        """Seconds of compute for ``node`` (0 for views, collectives, waits)."""
+        if node.op != "call_function" or _collective_kind(node) or node.target is WAIT:
+            return 0.0
+        target = node.target
+        packet = getattr(target, "overloadpacket", None)
+        name = getattr(packet, "__name__", getattr(target, "__name__", ""))
+        if packet in flop_registry:
+            args, kwargs = torch.utils._pytree.tree_map(
+                lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a,
+                (node.args, node.kwargs),
+            )
+            try:
+                flops = flop_registry[packet](*args, out_val=node.meta.get("val"), **kwargs)
+                return float(flops) / self.compute.flops_per_s
+            except Exception:  # noqa: BLE001 - unexpected signature: fall back to bytes
+                pass
+        if name in _NO_COST_OPS:
+            return 0.0
+        moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)
+        return moved / self.compute.bytes_per_s
+
+    def comm_time(self, kind: str, unsharded_bytes: int, world_size: int) -> float:
+        c = self.comm[kind]
+        steps = max(world_size - 1, 0)
+        return steps * c.alpha_s + steps / max(world_size, 1) * unsharded_bytes / c.link_bytes_per_s
+
+    def collective_time(self, node: fx.Node) -> float:
+        """Seconds for an all_gather_into_tensor / reduce_scatter_tensor node."""
+        kind = _collective_kind(node)
+        if kind is None:
+            return 0.0
+        world = node.args[-2] if kind == "reduce_scatter" else node.args[1]
+        buf = node if kind == "all_gather" else node.args[0]
+        return self.comm_time(kind, node_bytes(buf), int(world))
+
+    def latency_bytes(self, kind: str, world_size: int) -> int:
+        """Buffer size at which the bandwidth term equals the latency term:
+        below it a collective is mostly fixed cost (see [Note: Bucket threshold])."""
+        c = self.comm[kind]
+        return int(world_size * c.alpha_s * c.link_bytes_per_s)

@@ -1,0 +1,359 @@
+"""Scheduling: reorders a partitioned forward or backward graph so that each
+all-gather is issued early (prefetch) and each reduce-scatter as soon as its
+gradients exist, with every wait as late as its first use allows, inside a
+memory budget.
+
+[Note: Where scheduling runs]
+Scheduling must see the partitioned graphs: the partitioner re-places nodes
+(recomputed gathers go right before their first backward use), so an order set
+in the joint graph does not survive. Under Inductor the pass runs as (part of)
+``torch._inductor.config.post_grad_custom_post_pass`` (see ``_compile.py``).
+torch 2.13 has no post-partition hook that runs under ``aot_eager``: AOTAutograd
+calls ``joint_custom_pass`` before ``partition_fn`` and hands the two graphs
+straight to the backend's ``fw_compiler``/``bw_compiler`` (``boxed_nop`` for
+aot_eager). So ``aot_eager`` runs the partitioner's order; a custom
+``aot_autograd(fw_compiler=..., bw_compiler=...)`` backend can call
+``schedule_graph`` itself (the tests do). Scheduling changes no numerics: it
+only permutes nodes that are independent of each other.
+
+[Note: Scheduling rules]
+Nodes fall into three classes. *Issue* nodes: an owned collective and its
+single-use input chain (view/cat/pad of shards or gradients). *Lazy* nodes: the
+collective's wait and the views after it. *Compute*: everything else, kept in
+its original relative order. One walk over the compute nodes emits lazy nodes
+on demand (a wait lands right before the first node that needs it) and issues
+owned collectives in their original order -- never reordered relative to each
+other, so the per-group order is unchanged by construction -- as soon as:
+  * their inputs exist (a reduce-scatter right after its last gradient);
+  * no collective the passes do not own lies before them in the original order
+    and is still unemitted (a foreign collective is a barrier: everything issued
+    before it is also waited before it, nothing issued after it moves above);
+  * for a gather, the estimated compute left before its first use is no longer
+    more than ``cover`` times its estimated duration (no earlier than useful);
+  * the in-flight bytes (issued, not yet waited) stay within the budget; a
+    reduce-scatter in flight is waited to make room, a prefetched gather is not.
+A collective needed right away is issued regardless (that is the original
+placement). Finally the estimated peak memory of the new order must not exceed
+the original's plus the budget, or the original order is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .config import OverlapConfig
+from .cost_model import AG, RS, WAIT, CostModel, node_bytes
+from .timeline import Timeline, estimate_peak, owned_info, simulate
+
+_FOREIGN_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "compiled_fsdp")
+
+
+@dataclasses.dataclass
+class _Coll:
+    node: fx.Node
+    kind: str
+    module_key: int
+    nbytes: int
+    cone: list[fx.Node]  # issue chain, graph order
+    wait: fx.Node | None
+    barrier: int  # index of the last foreign collective before it (in barrier order), or -1
+    desired: int = 0  # earliest compute index worth issuing at (gathers)
+
+
+@dataclasses.dataclass
+class Move:
+    node: str
+    kind: str  # "issue" | "wait"
+    module_key: int
+    from_index: int
+    to_index: int
+
+
+@dataclasses.dataclass
+class SchedulePlan:
+    order: list[fx.Node]  # every non-placeholder, non-output node
+    changed: bool
+    budget_bytes: int
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class ScheduleReport:
+    graph: str  # "forward" | "backward" | "none"
+    changed: bool = False
+    reason: str = ""
+    budget_bytes: int = 0
+    max_in_flight_bytes: int = 0
+    collectives: int = 0
+    moves: list[Move] = dataclasses.field(default_factory=list)
+    # The owned collectives and waits in final order: "all_gather:<module_key>",
+    # "reduce_scatter:<module_key>", "wait:<module_key>".
+    sequence: list[str] = dataclasses.field(default_factory=list)
+    peak_before_bytes: int = 0
+    peak_after_bytes: int = 0
+    before: Timeline = dataclasses.field(default_factory=Timeline)
+    after: Timeline = dataclasses.field(default_factory=Timeline)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _is_foreign_collective(n: fx.Node) -> bool:
+    if n.op != "call_function" or owned_info(n) is not None:
+        return False
+    target = n.target
+    if not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    return target.namespace in _FOREIGN_NAMESPACES
+
+
+def _same_chain(a: fx.Node, info: dict) -> bool:
+    other = owned_info(a)
+    return (
+        other is not None and a.op == "call_function"
+        and other["role"] == info["role"] and other["module_key"] == info["module_key"]
+    )
+
+
+def _find_colls(graph: fx.Graph) -> list[_Coll]:
+    colls = []
+    for n in graph.nodes:
+        info = owned_info(n)
+        if info is None or n.target not in (AG, RS):
+            continue
+        cone: list[fx.Node] = []
+        stack = list(n.all_input_nodes)
+        members = {n}
+        while stack:
+            a = stack.pop()
+            if a in members or not _same_chain(a, info) or any(u not in members for u in a.users):
+                continue
+            members.add(a)
+            cone.append(a)
+            stack.extend(a.all_input_nodes)
+        waits = [u for u in n.users if u.target is WAIT]
+        buf = n if n.target is AG else n.args[0]
+        assert isinstance(buf, fx.Node)
+        colls.append(_Coll(
+            node=n, kind="gather" if n.target is AG else "reduce",
+            module_key=int(info["module_key"]), nbytes=node_bytes(buf), cone=cone,
+            wait=waits[0] if len(waits) == 1 else None, barrier=-1,
+        ))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for c in colls:
+        c.cone.sort(key=order.__getitem__)
+    return colls
+
+
+def _lazy_tail(c: _Coll) -> list[fx.Node]:
+    """The wait and the views after it that read only the wait's chain."""
+    if c.wait is None:
+        return []
+    info = owned_info(c.node)
+    assert info is not None
+    tail, stack = {c.wait: None}, list(c.wait.users)
+    while stack:
+        u = stack.pop()
+        if u in tail or not _same_chain(u, info) or any(a not in tail for a in u.all_input_nodes):
+            continue
+        tail[u] = None
+        stack.extend(u.users)
+    return list(tail)
+
+
+def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None = None) -> SchedulePlan:
+    """Computes the new node order; reads the graph only."""
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    colls = _find_colls(graph)
+    if not colls:
+        return SchedulePlan(order=nodes, changed=False, budget_bytes=0, reason="no owned collectives")
+    if any(c.wait is None for c in colls):
+        return SchedulePlan(order=nodes, changed=False, budget_bytes=0,
+                            reason="a collective without exactly one wait")
+    cost = cost or CostModel.for_graph(graph)
+    budget = config.budget_bytes
+    if budget is None:
+        budget = 2 * max(c.nbytes for c in colls if c.kind == "gather") if any(
+            c.kind == "gather" for c in colls) else 2 * max(c.nbytes for c in colls)
+    issue_of: dict[fx.Node, _Coll] = {}
+    lazy_of: dict[fx.Node, _Coll] = {}
+    for c in colls:
+        for n in (*c.cone, c.node):
+            issue_of[n] = c
+        for n in _lazy_tail(c):
+            lazy_of[n] = c
+    compute = [n for n in nodes if n not in issue_of and n not in lazy_of]
+    times = [cost.compute_time(n) for n in compute]
+    suffix = [0.0] * (len(compute) + 1)
+    for i in range(len(compute) - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + times[i]
+    # Barriers and first uses, from the original order.
+    graph_pos = {n: i for i, n in enumerate(nodes)}
+    barriers = [i for i, n in enumerate(compute) if _is_foreign_collective(n)]
+    first_use: dict[int, int] = {}
+    for i, n in enumerate(compute):
+        for a in n.all_input_nodes:
+            c = lazy_of.get(a)
+            if c is not None:
+                first_use.setdefault(id(c), i)
+    for c in colls:
+        c.barrier = sum(1 for b in barriers if graph_pos[compute[b]] < graph_pos[c.node]) - 1
+        use = first_use.get(id(c), len(compute))
+        want = cost.collective_time(c.node) * config.cover
+        # latest p <= use with compute(p..use) >= want
+        p = use
+        while p > 0 and suffix[p] - suffix[use] < want:
+            p -= 1
+        c.desired = p
+
+    order: list[fx.Node] = []
+    emitted: set[fx.Node] = set(n for n in graph.nodes if n.op == "placeholder")
+    pending = list(colls)  # original order; issued strictly in this order
+    in_flight: list[_Coll] = []
+
+    def emit(n: fx.Node) -> None:
+        order.append(n)
+        emitted.add(n)
+
+    def issue_head() -> None:
+        c = pending.pop(0)
+        for n in (*c.cone, c.node):
+            emit(n)
+        in_flight.append(c)
+
+    def ensure(n: fx.Node) -> None:
+        if n in emitted:
+            return
+        if n in issue_of:
+            while issue_of[n] in pending:
+                issue_head()
+            return
+        assert n in lazy_of, f"{n} needed before its position"
+        for a in n.all_input_nodes:
+            ensure(a)
+        emit(n)
+        c = lazy_of[n]
+        if n is c.wait and c in in_flight:
+            in_flight.remove(c)
+
+    def try_issue(at: int, emitted_barriers: int) -> None:
+        while pending:
+            c = pending[0]
+            if c.barrier >= emitted_barriers:  # a barrier before it is not emitted yet
+                return
+            if any(a not in emitted and a not in issue_of for n in c.cone + [c.node]
+                   for a in n.all_input_nodes):
+                return
+            if c.kind == "gather" and at < c.desired:
+                return
+            while sum(x.nbytes for x in in_flight) + c.nbytes > budget:
+                rs = next((x for x in in_flight if x.kind == "reduce"), None)
+                if rs is None:
+                    return
+                assert rs.wait is not None
+                ensure(rs.wait)
+            issue_head()
+
+    done_barriers = 0
+    for i, n in enumerate(compute):
+        if _is_foreign_collective(n):
+            while pending and graph_pos[pending[0].node] < graph_pos[n]:
+                issue_head()
+            for c in list(in_flight):
+                assert c.wait is not None
+                ensure(c.wait)
+            emit(n)
+            done_barriers = barriers.index(i) + 1
+            continue
+        try_issue(i, done_barriers)
+        for a in n.all_input_nodes:
+            ensure(a)
+        emit(n)
+        try_issue(i + 1, done_barriers)
+    while pending:
+        issue_head()
+    for n in nodes:
+        ensure(n)
+    changed = any(a is not b for a, b in zip(order, nodes))
+    return SchedulePlan(order=order, changed=changed, budget_bytes=budget)
+
+
+def _sequence(order: list[fx.Node]) -> list[str]:
+    seq = []
+    for n in order:
+        info = owned_info(n)
+        if info is None or n.target not in (AG, RS, WAIT):
+            continue
+        what = "wait" if n.target is WAIT else "all_gather" if n.target is AG else "reduce_scatter"
+        seq.append(f"{what}:{info['module_key']}")
+    return seq
+
+
+def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None = None) -> ScheduleReport:
+    """Reorders ``graph`` to ``plan.order`` when that keeps the estimated peak
+    within the original peak plus the budget; reports what it did."""
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    colls = _find_colls(graph)
+    kind = "none" if not colls else "backward" if any(c.kind == "reduce" for c in colls) else "forward"
+    report = ScheduleReport(graph=kind, reason=plan.reason, budget_bytes=plan.budget_bytes,
+                            collectives=len(colls))
+    if not colls:
+        return report
+    cost = cost or CostModel.for_graph(graph)
+    report.sequence = _sequence(nodes)
+    report.before = simulate(nodes, cost)
+    report.peak_before_bytes = report.peak_after_bytes = estimate_peak(nodes, graph)
+    report.after = report.before
+    if not plan.changed:
+        return report
+    peak = estimate_peak(plan.order, graph)
+    if peak > report.peak_before_bytes + plan.budget_bytes:
+        report.reason = f"estimated peak {peak} exceeds {report.peak_before_bytes} + budget"
+        return report
+    old = {n: i for i, n in enumerate(nodes)}
+    new = {n: i for i, n in enumerate(plan.order)}
+    for c in colls:
+        assert c.wait is not None
+        for n, what in ((c.node, "issue"), (c.wait, "wait")):
+            if old[n] != new[n]:
+                report.moves.append(Move(n.name, what, c.module_key, old[n], new[n]))
+    in_flight, peak_flight = 0, 0
+    live: dict[fx.Node, int] = {}
+    for n in plan.order:
+        if n.target in (AG, RS) and owned_info(n) is not None:
+            c = next(x for x in colls if x.node is n)
+            live[n] = c.nbytes
+            in_flight += c.nbytes
+            peak_flight = max(peak_flight, in_flight)
+        elif n.target is WAIT and n.args[0] in live:
+            in_flight -= live.pop(n.args[0])  # type: ignore[arg-type]
+    report.max_in_flight_bytes = peak_flight
+    anchor = graph.find_nodes(op="placeholder")[-1] if graph.find_nodes(op="placeholder") else None
+    prev = anchor
+    for n in plan.order:
+        if prev is None:
+            next(iter(graph.nodes)).prepend(n)
+        else:
+            prev.append(n)
+        prev = n
+    graph.lint()
+    report.changed = True
+    report.sequence = _sequence(plan.order)
+    report.peak_after_bytes = peak
+    report.after = simulate(plan.order, cost)
+    return report
+
+
+def schedule_graph(graph: fx.Graph, config: OverlapConfig | None = None) -> ScheduleReport:
+    """Plan + apply in one call. A no-op (``changed=False``) on graphs without
+    the passes' collectives or with ``config.schedule`` off."""
+    from .config import overlap
+
+    config = config or overlap
+    if not config.schedule:
+        return ScheduleReport(graph="none", reason="scheduling disabled")
+    cost = CostModel.for_graph(graph)
+    return apply_schedule(graph, plan_schedule(graph, config, cost), cost)

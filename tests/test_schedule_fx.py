@@ -1,0 +1,193 @@
+"""Ordering invariants of the scheduling pass on hand-built FX graphs: two
+"modules", each gathered (all_gather + wait + view) then used by a matmul, and
+optionally a reduce-scatter of each module's gradient, as the lowering emits
+them (``node.meta["compiled_fsdp"]``)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from compiled_fsdp.passes.config import OverlapConfig
+from compiled_fsdp.passes.schedule import schedule_graph
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+AG, RS, WAIT = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+                c10d.wait_tensor.default)
+GROUP = "g0"
+D = 64
+
+
+def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = None) -> fx.Graph:
+    """x -> [gather_i, x = x @ w_i] for each module, then optional reduce-scatters
+    of ``x``-derived grads; a foreign all_reduce before module ``foreign_at``."""
+    mode = FakeTensorMode()
+    g = fx.Graph()
+    vals: dict[fx.Node, torch.Tensor] = {}
+
+    def node(target, *args, meta=None):
+        n = g.call_function(target, args)
+        with mode:
+            n.meta["val"] = target(*[vals.get(a, a) if isinstance(a, fx.Node) else a for a in args])
+        vals[n] = n.meta["val"]
+        if meta:
+            n.meta["compiled_fsdp"] = dict(meta)
+        return n
+
+    def ph(name, shape):
+        n = g.placeholder(name)
+        with mode:
+            n.meta["val"] = torch.empty(shape)
+        vals[n] = n.meta["val"]
+        return n
+
+    x = ph("x", (D, D))
+    shards = [ph(f"shard{i}", (D // 2 * D,)) for i in range(n_modules)]
+    outs = []
+    for i, s in enumerate(shards):
+        if foreign_at == i:
+            ar = node(c10d.all_reduce.default, x, "sum", GROUP)
+            x = node(WAIT, ar)
+        meta = {"role": "gather_chain", "module_key": i, "reshard_after_forward": True}
+        ag = node(AG, s, 2, GROUP, meta=meta)
+        w = node(aten.view.default, node(WAIT, ag, meta=meta), [D, D], meta=meta)
+        x = node(aten.relu.default, node(aten.mm.default, x, w))
+        outs.append(x)
+    if reduce:
+        for i in reversed(range(n_modules)):
+            meta = {"role": "reduce_chain", "module_key": i, "reshard_after_forward": None}
+            gr = node(aten.mul.Tensor, outs[i], 2.0)
+            flat = node(aten.view.default, gr, [D * D], meta=meta)
+            rs = node(RS, flat, "sum", 2, GROUP, meta=meta)
+            outs.append(node(aten.div.Tensor, node(WAIT, rs, meta=meta), 2, meta=meta))
+    g.output(tuple(outs))
+    return g
+
+
+def _pos(g: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(g.nodes)}
+
+
+def _collectives(g: fx.Graph) -> list[tuple[str, int]]:
+    return [(str(n.target), n.meta.get("compiled_fsdp", {}).get("module_key", -1))
+            for n in g.nodes if n.op == "call_function" and n.target in (AG, RS, c10d.all_reduce.default)]
+
+
+def _check_invariants(g: fx.Graph) -> None:
+    g.lint()  # every node after its inputs
+    pos = _pos(g)
+    for n in g.nodes:
+        if n.target in (AG, RS):
+            (wait,) = [u for u in n.users if u.target is WAIT]
+            assert pos[n] < pos[wait]
+            users = [u for u in wait.users]
+            assert all(pos[wait] < pos[u] for u in users)
+
+
+def test_prefetch_moves_gathers_early_and_waits_late() -> None:
+    g = _build()
+    before = _collectives(g)
+    rep = schedule_graph(g, OverlapConfig(cover=1e9))  # cover: prefetch as far as the budget allows
+    _check_invariants(g)
+    assert rep.changed and rep.graph == "forward"
+    assert _collectives(g) == before  # collective order unchanged
+    seq = rep.sequence
+    # gathers 0 and 1 issued before wait 0 (prefetch), wait i right before module i's matmul
+    assert seq[:3] == ["all_gather:0", "all_gather:1", "wait:0"]
+    pos = _pos(g)
+    for n in g.nodes:
+        if n.target is WAIT:
+            (view,) = n.users
+            mm = next(iter(view.users))
+            assert pos[mm] - pos[n] == 2  # wait, view, mm
+
+
+def test_budget_bounds_in_flight() -> None:
+    one = D * D * 4  # bytes of one gathered module
+    for budget, most in ((0, one), (one, 2 * one), (2 * one, 3 * one)):
+        g = _build(n_modules=5)
+        rep = schedule_graph(g, OverlapConfig(cover=1e9, budget_bytes=budget))
+        _check_invariants(g)
+        assert rep.max_in_flight_bytes <= most, (budget, rep.max_in_flight_bytes)
+        assert rep.peak_after_bytes <= rep.peak_before_bytes + budget
+    # the default budget: two gathered modules beyond the one computing
+    g = _build(n_modules=5)
+    rep = schedule_graph(g, OverlapConfig(cover=1e9))
+    assert rep.budget_bytes == 2 * one and rep.max_in_flight_bytes <= 3 * one
+
+
+def test_reduce_scatter_issued_early_waited_late_order_kept() -> None:
+    g = _build(reduce=True)
+    before = _collectives(g)
+    rep = schedule_graph(g, OverlapConfig(cover=1e9))
+    _check_invariants(g)
+    assert rep.graph == "backward" and rep.changed
+    assert _collectives(g) == before
+    nodes = list(g.nodes)
+    pos = _pos(g)
+    for n in g.nodes:
+        if n.target is RS:
+            grad = n.args[0].args[0]  # view <- mul
+            # issued right after its gradient: only its input view and waits
+            # (making room within the budget) in between
+            between = nodes[pos[grad] + 1: pos[n]]
+            assert all(b is n.args[0] or b.target is WAIT for b in between), between
+    # the first reduce-scatter's wait is deferred past the second's issue
+    seq = rep.sequence
+    assert seq.index("reduce_scatter:1") < seq.index("wait:2", seq.index("reduce_scatter:2"))
+
+
+def test_foreign_collective_is_a_barrier() -> None:
+    g = _build(n_modules=4, foreign_at=2)
+    before = _collectives(g)
+    schedule_graph(g, OverlapConfig(cover=1e9))
+    _check_invariants(g)
+    assert _collectives(g) == before
+    pos = _pos(g)
+    (ar,) = [n for n in g.nodes if n.target is c10d.all_reduce.default]
+    for n in g.nodes:
+        if n.target is AG:
+            key = n.meta["compiled_fsdp"]["module_key"]
+            (wait,) = n.users
+            if key < 2:  # issued and waited before the barrier
+                assert pos[wait] < pos[ar]
+            else:  # nothing from after it moves above it
+                assert pos[n] > pos[ar]
+
+
+def test_noop_without_collectives_and_when_disabled() -> None:
+    g = fx.Graph()
+    a = g.placeholder("a")
+    g.output(g.call_function(aten.relu.default, (a,)))
+    code = g.python_code("self").src
+    rep = schedule_graph(g, OverlapConfig())
+    assert not rep.changed and rep.graph == "none" and g.python_code("self").src == code
+    g2 = _build()
+    code2 = g2.python_code("self").src
+    rep2 = schedule_graph(g2, OverlapConfig(schedule=False))
+    assert not rep2.changed and g2.python_code("self").src == code2
+
+
+def test_deterministic_and_idempotent() -> None:
+    g1, g2 = _build(reduce=True), _build(reduce=True)
+    schedule_graph(g1, OverlapConfig())
+    schedule_graph(g2, OverlapConfig())
+    assert g1.python_code("self").src == g2.python_code("self").src
+    again = copy.deepcopy(g1)
+    rep = schedule_graph(again, OverlapConfig())
+    assert not rep.changed  # a pass with nothing left to do changes nothing
+
+
+def test_timeline_report() -> None:
+    g = _build(reduce=True)
+    rep = schedule_graph(g, OverlapConfig(cover=1e9))
+    d = rep.as_dict()
+    tl = d["after"]
+    assert {m["module_key"] for m in tl["modules"]} >= {0, 1, 2}
+    for c in tl["comms"]:
+        assert c["issue_s"] <= c["start_s"] <= c["end_s"] and c["exposed_s"] >= 0
+    assert tl["exposed_s"] <= d["before"]["exposed_s"] + 1e-12
+    assert tl["makespan_s"] <= d["before"]["makespan_s"] + 1e-12
