@@ -30,7 +30,7 @@ still disable the cache (``torch._functorch.config.enable_autograd_cache =
 False``) or use a fresh ``TORCHINDUCTOR_CACHE_DIR``.
 
 [Note: Scheduling under Inductor]
-The same ``_CacheKeyPass`` is the scheduling pass: Inductor calls it on the
+The same ``_SchedulePass`` is the scheduling pass: Inductor calls it on the
 partitioned forward and backward graphs after its own post-grad passes, and
 its uuid also hashes ``passes.config.overlap`` (the knobs change the output).
 Inductor keeps the relative order of collectives (its scheduler chains each
@@ -114,7 +114,7 @@ def _source_files() -> tuple[str, ...]:
     return (os.path.abspath(__file__), os.path.abspath(ops_mod.__file__), *files)
 
 
-class _CacheKeyPass(CustomGraphPass):
+class _SchedulePass(CustomGraphPass):
     """Post-grad pass: schedules the partitioned graphs (see [Note: Scheduling
     under Inductor]); its uuid puts our passes' source and the overlap config
     into Inductor's cache keys (see [Note: AOTAutograd cache])."""
@@ -135,21 +135,21 @@ class _CacheKeyPass(CustomGraphPass):
         )
 
 
-def _install_cache_key() -> None:
+def _install_schedule_pass() -> None:
     current = inductor_config.post_grad_custom_post_pass
     passes = (
         tuple(current) if isinstance(current, (list, tuple))
         else () if current is None else (current,)
     )
-    if any(isinstance(p, _CacheKeyPass) for p in passes):
+    if any(isinstance(p, _SchedulePass) for p in passes):
         return
-    inductor_config.post_grad_custom_post_pass = (*passes, _CacheKeyPass())
+    inductor_config.post_grad_custom_post_pass = (*passes, _SchedulePass())
 
 
 def install() -> None:
     """Installs the joint pass (idempotent). Called by ``fully_shard``."""
     with _lock:
-        _install_cache_key()
+        _install_schedule_pass()
         current = functorch_config.joint_custom_pass
         if isinstance(current, _CompiledFSDPJointPass):
             return
@@ -167,7 +167,7 @@ def uninstall() -> None:
             functorch_config.joint_custom_pass = current.inner
         post = inductor_config.post_grad_custom_post_pass
         if isinstance(post, (list, tuple)):
-            rest = tuple(p for p in post if not isinstance(p, _CacheKeyPass))
+            rest = tuple(p for p in post if not isinstance(p, _SchedulePass))
             inductor_config.post_grad_custom_post_pass = (
                 None if not rest else rest[0] if len(rest) == 1 else rest
             )
