@@ -12,6 +12,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map
 
+from .._layout import ShardSpec
+
 aten = torch.ops.aten
 
 UNSHARD_OP_NAME = "compiled_fsdp::unshard"
@@ -54,25 +56,9 @@ class MarkerArgs:
     reshard_after_forward: bool | None  # None for reduce_grad
 
     @property
-    def nd_shape(self) -> tuple[int, ...]:
-        """0-dim parameters are sharded as shape (1,)."""
-        return self.full_shape if len(self.full_shape) > 0 else (1,)
-
-    @property
-    def padded_d0(self) -> int:
-        d0 = self.nd_shape[0]
-        return -(-d0 // self.world_size) * self.world_size
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        return (self.padded_d0 // self.world_size, *self.nd_shape[1:])
-
-    @property
-    def shard_numel(self) -> int:
-        n = 1
-        for s in self.shard_shape:
-            n *= s
-        return n
+    def spec(self) -> ShardSpec:
+        """The parameter's layout; see [Note: Shard layout] in compiled_fsdp/_layout.py."""
+        return ShardSpec(self.full_shape, self.world_size)
 
     def bucket_signature(self) -> tuple[str, int]:
         return (self.group_name, self.world_size)

@@ -84,7 +84,7 @@ class BucketPlan:
 
     @property
     def total_numel(self) -> int:
-        return sum(s.args.shard_numel for s in self.slots)
+        return sum(s.args.spec.shard_numel for s in self.slots)
 
 
 @dataclasses.dataclass
@@ -195,7 +195,7 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:
         val = s.inputs[0].meta["val"]
-        want = s.args.shard_shape if kind == "gather" else s.args.full_shape
+        want = s.args.spec.shard_shape if kind == "gather" else s.args.full_shape
         if tuple(val.shape) != tuple(want):
             raise _Skip(f"param {s.args.param_index}: input shape {tuple(val.shape)} != {want}")
         if kind == "reduce":
@@ -266,7 +266,7 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
             shard = s.inputs[0]
             if not shard.meta["val"].is_contiguous():
                 shard = b(aten.clone.default, shard, memory_format=torch.contiguous_format)
-            flats.append(b(aten.view.default, shard, [s.args.shard_numel]))
+            flats.append(b(aten.view.default, shard, [s.args.spec.shard_numel]))
         cat = b(aten.cat.default, flats) if len(flats) > 1 else flats[0]
         gathered = b(c10d.all_gather_into_tensor.default, cat, n_ranks, plan.group_name)
         waited = b(c10d.wait_tensor.default, gathered)
@@ -274,13 +274,13 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
         off = 0
         for s in plan.slots:
             a = s.args
-            piece = b(aten.slice.Tensor, out2d, 1, off, off + a.shard_numel)
-            off += a.shard_numel
+            piece = b(aten.slice.Tensor, out2d, 1, off, off + a.spec.shard_numel)
+            off += a.spec.shard_numel
             if not piece.meta["val"].is_contiguous():
                 piece = b(aten.clone.default, piece, memory_format=torch.contiguous_format)
-            full = b(aten.view.default, piece, [a.padded_d0, *a.nd_shape[1:]])
-            if a.padded_d0 != a.nd_shape[0]:
-                full = b(aten.slice.Tensor, full, 0, 0, a.nd_shape[0])
+            full = b(aten.view.default, piece, [a.spec.padded_dim0, *a.spec.rest])
+            if a.spec.padded_dim0 != a.spec.dim0:
+                full = b(aten.slice.Tensor, full, 0, 0, a.spec.dim0)
             if len(a.full_shape) == 0:
                 full = b(aten.view.default, full, [])
             for m in s.markers:
@@ -304,10 +304,10 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
                 g = b(aten.clone.default, g, memory_format=torch.contiguous_format)
             if len(a.full_shape) == 0:
                 g = b(aten.view.default, g, [1])
-            pad = a.padded_d0 - a.nd_shape[0]
+            pad = a.spec.padded_dim0 - a.spec.dim0
             if pad:
-                g = b(aten.constant_pad_nd.default, g, [0, 0] * (len(a.nd_shape) - 1) + [0, pad])
-            pieces.append(b(aten.view.default, g, [n_ranks, a.shard_numel]))
+                g = b(aten.constant_pad_nd.default, g, [0, 0] * (len(a.spec.rest)) + [0, pad])
+            pieces.append(b(aten.view.default, g, [n_ranks, a.spec.shard_numel]))
         cat = b(aten.cat.default, pieces, 1) if len(pieces) > 1 else pieces[0]
         flat = b(aten.view.default, cat, [n_ranks * plan.total_numel])
         rs = b(c10d.reduce_scatter_tensor.default, flat, "sum", n_ranks, plan.group_name)
@@ -317,9 +317,9 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         results = []
         for s in plan.slots:
             a = s.args
-            piece = b(aten.slice.Tensor, avg, 0, off, off + a.shard_numel)
-            off += a.shard_numel
-            results.append(b(aten.view.default, piece, list(a.shard_shape)))
+            piece = b(aten.slice.Tensor, avg, 0, off, off + a.spec.shard_numel)
+            off += a.spec.shard_numel
+            results.append(b(aten.view.default, piece, list(a.spec.shard_shape)))
     dead: list[fx.Node] = []
     for s, res in zip(plan.slots, results):
         assert s.root is not None
