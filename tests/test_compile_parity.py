@@ -100,3 +100,35 @@ def test_fullgraph_structure(reshard: bool) -> None:
         assert not res["marker_left"]
         assert res["counts"] == [{}] * 5
         assert max(res["param"]) == 0.0
+
+
+def _twice_rank(rank: int, world: int) -> dict:
+    from _models import Twice, twice_batch, twice_loss
+
+    torch._dynamo.reset()
+    capture = GraphCapture()
+
+    def shard(model):
+        for m in (model.pre, model.shared, model.frozen, model.spare):
+            fully_shard(m)
+        fully_shard(model)
+
+    res = run_parity(
+        rank, Twice, shard, twice_batch, twice_loss,
+        wrap=lambda m: torch.compile(m, backend=capture.backend, fullgraph=True),
+        graph_counts=capture.take_runtime,
+    )
+    res["graphs"] = (len(capture.forward), len(capture.backward))
+    return res
+
+
+def test_compiled_module_called_twice_frozen_unused() -> None:
+    """Compiled: a module called twice is gathered once (its two reads share one
+    bucket) and reduced once (gradients of both uses summed first); a frozen
+    module is gathered but never reduced; a module never called is never gathered."""
+    for res in run_distributed(_twice_rank, 2):
+        assert_close(res, 0.0)
+        assert res["graphs"] == (1, 1) and res["counts"] == [{}] * 3
+        for step in res["graph_counts"]:
+            assert step["fw_all_gather"] == 4  # pre, shared, frozen, root
+            assert step["bw_reduce_scatter"] == 3  # pre, shared, root
