@@ -36,7 +36,7 @@ def explain(model: nn.Module) -> list[ModuleReport]:
     for state in iter_fsdp_states(model):
         path = _last_path(state)
         reason = _break_reason(state.module) if path == "fallback" else None
-        reports.append(ModuleReport(fqns.get(state.module, "?"), type(state.module).__name__, path, reason))
+        reports.append(ModuleReport(fqns.get(state.module, "?"), getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason))
     return reports
 
 

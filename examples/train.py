@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from compiled_fsdp import fully_shard, get_full_state_dict  # noqa: E402
+from compiled_fsdp import explain, fully_shard, get_full_state_dict  # noqa: E402
 from examples import gpt  # noqa: E402
 
 
@@ -71,6 +71,10 @@ def main() -> None:
         dist.all_reduce(loss)
         if rank == 0:
             print(f"step {step:3d}  loss {loss.item() / world:.4f}  {time.perf_counter() - start:.2f}s")
+    if rank == 0:
+        print("how each fully sharded module ran (compiled_fsdp.explain):")
+        for report in explain(model):
+            print(f"  {report}")
     full = get_full_state_dict(model)
     if rank == 0:
         print(f"gathered full state dict: {len(full)} tensors, "
