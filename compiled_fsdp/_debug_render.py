@@ -170,8 +170,8 @@ how many collectives it runs; `rank<r>/graph_<frame>_<compile>/` holds:
   joint graph (with reshard-after-forward, all-gathers appear again in backward)
 - `30_inductor_forward.py`, `31_inductor_backward.py`: Inductor's output code
   (only with the Inductor backend)
-- `40_timeline.json`: a *predicted* timeline (crude cost estimate, not
-  measured), compute and communication on separate tracks; open it in
+- `40_timeline.json`: a *predicted* timeline (the scheduling pass's cost
+  model, not measured), compute and communication on separate tracks; open it in
   https://ui.perfetto.dev
 - `50_pass_reports.txt`: what each pass did
 

@@ -1,11 +1,9 @@
 """A predicted timeline of one compiled training step, as a Chrome trace.
 
 [Note: Predicted timeline]
-Until the scheduling pass brings a real cost model, the dump predicts a
-timeline from the joint graph *after* our passes, in graph order, with a
-crude cost estimate (``CostModel``): a matmul costs its FLOPs, any other op
-the bytes it writes, a collective its bytes over a link bandwidth plus a
-latency. Two tracks, as a runtime with one compute stream and one
+The dump predicts a timeline from the joint graph *after* our passes, in
+graph order, with the scheduling pass's cost model (``passes/cost_model.py``:
+FLOPs and bytes per node, calibrated alpha-beta per collective). Two tracks, as a runtime with one compute stream and one
 communication stream would run it:
 
 * a collective (``_c10d_functional.*`` but ``wait_tensor``) starts when the
@@ -33,30 +31,20 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp.passes._graph import META_KEY, is_reduce_grad, is_unshard
+from compiled_fsdp.passes.cost_model import CostModel, tensor_bytes
 
-__all__ = ["CostModel", "Slice", "chrome_trace", "collective_bytes", "estimate_timeline", "is_collective"]
+__all__ = ["Slice", "chrome_trace", "collective_bytes", "estimate_timeline", "is_collective"]
 
 COMPUTE, COMM, PHASE = "compute", "communication", "phase"
 _TRACKS = {PHASE: 0, COMPUTE: 1, COMM: 2}
 
 aten = torch.ops.aten
-_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 _VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.slice.Tensor,
     aten.select.int, aten.t.default, aten.transpose.int, aten.permute.default,
     aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.split.Tensor,
     aten.split_with_sizes.default, aten.alias.default, aten.detach.default,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """Crude, machine-independent guesses (a CPU-class device)."""
-
-    flops_per_s: float = 50e9
-    mem_bytes_per_s: float = 20e9
-    link_bytes_per_s: float = 1e9
-    collective_latency_s: float = 20e-6
 
 
 @dataclasses.dataclass
@@ -78,20 +66,12 @@ def is_collective(node: fx.Node) -> bool:
     return ns == "_c10d_functional" and "wait_tensor" not in str(node.target)
 
 
-def _bytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_bytes(v) for v in val)
-    return 0
-
-
 def collective_bytes(node: fx.Node) -> int:
     """Bytes of the full (unsharded) side: a gather's output, a reduce-scatter's input."""
     if "reduce_scatter" in str(node.target) or is_reduce_grad(node):
         src = node.args[0]
-        return _bytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
-    return _bytes(node.meta.get("val"))
+        return tensor_bytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
+    return tensor_bytes(node.meta.get("val"))
 
 
 def _world_size(node: fx.Node) -> int:
@@ -101,19 +81,15 @@ def _world_size(node: fx.Node) -> int:
     return 2
 
 
-def _compute_us(node: fx.Node, cost: CostModel) -> float:
-    val = node.meta.get("val")
-    if node.target in _MATMULS and isinstance(val, torch.Tensor):
-        a = node.args[-2] if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[0]
-        k = a.meta["val"].shape[-1] if isinstance(a, fx.Node) and "val" in a.meta else 1
-        return 2.0 * val.numel() * int(k) / cost.flops_per_s * 1e6
-    return _bytes(val) / cost.mem_bytes_per_s * 1e6
-
-
 def _comm_us(node: fx.Node, cost: CostModel) -> float:
-    n = _world_size(node)
-    wire = collective_bytes(node) * (n - 1) / n
-    return (cost.collective_latency_s + wire / cost.link_bytes_per_s) * 1e6
+    """A lowered bucket costs what the scheduling pass estimates; a leftover marker
+    (one parameter) or a collective we do not own is priced like an all-gather or
+    reduce-scatter of its bytes."""
+    seconds = cost.collective_time(node)
+    if not seconds:
+        kind = "reduce_scatter" if "reduce_scatter" in str(node.target) or is_reduce_grad(node) else "all_gather"
+        seconds = cost.comm_time(kind, collective_bytes(node), _world_size(node))
+    return seconds * 1e6
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -139,10 +115,11 @@ def _label(node: fx.Node, module_names: dict[int, str]) -> dict[str, Any]:
 
 
 def estimate_timeline(
-    gm: fx.GraphModule, module_names: dict[int, str], cost: CostModel = CostModel()
+    gm: fx.GraphModule, module_names: dict[int, str]
 ) -> list[Slice]:
     """See [Note: Predicted timeline]."""
     graph = gm.graph
+    cost = CostModel.for_graph(graph)
     backward = _backward_nodes(graph)
     slices: list[Slice] = []
     t_compute = t_comm = 0.0
@@ -189,7 +166,7 @@ def estimate_timeline(
                                     _label(node, module_names)))
                 t_compute = ready
         elif node.target not in _VIEWS and not str(node.target).startswith("<built-in function getitem"):
-            dur = _compute_us(node, cost)
+            dur = cost.compute_time(node) * 1e6
             slices.append(Slice(str(getattr(node.target, "__name__", node.target)), COMPUTE, t_compute, dur,
                                 _label(node, module_names)))
             t_compute += dur
@@ -224,4 +201,4 @@ def chrome_trace(slices: list[Slice], process_name: str, pid: int = 0) -> dict[s
             "args": s.args,
         })
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"note": "predicted from graph order with a crude cost model; not measured"}}
+            "otherData": {"note": "predicted from graph order with the passes' cost model; not measured"}}
