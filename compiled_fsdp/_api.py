@@ -42,6 +42,9 @@ class ShardingOptions:
 
     process_group: dist.ProcessGroup
     reshard_after_forward: bool
+    # Same ranks as ``process_group``; carries every reduce-scatter. See
+    # [Note: A second group for reduce-scatters].
+    reduce_group: dist.ProcessGroup
 
 
 def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_after_forward: bool) -> ShardingOptions:
@@ -66,7 +69,43 @@ def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_a
         group = mesh
     else:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
-    return ShardingOptions(group, reshard_after_forward)
+    return ShardingOptions(group, reshard_after_forward, _reduce_group_for(group))
+
+
+# Gather group name -> its reduce group, created once per gather group.
+_REDUCE_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """[Note: A second group for reduce-scatters]
+    The overlap passes never reorder two collectives on one process group (the
+    order is what keeps ranks matched), and in backward the next module's
+    all-gather comes after this module's reduce-scatter in program order. On
+    one group the gather could therefore never be issued before the
+    reduce-scatter, i.e. never hidden behind this module's backward compute.
+    With the reduce-scatters on a group of their own (same ranks, same
+    backend), each group keeps its order and the gather moves freely across
+    the reduce-scatter. The eager runtime uses the same two groups, so a
+    compiled and an eager module never interleave differently on one group.
+
+    Created the first time ``fully_shard`` sees the gather group. Every rank
+    calls ``fully_shard`` in the same order (see [Note: Agreeing at
+    fully_shard]), so every member creates it at the same point: for a group
+    spanning the world with ``new_group`` (which all ranks join), for a
+    smaller group with ``use_local_synchronization`` (only its members join).
+    """
+    reduce_group = _REDUCE_GROUPS.get(group.group_name)
+    if reduce_group is None or reduce_group not in dist.distributed_c10d._world.pg_map:
+        # (not created yet, or destroyed with its world by destroy_process_group)
+        ranks = dist.get_process_group_ranks(group)
+        local = len(ranks) != dist.get_world_size()
+        reduce_group = dist.new_group(
+            ranks, backend=dist.get_backend(group), use_local_synchronization=local,
+            group_desc=f"compiled_fsdp_reduce_{group.group_name}",
+        )
+        assert reduce_group is not None
+        _REDUCE_GROUPS[group.group_name] = reduce_group
+    return reduce_group
 
 
 def _policy_matches(policy: Policy) -> Callable[[nn.Module], bool]:
@@ -122,7 +161,8 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             _SHARDS[fp.sharded] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
-            fsdp_params, options.process_group, next(_KEYS), options.reshard_after_forward, type(module).__name__
+            fsdp_params, options.process_group, options.reduce_group, next(_KEYS),
+            options.reshard_after_forward, type(module).__name__,
         )
         by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
         for fp in fsdp_params:

@@ -77,7 +77,7 @@ def render_graph(what: str, rec: GraphRecord, rank: int, body: str) -> str:
         f"# graph {rec.compile_id} (frame/compile: a recompile of the same frame gets a new second number), "
         f"rank {rank}; rank{rank}/index.md says which Python function it came from\n"
         "# Reading it: torch.ops.compiled_fsdp.unshard(shard, full_shape, group, world_size, module_key, "
-        "param_index, reshard_after_forward)\n"
+        "param_index, reshard_after_forward, reduce_group)\n"
         "#   marks a read of a sharded parameter, reduce_grad(...) its gradient; our passes replace them with one\n"
         "#   bucketed _c10d_functional.all_gather_into_tensor / reduce_scatter_tensor (+ wait_tensor) per module.\n"
         f"# module_key -> fully sharded module: {_legend(module_names())}\n\n"

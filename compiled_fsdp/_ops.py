@@ -14,6 +14,7 @@ The layout is the eager runtime's: see [Note: Shard layout] in _layout.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ __all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
 
 UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
-    "int module_key, int param_index, bool reshard_after_forward) -> Tensor"
+    "int module_key, int param_index, bool reshard_after_forward, "
+    "str? reduce_group_name=None) -> Tensor"
 )
 REDUCE_GRAD_SCHEMA = (
     "(Tensor grad, SymInt[] full_shape, str group_name, int world_size, "
@@ -56,6 +58,7 @@ def unshard(
     module_key: int,
     param_index: int,
     reshard_after_forward: bool,
+    reduce_group_name: Optional[str] = None,
 ) -> torch.Tensor:
     spec = _spec(full_shape, world_size)
     shard = shard.contiguous()
@@ -77,13 +80,16 @@ def _unshard_fake(
     module_key: int,
     param_index: int,
     reshard_after_forward: bool,
+    reduce_group_name: Optional[str] = None,
 ) -> torch.Tensor:
     return shard.new_empty(list(full_shape))
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    _, full_shape, group_name, world_size, module_key, param_index, _ = inputs
-    ctx.args = (list(full_shape), group_name, world_size, module_key, param_index)
+    _, full_shape, group_name, world_size, module_key, param_index, _, reduce_group_name = inputs
+    # The gradient is reduced on the reduce group when there is one; see
+    # [Note: A second group for reduce-scatters] in _api.py.
+    ctx.args = (list(full_shape), reduce_group_name or group_name, world_size, module_key, param_index)
 
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
@@ -91,7 +97,7 @@ def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
     g = torch.ops.compiled_fsdp.reduce_grad(
         grad, full_shape, group_name, world_size, module_key, param_index
     )
-    return g, None, None, None, None, None, None
+    return g, None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -95,6 +95,7 @@ class FSDPParam:
                 group.key,
                 self.index,
                 group.reshards_after_forward,
+                group.reduce_group_name,
             )
         if group is not None and group.forward_active():
             raise RuntimeError(

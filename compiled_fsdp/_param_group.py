@@ -69,6 +69,7 @@ class FSDPParamGroup:
         self,
         fsdp_params: list[FSDPParam],
         process_group: dist.ProcessGroup,
+        reduce_group: dist.ProcessGroup,
         key: int,
         reshard_after_forward: bool,
         name: str,
@@ -76,6 +77,9 @@ class FSDPParamGroup:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
         self.group_name = process_group.group_name
+        # See [Note: A second group for reduce-scatters] in _api.py.
+        self.reduce_group = reduce_group
+        self.reduce_group_name = reduce_group.group_name
         self.key = key
         self.name = name
         self.fqn = name  # the module's name under its root, set at the root's lazy init
@@ -170,7 +174,7 @@ class FSDPParamGroup:
             return
         params = [p for p, _ in owned]
         pending = reduce_scatter_bucket(
-            [g.to(p.sharded.dtype) for p, g in owned], [p.spec for p in params], self.process_group
+            [g.to(p.sharded.dtype) for p, g in owned], [p.spec for p in params], self.reduce_group
         )
         self._pending_reduce = (pending, params)
         if self.ctx is not None:

@@ -54,6 +54,8 @@ class MarkerArgs:
     module_key: int
     param_index: int
     reshard_after_forward: bool | None  # None for reduce_grad
+    # unshard only: the group its gradient is reduced on (None: ``group_name``).
+    reduce_group_name: str | None = None
 
     @property
     def spec(self) -> ShardSpec:
@@ -66,7 +68,7 @@ class MarkerArgs:
 
 _SCHEMA_NAMES_UNSHARD = (
     "shard", "full_shape", "group_name", "world_size", "module_key", "param_index",
-    "reshard_after_forward",
+    "reshard_after_forward", "reduce_group_name",
 )
 _SCHEMA_NAMES_REDUCE = (
     "grad", "full_shape", "group_name", "world_size", "module_key", "param_index",
@@ -97,6 +99,7 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
         reshard_after_forward=(
             bool(bound["reshard_after_forward"]) if "reshard_after_forward" in bound else None
         ),
+        reduce_group_name=bound.get("reduce_group_name"),
     )
 
 

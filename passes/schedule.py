@@ -22,8 +22,11 @@ single-use input chain (view/cat/pad of shards or gradients). *Lazy* nodes: the
 collective's wait and the views after it. *Compute*: everything else, kept in
 its original relative order. One walk over the compute nodes emits lazy nodes
 on demand (a wait lands right before the first node that needs it) and issues
-owned collectives in their original order -- never reordered relative to each
-other, so the per-group order is unchanged by construction -- as soon as:
+the owned collectives of each process group in their original order -- one
+queue per group, so the per-group order is unchanged by construction, while
+collectives of two groups may pass each other (a backward all-gather passes the
+previous module's reduce-scatter: see [Note: A second group for reduce-scatters]
+in compiled_fsdp/_api.py) -- each as soon as:
   * their inputs exist (a reduce-scatter right after its last gradient);
   * no collective the passes do not own lies before them in the original order
     and is still unemitted (a foreign collective is a barrier: everything issued
@@ -57,6 +60,7 @@ class _Coll:
     kind: str
     module_key: int
     nbytes: int
+    group: str  # process group name
     cone: list[fx.Node]  # issue chain, graph order
     wait: fx.Node | None
     barrier: int  # index of the last foreign collective before it (in barrier order), or -1
@@ -139,7 +143,7 @@ def _find_colls(graph: fx.Graph) -> list[_Coll]:
         assert isinstance(buf, fx.Node)
         colls.append(_Coll(
             node=n, kind="gather" if n.target is AG else "reduce",
-            module_key=int(info["module_key"]), nbytes=node_bytes(buf), cone=cone,
+            module_key=int(info["module_key"]), nbytes=node_bytes(buf), group=str(n.args[-1]), cone=cone,
             wait=waits[0] if len(waits) == 1 else None, barrier=-1,
         ))
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -211,25 +215,33 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
 
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set(n for n in graph.nodes if n.op == "placeholder")
-    pending = list(colls)  # original order; issued strictly in this order
+    # One queue per process group, each in original order and issued strictly
+    # in that order; the queues are visited in order of their first collective.
+    queues: dict[str, list[_Coll]] = {}
+    for c in colls:
+        queues.setdefault(c.group, []).append(c)
     in_flight: list[_Coll] = []
 
     def emit(n: fx.Node) -> None:
         order.append(n)
         emitted.add(n)
 
-    def issue_head() -> None:
-        c = pending.pop(0)
+    def issue_head(group: str) -> None:
+        c = queues[group].pop(0)
         for n in (*c.cone, c.node):
             emit(n)
         in_flight.append(c)
+
+    def issue_through(c: _Coll) -> None:
+        """Issues ``c`` and whatever precedes it on its group."""
+        while c in queues[c.group]:
+            issue_head(c.group)
 
     def ensure(n: fx.Node) -> None:
         if n in emitted:
             return
         if n in issue_of:
-            while issue_of[n] in pending:
-                issue_head()
+            issue_through(issue_of[n])
             return
         assert n in lazy_of, f"{n} needed before its position"
         for a in n.all_input_nodes:
@@ -239,29 +251,39 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
         if n is c.wait and c in in_flight:
             in_flight.remove(c)
 
+    def ready(c: _Coll, at: int, emitted_barriers: int) -> bool:
+        if c.barrier >= emitted_barriers:  # a barrier before it is not emitted yet
+            return False
+        if any(a not in emitted and a not in issue_of for n in c.cone + [c.node]
+               for a in n.all_input_nodes):
+            return False
+        return not (c.kind == "gather" and at < c.desired)
+
     def try_issue(at: int, emitted_barriers: int) -> None:
-        while pending:
-            c = pending[0]
-            if c.barrier >= emitted_barriers:  # a barrier before it is not emitted yet
-                return
-            if any(a not in emitted and a not in issue_of for n in c.cone + [c.node]
-                   for a in n.all_input_nodes):
-                return
-            if c.kind == "gather" and at < c.desired:
-                return
-            while sum(x.nbytes for x in in_flight) + c.nbytes > budget:
-                rs = next((x for x in in_flight if x.kind == "reduce"), None)
-                if rs is None:
-                    return
-                assert rs.wait is not None
-                ensure(rs.wait)
-            issue_head()
+        progress = True
+        while progress:
+            progress = False
+            for group, queue in queues.items():
+                if not queue or not ready(queue[0], at, emitted_barriers):
+                    continue
+                c = queue[0]
+                while sum(x.nbytes for x in in_flight) + c.nbytes > budget:
+                    rs = next((x for x in in_flight if x.kind == "reduce"), None)
+                    if rs is None:
+                        break
+                    assert rs.wait is not None
+                    ensure(rs.wait)
+                if sum(x.nbytes for x in in_flight) + c.nbytes > budget:
+                    continue
+                issue_head(group)
+                progress = True
 
     done_barriers = 0
     for i, n in enumerate(compute):
         if _is_foreign_collective(n):
-            while pending and graph_pos[pending[0].node] < graph_pos[n]:
-                issue_head()
+            for c in colls:
+                if graph_pos[c.node] < graph_pos[n]:
+                    issue_through(c)
             for c in list(in_flight):
                 assert c.wait is not None
                 ensure(c.wait)
@@ -273,8 +295,8 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
             ensure(a)
         emit(n)
         try_issue(i + 1, done_barriers)
-    while pending:
-        issue_head()
+    for c in colls:
+        issue_through(c)
     for n in nodes:
         ensure(n)
     changed = any(a is not b for a, b in zip(order, nodes))

@@ -78,6 +78,12 @@ def test_scheduled_aot_eager_parity(world: int, per_norm: bool, bucket_bytes: in
             assert tl["modules"] and tl["comms"] and tl["makespan_s"] > 0
             assert rep["after"]["exposed_s"] <= rep["before"]["exposed_s"] + 1e-12
             assert rep["max_in_flight_bytes"] <= rep["budget_bytes"] + max(c["bytes"] for c in tl["comms"])
+        # Backward: the next module's re-gather is issued before this module's
+        # reduce-scatter, which only the separate reduce group allows (see
+        # [Note: A second group for reduce-scatters]).
+        seq = bw["sequence"]
+        first_rs = next(i for i, s in enumerate(seq) if s.startswith("reduce_scatter"))
+        assert sum(s.startswith("all_gather") for s in seq[:first_rs]) >= 2, seq
         merged = [keys for kind, keys in res["buckets"] if len(keys) > 1]
         assert bool(merged) == per_norm  # the norm-only modules were merged with a neighbour
 

@@ -21,9 +21,12 @@ GROUP = "g0"
 D = 64
 
 
-def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = None) -> fx.Graph:
+def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = None,
+           interleaved: bool = False, reduce_group: str = GROUP) -> fx.Graph:
     """x -> [gather_i, x = x @ w_i] for each module, then optional reduce-scatters
-    of ``x``-derived grads; a foreign all_reduce before module ``foreign_at``."""
+    of ``x``-derived grads; a foreign all_reduce before module ``foreign_at``.
+    ``interleaved``: each module's reduce-scatter right after its compute, as in
+    a backward graph (gather i, compute i, reduce i, gather i+1, ...)."""
     mode = FakeTensorMode()
     g = fx.Graph()
     vals: dict[fx.Node, torch.Tensor] = {}
@@ -44,6 +47,13 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
         vals[n] = n.meta["val"]
         return n
 
+    def reduce_scatter(i: int, out: fx.Node) -> fx.Node:
+        meta = {"role": "reduce_chain", "module_key": i, "reshard_after_forward": None}
+        gr = node(aten.mul.Tensor, out, 2.0)
+        flat = node(aten.view.default, gr, [D * D], meta=meta)
+        rs = node(RS, flat, "sum", 2, reduce_group, meta=meta)
+        return node(aten.div.Tensor, node(WAIT, rs, meta=meta), 2, meta=meta)
+
     x = ph("x", (D, D))
     shards = [ph(f"shard{i}", (D // 2 * D,)) for i in range(n_modules)]
     outs = []
@@ -56,13 +66,11 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
         w = node(aten.view.default, node(WAIT, ag, meta=meta), [D, D], meta=meta)
         x = node(aten.relu.default, node(aten.mm.default, x, w))
         outs.append(x)
+        if interleaved:
+            outs.append(reduce_scatter(i, x))
     if reduce:
         for i in reversed(range(n_modules)):
-            meta = {"role": "reduce_chain", "module_key": i, "reshard_after_forward": None}
-            gr = node(aten.mul.Tensor, outs[i], 2.0)
-            flat = node(aten.view.default, gr, [D * D], meta=meta)
-            rs = node(RS, flat, "sum", 2, GROUP, meta=meta)
-            outs.append(node(aten.div.Tensor, node(WAIT, rs, meta=meta), 2, meta=meta))
+            outs.append(reduce_scatter(i, outs[i]))
     g.output(tuple(outs))
     return g
 
@@ -138,6 +146,35 @@ def test_reduce_scatter_issued_early_waited_late_order_kept() -> None:
     # the first reduce-scatter's wait is deferred past the second's issue
     seq = rep.sequence
     assert seq.index("reduce_scatter:1") < seq.index("wait:2", seq.index("reduce_scatter:2"))
+
+
+def _per_group(g: fx.Graph) -> dict[str, list[tuple[str, int]]]:
+    out: dict[str, list[tuple[str, int]]] = {}
+    for n in g.nodes:
+        if n.op == "call_function" and n.target in (AG, RS):
+            out.setdefault(n.args[-1], []).append((str(n.target), n.meta["compiled_fsdp"]["module_key"]))
+    return out
+
+
+def test_gather_passes_reduce_scatter_only_on_another_group() -> None:
+    """Backward shape (gather i, compute i, reduce i, gather i+1, ...): on one
+    group the next gather stays behind the reduce-scatter; with the
+    reduce-scatters on their own group it is issued before it (prefetched
+    behind module i's compute), and each group keeps its order."""
+    one = _build(n_modules=4, interleaved=True)
+    before = _collectives(one)
+    schedule_graph(one, OverlapConfig(cover=1e9))
+    _check_invariants(one)
+    assert _collectives(one) == before  # one group: the total order is the group's order
+
+    two = _build(n_modules=4, interleaved=True, reduce_group="g1")
+    before = _per_group(two)
+    rep = schedule_graph(two, OverlapConfig(cover=1e9))
+    _check_invariants(two)
+    assert _per_group(two) == before
+    seq = rep.sequence
+    for i in range(3):
+        assert seq.index(f"all_gather:{i + 1}") < seq.index(f"reduce_scatter:{i}"), seq
 
 
 def test_foreign_collective_is_a_barrier() -> None:
