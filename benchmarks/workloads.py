@@ -64,6 +64,7 @@ def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         from compiled_fsdp.passes import config
 
         config.overlap.schedule = kind != "ours_compiled_nosched"
+        config.overlap.separate_reduce_group = kind != "ours_compiled_onegroup"
         # A cache hit skips the passes, so the schedule report would be empty.
         torch._functorch.config.enable_autograd_cache = False
         torch._inductor.config.fx_graph_cache = False
@@ -78,7 +79,7 @@ def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    compiled = kind.endswith("compiled") or kind == "ours_compiled_nosched"
+    compiled = kind.startswith("ours_compiled") or kind.endswith("compiled")
     return model, (torch.compile(model) if compiled else model)
 
 

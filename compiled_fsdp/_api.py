@@ -69,7 +69,10 @@ def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_a
         group = mesh
     else:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
-    return ShardingOptions(group, reshard_after_forward, _reduce_group_for(group))
+    from .passes.config import overlap
+
+    reduce_group = _reduce_group_for(group) if overlap.separate_reduce_group else group
+    return ShardingOptions(group, reshard_after_forward, reduce_group)
 
 
 # Gather group name -> its reduce group, created once per gather group.

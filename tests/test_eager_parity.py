@@ -121,3 +121,31 @@ def test_subgroup_mesh(backend: str) -> None:
             assert res["counts"] == [{"all_gather": 5, "reduce_scatter": 3}] * 3
         else:
             assert res["counts"] == [{}] * 3
+
+
+def _one_group_rank(rank: int, world: int) -> dict:
+    from compiled_fsdp import get_fsdp_state
+    from compiled_fsdp.passes import config
+
+    config.overlap.separate_reduce_group = False
+    build, make_batch, loss = gpt_case(False)
+    groups = []
+
+    def shard(model):
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        groups.extend(get_fsdp_state(m).param_group for m in (*model.layers, model))
+
+    res = run_parity(rank, build, shard, make_batch, loss)
+    res["one_group"] = all(g.reduce_group is g.process_group for g in groups)
+    return res
+
+
+def test_separate_reduce_group_off() -> None:
+    """``overlap.separate_reduce_group = False``: reduce-scatters stay on the
+    gather group, with the same bitwise result."""
+    for res in run_distributed(_one_group_rank, 2):
+        assert res["one_group"]
+        assert_close(res, 0.0)
+        assert res["counts"] == [{"all_gather": 5, "reduce_scatter": 3}] * 3
