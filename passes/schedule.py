@@ -259,24 +259,24 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
             return False
         return not (c.kind == "gather" and at < c.desired)
 
+    def make_room(c: _Coll) -> bool:
+        """Waits reduce-scatters in flight until ``c`` fits the budget; whether it fits."""
+        while sum(x.nbytes for x in in_flight) + c.nbytes > budget:
+            rs = next((x for x in in_flight if x.kind == "reduce"), None)
+            if rs is None:
+                return False
+            assert rs.wait is not None
+            ensure(rs.wait)
+        return True
+
     def try_issue(at: int, emitted_barriers: int) -> None:
         progress = True
         while progress:
             progress = False
             for group, queue in queues.items():
-                if not queue or not ready(queue[0], at, emitted_barriers):
-                    continue
-                c = queue[0]
-                while sum(x.nbytes for x in in_flight) + c.nbytes > budget:
-                    rs = next((x for x in in_flight if x.kind == "reduce"), None)
-                    if rs is None:
-                        break
-                    assert rs.wait is not None
-                    ensure(rs.wait)
-                if sum(x.nbytes for x in in_flight) + c.nbytes > budget:
-                    continue
-                issue_head(group)
-                progress = True
+                if queue and ready(queue[0], at, emitted_barriers) and make_room(queue[0]):
+                    issue_head(group)
+                    progress = True
 
     done_barriers = 0
     for i, n in enumerate(compute):
