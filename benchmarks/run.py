@@ -1,6 +1,7 @@
 """The overlap benchmark: ours vs FSDP2 vs the physical limits, side by side.
 
-    pip install -e ".[bench]" && python benchmarks/run.py [--rounds 2] [--steps 6] [--warmup 2] [--out DIR]
+    pip install -e ".[bench]" && python benchmarks/run.py [--rounds 2] [--steps 6] [--warmup 2]
+        [--paired-steps 10] [--out DIR]
 
 Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
 4x256 per rank, AdamW) on 2 gloo ranks, 1 thread each, in fresh processes:
@@ -13,6 +14,9 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   fsdp2_compiled         FSDP2 + torch.compile
   compute_eager/compiled unsharded model, two processes at once, no communication
   comm_only              the step's collectives alone (same buckets and count)
+  overlap_limit          compute_compiled with comm_only on a second thread at
+                         the same time: the best any overlap can do here
+                         (see [Note: The overlap limit] in workloads.py)
 
 [Note: Benchmark rounds]
 On this 2-core VM a configuration's step time drifts by 10-20% over minutes
@@ -21,6 +25,18 @@ back-to-back runs, steps within a run agreeing to ~10%). So the configurations
 run in ``--rounds`` interleaved rounds (each round every configuration once,
 fresh processes), and a configuration's step time is the median over all its
 measured steps of all rounds; the per-round medians are kept to show the spread.
+
+[Note: Paired steps]
+Rounds make the medians comparable on average, but a ratio of two medians
+taken minutes apart still carries the drift (measured: ``overlap_limit /
+max(compute, comm)`` was 1.03x in one run and 1.13x in two others). So the
+headline ratios are also measured *paired*: ``PAIRED_KINDS`` are built in one
+process pair (each compiled at once under its own knobs) and then run
+alternately, one step of each per iteration, for ``--paired-steps``
+iterations; each ratio is taken per iteration (max over ranks) and its
+median, min and max are reported. Memory is not measured there (the
+configurations share the processes); it comes from the rounds. The same
+method chose ``overlap.cover`` (DESIGN.md, Benchmark).
 
 Writes ``results.json`` and ``results.png`` (if matplotlib is installed) to
 ``--out`` (default /tmp/compiled_fsdp_bench) and prints a table with ratios.
@@ -39,8 +55,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests"), HERE]
 
 from _dist import run_distributed  # noqa: E402
-from workloads import comm_rank, train_rank  # noqa: E402
+from workloads import comm_rank, overlap_limit_rank, paired_rank, train_rank  # noqa: E402
 
+# See [Note: Paired steps].
+PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only", "overlap_limit"]
 TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_onegroup", "ours_eager",
                "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled"]
 
@@ -83,6 +101,49 @@ def _plot(results: dict, path: str) -> bool:
     return True
 
 
+_RATIOS = [  # (name, numerator, denominator); "max(a, b)" means the larger of both
+    ("ours_compiled / max(compute_compiled, comm_only)", "ours_compiled", ("compute_compiled", "comm_only")),
+    ("overlap_limit / max(compute_compiled, comm_only)", "overlap_limit", ("compute_compiled", "comm_only")),
+    ("ours_compiled / overlap_limit", "ours_compiled", "overlap_limit"),
+    ("ours_compiled / fsdp2_eager", "ours_compiled", "fsdp2_eager"),
+    ("ours_compiled / fsdp2_compiled", "ours_compiled", "fsdp2_compiled"),
+    ("ours_compiled / ours_compiled_nosched", "ours_compiled", "ours_compiled_nosched"),
+    ("ours_compiled / ours_compiled_onegroup", "ours_compiled", "ours_compiled_onegroup"),
+    ("ours_eager / fsdp2_eager", "ours_eager", "fsdp2_eager"),
+]
+
+
+def _ratios(c: dict[str, float]) -> dict[str, float]:
+    """The headline ratios of step times ``c`` (those whose configs are present)."""
+    out = {}
+    for name, num, den in _RATIOS:
+        dens = den if isinstance(den, tuple) else (den,)
+        if num in c and all(d in c for d in dens):
+            out[name] = c[num] / max(c[d] for d in dens)
+    if {"compute_compiled", "comm_only"} <= c.keys():
+        both = c["compute_compiled"] + c["comm_only"]
+        for who in ("ours_compiled", "overlap_limit"):
+            if who in c:  # see [Note: The overlap limit] in workloads.py
+                out[f"fraction of comm_only hidden ({who})"] = (both - c[who]) / c["comm_only"]
+    return out
+
+
+def _paired(warmup: int, steps: int) -> dict:
+    """See [Note: Paired steps]."""
+    per_rank = run_distributed(paired_rank, 2, PAIRED_KINDS, warmup, steps, timeout=1800)
+    per_step = [{k: max(r["times_s"][k][i] for r in per_rank) for k in PAIRED_KINDS}
+                for i in range(steps)]
+    ratios = [_ratios(step) for step in per_step]
+    out = {"kinds": PAIRED_KINDS, "per_step_s": per_step, "ratios": {}}
+    print(f"paired ({steps} steps, {', '.join(PAIRED_KINDS)} alternating): "
+          "median [min, max] of the per-step ratios", flush=True)
+    for name in ratios[0]:
+        vals = [r[name] for r in ratios]
+        out["ratios"][name] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+        print(f"  {name:52s} {statistics.median(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
@@ -90,54 +151,43 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default="/tmp/compiled_fsdp_bench")
     ap.add_argument("--only", nargs="*", default=None, help="subset of configurations")
+    ap.add_argument("--paired-steps", type=int, default=10,
+                    help="steps of the paired run (0: skip); see [Note: Paired steps]")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results: dict = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "configs": {}}
-    kinds = [k for k in TRAIN_KINDS + ["comm_only"] if not args.only or k in args.only]
+    kinds = [k for k in TRAIN_KINDS + ["comm_only", "overlap_limit"] if not args.only or k in args.only]
     raw: dict[str, list[list[dict]]] = {k: [] for k in kinds}
     for rnd in range(args.rounds):
         for kind in kinds:
             t0 = time.perf_counter()
-            if kind == "comm_only":
-                per_rank = run_distributed(comm_rank, 2, args.warmup, args.steps, timeout=1200)
+            if kind in ("comm_only", "overlap_limit"):
+                fn = comm_rank if kind == "comm_only" else overlap_limit_rank
+                per_rank = run_distributed(fn, 2, args.warmup, args.steps, timeout=1200)
             else:
                 per_rank = run_distributed(train_rank, 2, kind, args.warmup, args.steps, timeout=1200)
             raw[kind].append(per_rank)
             print(f"round {rnd} {kind:22s} median {max(r['step_s'] for r in per_rank):.3f} s "
                   f"(wall {time.perf_counter() - t0:.0f} s)", flush=True)
-    for kind in kinds:
+    for kind in kinds if args.rounds else []:
         res = results["configs"][kind] = _summary(raw[kind])
         spread = ", ".join(f"{m:.3f}" for m in res["round_medians_s"])
         print(f"{kind:22s} step {res['step_s']:.3f} s (rounds {spread})  "
               f"step-peak {res.get('step_peak_mb', float('nan')):7.1f} MiB  "
               f"rss {res.get('rss_peak_mb', float('nan')):7.1f} MiB", flush=True)
-    c = {k: v["step_s"] for k, v in results["configs"].items()}
-    ratios = {}
-    if {"ours_compiled", "compute_compiled", "comm_only"} <= c.keys():
-        limit = max(c["compute_compiled"], c["comm_only"])
-        ratios["ours_compiled / max(compute_compiled, comm_only)"] = c["ours_compiled"] / limit
-        hidden = (c["compute_compiled"] + c["comm_only"] - c["ours_compiled"]) / c["comm_only"]
-        ratios["fraction of comm_only hidden (compiled)"] = hidden
-    if {"ours_compiled", "fsdp2_eager"} <= c.keys():
-        ratios["ours_compiled / fsdp2_eager"] = c["ours_compiled"] / c["fsdp2_eager"]
-    if {"ours_compiled", "fsdp2_compiled"} <= c.keys():
-        ratios["ours_compiled / fsdp2_compiled"] = c["ours_compiled"] / c["fsdp2_compiled"]
-    if {"ours_compiled", "ours_compiled_nosched"} <= c.keys():
-        ratios["ours_compiled / ours_compiled_nosched"] = c["ours_compiled"] / c["ours_compiled_nosched"]
-    if {"ours_compiled", "ours_compiled_onegroup"} <= c.keys():
-        ratios["ours_compiled / ours_compiled_onegroup"] = c["ours_compiled"] / c["ours_compiled_onegroup"]
-    if {"ours_eager", "fsdp2_eager"} <= c.keys():
-        ratios["ours_eager / fsdp2_eager"] = c["ours_eager"] / c["fsdp2_eager"]
+    ratios = _ratios({k: v["step_s"] for k, v in results["configs"].items()})
     cfg = results["configs"]
     if {"ours_compiled", "fsdp2_eager"} <= cfg.keys():
         ratios["step_peak ours_compiled / fsdp2_eager"] = (
             cfg["ours_compiled"]["step_peak_mb"] / cfg["fsdp2_eager"]["step_peak_mb"])
     results["ratios"] = ratios
     for k, v in ratios.items():
-        print(f"{k:50s} {v:.3f}")
+        print(f"{k:52s} {v:.3f}")
+    if args.paired_steps:
+        results["paired"] = _paired(args.warmup, args.paired_steps)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    plotted = _plot(results, os.path.join(args.out, "results.png"))
+    plotted = bool(results["configs"]) and _plot(results, os.path.join(args.out, "results.png"))
     print(f"wrote {args.out}/results.json" + (" and results.png" if plotted else ""))
 
 

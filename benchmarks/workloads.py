@@ -18,7 +18,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -83,8 +83,10 @@ def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model, (torch.compile(model) if compiled else model)
 
 
-def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int) -> dict:
-    """Step times and memory of one configuration on this rank."""
+def _train_step(kind: str, rank: int) -> Callable[[], float]:
+    """Builds one training configuration; returns its timed step. The knobs in
+    ``_build`` are read when the model is sharded and when it first compiles,
+    so call the step at once (warm-up) before building another configuration."""
     torch.manual_seed(0)
     model, run = _build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -98,6 +100,25 @@ def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int) -> dic
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
+    return step
+
+
+def _schedule_summary() -> list[dict]:
+    from compiled_fsdp._compile import last_schedule_reports
+
+    return [
+        {"graph": r.graph, "changed": r.changed, "moves": len(r.moves),
+         "budget_bytes": r.budget_bytes, "max_in_flight_bytes": r.max_in_flight_bytes,
+         "predicted_exposed_before_s": r.before.exposed_s,
+         "predicted_exposed_after_s": r.after.exposed_s,
+         "predicted_compute_s": r.after.compute_s, "predicted_comm_s": r.after.comm_s}
+        for r in last_schedule_reports()
+    ]
+
+
+def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int) -> dict:
+    """Step times and memory of one configuration on this rank."""
+    step = _train_step(kind, rank)
     first = [step() for _ in range(warmup)]
     before = _rss()
     with _RssSampler() as mem:
@@ -107,16 +128,7 @@ def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int) -> dic
         "rss_peak_mb": mem.peak / 2**20, "step_peak_mb": (mem.peak - before) / 2**20,
     }
     if kind == "ours_compiled":
-        from compiled_fsdp._compile import last_schedule_reports
-
-        out["schedule"] = [
-            {"graph": r.graph, "changed": r.changed, "moves": len(r.moves),
-             "budget_bytes": r.budget_bytes, "max_in_flight_bytes": r.max_in_flight_bytes,
-             "predicted_exposed_before_s": r.before.exposed_s,
-             "predicted_exposed_after_s": r.after.exposed_s,
-             "predicted_compute_s": r.after.compute_s, "predicted_comm_s": r.after.comm_s}
-            for r in last_schedule_reports()
-        ]
+        out["schedule"] = _schedule_summary()
     return out
 
 
@@ -139,10 +151,11 @@ def bucket_numels(world: int) -> tuple[list[int], list[int]]:
     return [root], blocks
 
 
-def comm_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
-    """The step's collectives alone, in the compiled step's order and sizes:
-    forward gathers (root, blocks), backward re-gathers (blocks, reversed, the
-    root is not resharded), one reduce-scatter per module; each waited at once."""
+def _comm_step(world: int):
+    """One step's collectives, in the compiled step's order and sizes: forward
+    gathers (root, blocks), backward re-gathers (blocks, reversed, the root is
+    not resharded), one reduce-scatter per module; each waited at once.
+    Returns (step function, collective count, unsharded bytes)."""
     fc = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
     root, blocks = bucket_numels(world)
@@ -151,17 +164,99 @@ def comm_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
     plan = ([("ag", n) for n in root + blocks] + [("ag", n) for n in reversed(blocks)]
             + [("rs", n) for n in reversed(root + blocks)])
 
-    def step() -> float:
-        t0 = time.perf_counter()
+    def step() -> None:
         for kind, n in plan:
             if kind == "ag":
                 fc.wait_tensor(fc.all_gather_into_tensor(shards[n], world, group))
             else:
                 fc.wait_tensor(fc.reduce_scatter_tensor(fulls[n], "sum", world, group))
+
+    return step, len(plan), sum(n * world * 4 for _, n in plan)
+
+
+def comm_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
+    """The step's collectives alone (see ``_comm_step``)."""
+    comm, count, nbytes = _comm_step(world)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        comm()
         return time.perf_counter() - t0
 
     for _ in range(warmup):
         step()
     times = [step() for _ in range(steps)]
-    return {"step_s": statistics.median(times), "times_s": times, "collectives": len(plan),
-            "bytes_unsharded": sum(n * world * 4 for _, n in plan)}
+    return {"step_s": statistics.median(times), "times_s": times, "collectives": count,
+            "bytes_unsharded": nbytes}
+
+
+def _overlap_step(rank: int, world: int) -> Callable[[], float]:
+    """The ``overlap_limit`` step (see ``overlap_limit_rank``): the unsharded
+    compiled step on this thread, the step's collectives on a second one."""
+    compute = _train_step("compute_compiled", rank)
+    comm, _, _ = _comm_step(world)
+    go, done = threading.Semaphore(0), threading.Semaphore(0)
+
+    def comm_loop() -> None:
+        while True:
+            go.acquire()
+            comm()
+            done.release()
+
+    threading.Thread(target=comm_loop, daemon=True).start()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        go.release()
+        compute()
+        done.acquire()
+        return time.perf_counter() - t0
+
+    return step
+
+
+def overlap_limit_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
+    """The best overlap this machine allows.
+
+    [Note: The overlap limit]
+    ``max(compute-only, comm-only)`` assumes communication costs no compute
+    time. On this machine it does: gloo moves loopback bytes with CPU copies
+    (its worker threads and the kernel's TCP stack) on the same two cores the
+    ranks compute on. So this configuration measures the limit directly: each
+    rank runs the unsharded compiled step (``compute_compiled``) on its main
+    thread while a second thread runs the step's collectives (``comm_only``)
+    back to back, with no data dependence between the two. No schedule can
+    overlap better than that, because nothing ever waits for a collective it
+    needs; the step ends when both are done. ``(compute + comm - limit) /
+    comm`` is the fraction of the communication that can hide here at all."""
+    step = _overlap_step(rank, world)
+    for _ in range(warmup):
+        step()
+    times = [step() for _ in range(steps)]
+    return {"step_s": statistics.median(times), "times_s": times}
+
+
+def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int) -> dict:
+    """Several configurations in one process pair, alternating step by step.
+    See [Note: Paired steps] in run.py."""
+    fns: dict[str, Callable[[], float]] = {}
+    for kind in kinds:
+        if kind == "comm_only":
+            comm = _comm_step(world)[0]
+
+            def fn(comm: Callable[[], None] = comm) -> float:
+                t0 = time.perf_counter()
+                comm()
+                return time.perf_counter() - t0
+        elif kind == "overlap_limit":
+            fn = _overlap_step(rank, world)
+        else:
+            fn = _train_step(kind, rank)
+        for _ in range(warmup):  # compiles now, under this kind's knobs
+            fn()
+        fns[kind] = fn
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(steps):
+        for kind, fn in fns.items():
+            times[kind].append(fn())
+    return {"times_s": times}
