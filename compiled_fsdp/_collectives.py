@@ -26,6 +26,12 @@ def reset_collective_counts() -> None:
     _COUNTS.clear()
 
 
+def count_collective(kind: str) -> None:
+    """Counts a collective issued outside this module (the marker ops' eager
+    implementations count as ``unbucketed_all_gather`` / ``unbucketed_reduce_scatter``)."""
+    _COUNTS[kind] += 1
+
+
 @dataclass
 class PendingCollective:
     """An issued, not yet awaited collective and the buffer it writes."""

@@ -5,9 +5,17 @@
 the joint (forward + backward) graph before partitioning, for every
 aot_autograd backend: ``aot_eager`` and Inductor alike. It is the one hook
 that sees both the gathers and the reduce-scatters before the partitioner
-decides what to save, so lowering and recompute tagging both run there. It is
-*not* called for inference graphs (no grad): there the markers stay and run
-their eager per-parameter collectives (correct, unbucketed).
+decides what to save, so lowering and recompute tagging both run there.
+
+[Note: Inference graphs]
+``joint_custom_pass`` is *not* called for inference graphs (a frame traced
+under ``torch.no_grad()`` or with no parameter requiring grad): AOTAutograd
+compiles them without a joint. Under Inductor the post-grad pass below still
+sees them, so it lowers their markers there (one bucketed all-gather per
+module, then scheduling as for a forward graph). Under ``aot_eager`` nothing
+after Dynamo sees an inference graph, so its markers run their eager
+per-parameter collectives: correct, unbucketed, and counted as
+``unbucketed_all_gather`` by ``collective_counts()``.
 
 ``install()`` wraps whatever pass the user already configured: ours runs
 first (it removes our markers, which a user pass would not understand), then
@@ -60,7 +68,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 # Importing _ops registers the marker ops, so any graph the passes see runs.
 import compiled_fsdp._ops  # noqa: F401
-from compiled_fsdp.passes import JointPassReport, Observer, run_joint_passes
+from compiled_fsdp.passes import JointPassReport, Observer, has_markers, lower_markers, run_joint_passes
 from compiled_fsdp.passes import config as passes_config
 from compiled_fsdp.passes.pin import pin_order
 from compiled_fsdp.passes.schedule import ScheduleReport, schedule_graph
@@ -120,6 +128,13 @@ class _SchedulePass(CustomGraphPass):
     into Inductor's cache keys (see [Note: AOTAutograd cache])."""
 
     def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        if gm is not None and has_markers(graph):  # See [Note: Inference graphs].
+            lowering = lower_markers(gm)
+            with _lock:
+                _reports.append(JointPassReport(has_markers=True, lowering=lowering))
+            if _observers:
+                _notify("lowering", gm, lowering)
         report = schedule_graph(graph, passes_config.overlap)
         if report.changed:
             pin_order(graph)

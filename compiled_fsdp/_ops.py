@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ._collectives import count_collective
 from ._layout import ShardSpec
 
 __all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
@@ -66,6 +67,7 @@ def unshard(
         gathered = shard.clone()
     else:
         gathered = shard.new_empty([spec.padded_dim0, *spec.rest])
+        count_collective("unbucketed_all_gather")
         dist.all_gather_single(gathered, shard, group=_group(group_name))
     # custom ops must not return an alias of an input; `gathered` is fresh.
     return spec.unpad(gathered)
@@ -125,6 +127,7 @@ def reduce_grad(
         out = g.clone()
     else:
         out = g.new_empty(spec.shard_shape)
+        count_collective("unbucketed_reduce_scatter")
         dist.reduce_scatter_single(out, g, op=dist.ReduceOp.SUM, group=_group(group_name))
     # Sum then divide: identical to the bucketed path (see passes/lowering.py).
     return out / world_size

@@ -46,6 +46,12 @@ def test_markers_run_eagerly_without_passes() -> None:
     the markers: their own per-parameter collectives must still train exactly."""
     for res in run_distributed(_parity_rank, 2, "eager", True, True):
         assert_close(res, 0.0)
+        # Per parameter: a forward gather, a backward re-gather for block
+        # parameters (the root is not resharded), one reduce-scatter.
+        for c in res["counts"]:
+            assert c == {"unbucketed_all_gather": c["unbucketed_all_gather"],
+                         "unbucketed_reduce_scatter": c["unbucketed_reduce_scatter"]}
+            assert c["unbucketed_all_gather"] > c["unbucketed_reduce_scatter"] > 3
 
 
 def test_inductor_parity() -> None:
@@ -53,6 +59,48 @@ def test_inductor_parity() -> None:
     for res in run_distributed(_parity_rank, 2, "inductor", True, False, timeout=900):
         assert_close(res, 1e-5)
         assert res["counts"] == [{}] * 3
+
+
+def _inference_rank(rank: int, world: int, backend: str) -> dict:
+    import copy
+
+    import compiled_fsdp
+    from compiled_fsdp._check_worker import max_diff
+    from compiled_fsdp._compile import clear_reports, last_reports
+
+    # A cache hit skips the passes (see [Note: AOTAutograd cache]): no report.
+    torch._functorch.config.enable_autograd_cache = False
+    torch._inductor.config.fx_graph_cache = False
+    build, make_batch, _ = gpt_case(False)
+    ref = build()
+    model = copy.deepcopy(ref)
+    _shard(True)(model)
+    runner = torch.compile(model, backend=backend, fullgraph=True)
+    clear_reports()
+    out = []
+    for step in range(2):
+        (tokens,) = make_batch(step)
+        compiled_fsdp.reset_collective_counts()
+        with torch.no_grad():
+            logits = runner(tokens)
+        out.append((max_diff(logits, ref(tokens)), compiled_fsdp.collective_counts()))
+    return {"steps": out, "gather_buckets": [r.lowering.count("gather") for r in last_reports()],
+            "params": len(list(ref.parameters()))}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_no_grad_inference(backend: str) -> None:
+    """A frame compiled under ``no_grad`` is an inference graph, which the joint
+    pass never sees (see [Note: Inference graphs]). Inductor lowers its markers
+    in the post-grad pass: one bucketed all-gather per module and no eager
+    collective; aot_eager runs them unbucketed. Both match the reference."""
+    for res in run_distributed(_inference_rank, 2, backend, timeout=900):
+        for diff, counts in res["steps"]:
+            if backend == "inductor":
+                assert diff <= 1e-5 and counts == {}
+            else:
+                assert diff == 0.0 and counts == {"unbucketed_all_gather": res["params"]}
+        assert res["gather_buckets"] == ([3] if backend == "inductor" else [])
 
 
 def _structure_rank(rank: int, world: int, reshard: bool) -> dict:
