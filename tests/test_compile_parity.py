@@ -46,12 +46,12 @@ def test_markers_run_eagerly_without_passes() -> None:
     the markers: their own per-parameter collectives must still train exactly."""
     for res in run_distributed(_parity_rank, 2, "eager", True, True):
         assert_close(res, 0.0)
-        # Per parameter: a forward gather, a backward re-gather for block
-        # parameters (the root is not resharded), one reduce-scatter.
+        # One gather and one reduce-scatter per parameter read: autograd keeps
+        # the gathered values for backward, so nothing is re-gathered.
         for c in res["counts"]:
             assert c == {"unbucketed_all_gather": c["unbucketed_all_gather"],
                          "unbucketed_reduce_scatter": c["unbucketed_reduce_scatter"]}
-            assert c["unbucketed_all_gather"] > c["unbucketed_reduce_scatter"] > 3
+            assert c["unbucketed_all_gather"] == c["unbucketed_reduce_scatter"] > 3
 
 
 def test_inductor_parity() -> None:
