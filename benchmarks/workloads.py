@@ -151,7 +151,16 @@ def bucket_numels(world: int) -> tuple[list[int], list[int]]:
     return [root], blocks
 
 
-def _comm_step(world: int):
+def _timed(fn: Callable[[], None]) -> Callable[[], float]:
+    def step() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return step
+
+
+def _comm_step(world: int) -> tuple[Callable[[], None], int, int]:
     """One step's collectives, in the compiled step's order and sizes: forward
     gathers (root, blocks), backward re-gathers (blocks, reversed, the root is
     not resharded), one reduce-scatter per module; each waited at once.
@@ -177,12 +186,7 @@ def _comm_step(world: int):
 def comm_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
     """The step's collectives alone (see ``_comm_step``)."""
     comm, count, nbytes = _comm_step(world)
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        comm()
-        return time.perf_counter() - t0
-
+    step = _timed(comm)
     for _ in range(warmup):
         step()
     times = [step() for _ in range(steps)]
@@ -242,12 +246,7 @@ def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int
     fns: dict[str, Callable[[], float]] = {}
     for kind in kinds:
         if kind == "comm_only":
-            comm = _comm_step(world)[0]
-
-            def fn(comm: Callable[[], None] = comm) -> float:
-                t0 = time.perf_counter()
-                comm()
-                return time.perf_counter() - t0
+            fn = _timed(_comm_step(world)[0])
         elif kind == "overlap_limit":
             fn = _overlap_step(rank, world)
         else:
