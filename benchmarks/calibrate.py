@@ -3,8 +3,10 @@
     python benchmarks/calibrate.py
 
 Compute: 1-thread matmul throughput (FLOP/s) and elementwise bandwidth (bytes/s).
-Communication: 2 gloo ranks (1 thread each), functional all_gather_into_tensor and
-reduce_scatter_tensor over sizes 16 KiB .. 16 MiB; a least-squares fit of
+Communication: 2 gloo ranks (1 thread each), functional all_gather_into_tensor,
+the gradient reduce as the project runs it on gloo (all-to-all plus a local
+sum, see [Note: Reduce-scatter on gloo]) and, for comparison, gloo's own
+reduce_scatter_tensor, over sizes 16 KiB .. 16 MiB; a least-squares fit of
 ``t = alpha + bytes / beta`` where ``bytes`` is the unsharded buffer (the gather's
 output, the reduce-scatter's input). Prints the constants to paste into the
 cost model; nothing is read at compile time (every rank must agree on them).
@@ -43,9 +45,12 @@ def compute_constants() -> dict:
 
 
 def _comm_rank(rank: int, world: int) -> dict:
+    from compiled_fsdp._collectives import reduce_scatter_flat
+
     fc = torch.ops._c10d_functional
-    group = torch.distributed.group.WORLD.group_name
-    out: dict = {"all_gather": [], "reduce_scatter": []}
+    pg = torch.distributed.group.WORLD
+    group = pg.group_name
+    out: dict = {"all_gather": [], "reduce_scatter": [], "gloo_reduce_scatter_tensor": []}
     for nbytes in SIZES:
         full = torch.randn(nbytes // 4)
         shard = full[: full.numel() // world].clone()
@@ -53,11 +58,15 @@ def _comm_rank(rank: int, world: int) -> dict:
         def ag() -> None:
             fc.wait_tensor(fc.all_gather_into_tensor(shard, world, group))
 
+        def reduce() -> None:
+            reduce_scatter_flat(full, pg).wait()
+
         def rs() -> None:
             fc.wait_tensor(fc.reduce_scatter_tensor(full, "sum", world, group))
 
         out["all_gather"].append((nbytes, _median_time(ag, 15)))
-        out["reduce_scatter"].append((nbytes, _median_time(rs, 15)))
+        out["reduce_scatter"].append((nbytes, _median_time(reduce, 15)))
+        out["gloo_reduce_scatter_tensor"].append((nbytes, _median_time(rs, 15)))
     return out
 
 

@@ -9,6 +9,8 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   ours_compiled          compiled_fsdp + torch.compile (Inductor), scheduling on
   ours_compiled_nosched  the same, scheduling off (the partitioner's order)
   ours_compiled_onegroup scheduling on, reduce-scatters on the gather group
+  ours_compiled_gloors   scheduling on, gradients reduced by gloo's own
+                         reduce_scatter_tensor (see [Note: Reduce-scatter on gloo])
   ours_eager             compiled_fsdp's eager hook runtime
   fsdp2_eager            torch.distributed.fsdp.fully_shard
   fsdp2_compiled         FSDP2 + torch.compile
@@ -58,9 +60,10 @@ from _dist import run_distributed  # noqa: E402
 from workloads import comm_rank, overlap_limit_rank, paired_rank, train_rank  # noqa: E402
 
 # See [Note: Paired steps].
-PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only", "overlap_limit"]
-TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_onegroup", "ours_eager",
-               "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled"]
+PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only", "overlap_limit",
+                "ours_compiled_gloors"]
+TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_onegroup", "ours_compiled_gloors",
+               "ours_eager", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled"]
 
 
 def _summary(rounds: list[list[dict]]) -> dict:
@@ -109,6 +112,7 @@ _RATIOS = [  # (name, numerator, denominator); "max(a, b)" means the larger of b
     ("ours_compiled / fsdp2_compiled", "ours_compiled", "fsdp2_compiled"),
     ("ours_compiled / ours_compiled_nosched", "ours_compiled", "ours_compiled_nosched"),
     ("ours_compiled / ours_compiled_onegroup", "ours_compiled", "ours_compiled_onegroup"),
+    ("ours_compiled / ours_compiled_gloors", "ours_compiled", "ours_compiled_gloors"),
     ("ours_eager / fsdp2_eager", "ours_eager", "fsdp2_eager"),
 ]
 

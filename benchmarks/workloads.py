@@ -14,11 +14,13 @@ after ``free`` still counts as resident.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import statistics
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,10 +63,7 @@ def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     model = bench()
     if kind.startswith("ours"):
         import compiled_fsdp
-        from compiled_fsdp.passes import config
 
-        config.overlap.schedule = kind != "ours_compiled_nosched"
-        config.overlap.separate_reduce_group = kind != "ours_compiled_onegroup"
         # A cache hit skips the passes, so the schedule report would be empty.
         torch._functorch.config.enable_autograd_cache = False
         torch._inductor.config.fx_graph_cache = False
@@ -83,10 +82,28 @@ def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model, (torch.compile(model) if compiled else model)
 
 
+@contextlib.contextmanager
+def _knobs(kind: str) -> Iterator[None]:
+    """The overlap knobs of ``kind`` while it is sharded, compiled and warmed
+    up (they are read then); the defaults again afterwards, so configurations
+    built later in the same process (paired mode) are not affected."""
+    from compiled_fsdp.passes import config
+
+    saved = dataclasses.replace(config.overlap)
+    config.overlap.schedule = kind != "ours_compiled_nosched"
+    config.overlap.separate_reduce_group = kind != "ours_compiled_onegroup"
+    config.overlap.gloo_reduce_by_all_to_all = kind != "ours_compiled_gloors"
+    try:
+        yield
+    finally:
+        for field in dataclasses.fields(saved):
+            setattr(config.overlap, field.name, getattr(saved, field.name))
+
+
 def _train_step(kind: str, rank: int) -> Callable[[], float]:
-    """Builds one training configuration; returns its timed step. The knobs in
-    ``_build`` are read when the model is sharded and when it first compiles,
-    so call the step at once (warm-up) before building another configuration."""
+    """Builds one training configuration; returns its timed step. Build and
+    warm it up inside ``_knobs(kind)``: the knobs are read when the model is
+    sharded and when it first compiles."""
     torch.manual_seed(0)
     model, run = _build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -118,8 +135,9 @@ def _schedule_summary() -> list[dict]:
 
 def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int) -> dict:
     """Step times and memory of one configuration on this rank."""
-    step = _train_step(kind, rank)
-    first = [step() for _ in range(warmup)]
+    with _knobs(kind):
+        step = _train_step(kind, rank)
+        first = [step() for _ in range(warmup)]
     before = _rss()
     with _RssSampler() as mem:
         times = [step() for _ in range(steps)]
@@ -163,8 +181,11 @@ def _timed(fn: Callable[[], None]) -> Callable[[], float]:
 def _comm_step(world: int) -> tuple[Callable[[], None], int, int]:
     """One step's collectives, in the compiled step's order and sizes: forward
     gathers (root, blocks), backward re-gathers (blocks, reversed, the root is
-    not resharded), one reduce-scatter per module; each waited at once.
-    Returns (step function, collective count, unsharded bytes)."""
+    not resharded), one gradient reduce per module, as the project runs it
+    (on gloo an all-to-all plus a sum, see [Note: Reduce-scatter on gloo]);
+    each waited at once. Returns (step function, collective count, unsharded bytes)."""
+    from compiled_fsdp._collectives import reduce_scatter_flat
+
     fc = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
     root, blocks = bucket_numels(world)
@@ -178,7 +199,7 @@ def _comm_step(world: int) -> tuple[Callable[[], None], int, int]:
             if kind == "ag":
                 fc.wait_tensor(fc.all_gather_into_tensor(shards[n], world, group))
             else:
-                fc.wait_tensor(fc.reduce_scatter_tensor(fulls[n], "sum", world, group))
+                reduce_scatter_flat(fulls[n], dist.group.WORLD).wait()
 
     return step, len(plan), sum(n * world * 4 for _, n in plan)
 
@@ -245,14 +266,15 @@ def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int
     See [Note: Paired steps] in run.py."""
     fns: dict[str, Callable[[], float]] = {}
     for kind in kinds:
-        if kind == "comm_only":
-            fn = _timed(_comm_step(world)[0])
-        elif kind == "overlap_limit":
-            fn = _overlap_step(rank, world)
-        else:
-            fn = _train_step(kind, rank)
-        for _ in range(warmup):  # compiles now, under this kind's knobs
-            fn()
+        with _knobs(kind):  # compiles now, under this kind's knobs
+            if kind == "comm_only":
+                fn = _timed(_comm_step(world)[0])
+            elif kind == "overlap_limit":
+                fn = _overlap_step(rank, world)
+            else:
+                fn = _train_step(kind, rank)
+            for _ in range(warmup):
+                fn()
         fns[kind] = fn
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(steps):

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ._layout import ShardSpec, bucket_offsets
+from .passes.reduce_impl import reduce_by_all_to_all
 
 _COUNTS: collections.Counter = collections.Counter()
 
@@ -38,11 +39,15 @@ class PendingCollective:
 
     output: torch.Tensor
     work: Optional[dist.Work]
+    # Applied once, after the wait (the local sum of an all-to-all reduce).
+    finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.finish is not None:
+            self.output, self.finish = self.finish(self.output), None
         return self.output
 
 
@@ -71,6 +76,25 @@ def copy_out_all_gather(
             dest.copy_(spec.unpad(padded))
 
 
+def reduce_scatter_flat(
+    flat_in: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> PendingCollective:
+    """Sum-reduce-scatter of a contiguous ``[N * T]`` buffer: output ``[T]``. On
+    gloo an all-to-all plus a local sum over ranks in rank order (see
+    [Note: Reduce-scatter on gloo] in passes/reduce_impl.py), as the lowering does."""
+    world = group.size()
+    if reduce_by_all_to_all(group.group_name):
+        recv = torch.empty_like(flat_in)
+        work = dist.all_to_all_single(recv, flat_in, group=group, async_op=async_op)
+        return PendingCollective(recv, work if async_op else None,
+                                 finish=lambda t: t.view(world, -1).sum(0))
+    out = flat_in.new_empty(flat_in.numel() // world)
+    work = dist.reduce_scatter_single(
+        out, flat_in, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+    return PendingCollective(out, work if async_op else None)
+
+
 def reduce_scatter_bucket(
     grads: Sequence[torch.Tensor],
     specs: Sequence[ShardSpec],
@@ -81,12 +105,8 @@ def reduce_scatter_bucket(
     world = group.size()
     cols = [spec.pad(g).reshape(world, -1) for g, spec in zip(grads, specs)]
     flat_in = torch.cat(cols, dim=1).reshape(-1)
-    out = flat_in.new_empty(flat_in.numel() // world)
     _COUNTS["reduce_scatter"] += 1
-    work = dist.reduce_scatter_single(
-        out, flat_in, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
-    return PendingCollective(out, work if async_op else None)
+    return reduce_scatter_flat(flat_in, group, async_op)
 
 
 def split_reduce_scatter(

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from compiled_fsdp import _compile
 from compiled_fsdp._state import _MODULE_STATE
 
-from ._debug_timeline import collective_bytes, is_collective
+from ._debug_timeline import collective_bytes, collective_label, is_collective
 
 __all__ = ["GraphRecord", "graph_stats", "module_names", "render_graph", "write_index", "write_readme"]
 
@@ -53,8 +53,7 @@ def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
     for n in gm.graph.nodes:
         if not is_collective(n):
             continue
-        kind = "all-gather" if "gather" in str(n.target) or "unshard" in str(n.target) else (
-            "reduce-scatter" if "reduce" in str(n.target) else str(n.target))
+        kind = collective_label(n)
         if "compiled_fsdp" in str(n.target):
             kind = f"unlowered {kind} marker"
         runs = 2 if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE else 1
@@ -79,7 +78,8 @@ def render_graph(what: str, rec: GraphRecord, rank: int, body: str) -> str:
         "# Reading it: torch.ops.compiled_fsdp.unshard(shard, full_shape, group, world_size, module_key, "
         "param_index, reshard_after_forward, reduce_group)\n"
         "#   marks a read of a sharded parameter, reduce_grad(...) its gradient; our passes replace them with one\n"
-        "#   bucketed _c10d_functional.all_gather_into_tensor / reduce_scatter_tensor (+ wait_tensor) per module.\n"
+        "#   bucketed _c10d_functional.all_gather_into_tensor / reduce_scatter_tensor (on gloo:\n"
+        "#   all_to_all_single + sum) (+ wait_tensor) per module.\n"
         f"# module_key -> fully sharded module: {_legend(module_names())}\n\n"
         + body
     )

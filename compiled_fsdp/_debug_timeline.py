@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp.passes._graph import META_KEY, is_reduce_grad, is_unshard
-from compiled_fsdp.passes.cost_model import CostModel, tensor_bytes
+from compiled_fsdp.passes.cost_model import A2A, CostModel, tensor_bytes
 
 __all__ = ["Slice", "chrome_trace", "collective_bytes", "estimate_timeline", "is_collective"]
 
@@ -66,9 +66,16 @@ def is_collective(node: fx.Node) -> bool:
     return ns == "_c10d_functional" and "wait_tensor" not in str(node.target)
 
 
+def _is_reduce(node: fx.Node) -> bool:
+    """A reduce-scatter, a reduce marker, or our all-to-all reduce (gloo; see
+    [Note: Reduce-scatter on gloo] in passes/reduce_impl.py)."""
+    return ("reduce_scatter" in str(node.target) or is_reduce_grad(node)
+            or (node.target is A2A and META_KEY in node.meta))
+
+
 def collective_bytes(node: fx.Node) -> int:
     """Bytes of the full (unsharded) side: a gather's output, a reduce-scatter's input."""
-    if "reduce_scatter" in str(node.target) or is_reduce_grad(node):
+    if _is_reduce(node):
         src = node.args[0]
         return tensor_bytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
     return tensor_bytes(node.meta.get("val"))
@@ -87,7 +94,7 @@ def _comm_us(node: fx.Node, cost: CostModel) -> float:
     reduce-scatter of its bytes."""
     seconds = cost.collective_time(node)
     if not seconds:
-        kind = "reduce_scatter" if "reduce_scatter" in str(node.target) or is_reduce_grad(node) else "all_gather"
+        kind = "reduce_scatter" if _is_reduce(node) else "all_gather"
         seconds = cost.comm_time(kind, collective_bytes(node), _world_size(node))
     return seconds * 1e6
 
@@ -175,9 +182,16 @@ def estimate_timeline(
     return slices
 
 
+def collective_label(node: fx.Node) -> str:
+    """"all-gather", "reduce-scatter" (markers and our gloo all-to-all included)
+    or, for a collective we do not know, the op's name."""
+    if "all_gather" in str(node.target) or is_unshard(node):
+        return "all-gather"
+    return "reduce-scatter" if _is_reduce(node) else str(node.target)
+
+
 def _collective_name(node: fx.Node, module_names: dict[int, str]) -> str:
-    kind = "all-gather" if "all_gather" in str(node.target) or is_unshard(node) else (
-        "reduce-scatter" if "reduce_scatter" in str(node.target) or is_reduce_grad(node) else str(node.target))
+    kind = collective_label(node)
     info = node.meta.get(META_KEY) or {}
     key = info.get("module_key") if isinstance(info, dict) else None
     if is_unshard(node) or is_reduce_grad(node):

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._collectives import count_collective
+from ._collectives import count_collective, reduce_scatter_flat
 from ._layout import ShardSpec
 
 __all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
@@ -126,9 +126,9 @@ def reduce_grad(
     if world_size == 1:
         out = g.clone()
     else:
-        out = g.new_empty(spec.shard_shape)
         count_collective("unbucketed_reduce_scatter")
-        dist.reduce_scatter_single(out, g, op=dist.ReduceOp.SUM, group=_group(group_name))
+        out = reduce_scatter_flat(g.reshape(-1), _group(group_name), async_op=False).wait()
+        out = out.view(spec.shard_shape)
     # Sum then divide: identical to the bucketed path (see passes/lowering.py).
     return out / world_size
 

@@ -34,6 +34,10 @@ c10d = torch.ops._c10d_functional
 
 AG = c10d.all_gather_into_tensor.default
 RS = c10d.reduce_scatter_tensor.default
+# On gloo a gradient bucket is reduced by an all-to-all plus a local sum (see
+# [Note: Reduce-scatter on gloo] in reduce_impl.py); it plays the reduce-scatter's part.
+A2A = c10d.all_to_all_single.default
+ISSUES = (AG, RS, A2A)  # the collectives the passes issue (each has one wait)
 WAIT = c10d.wait_tensor.default
 
 
@@ -57,13 +61,16 @@ class CommConstants:
 # node (bf16 dense ~60% of 989 TFLOP/s, HBM3 3.35 TB/s at ~70%, NVLink 4
 # ~370 GB/s bus bandwidth, ~10 us NCCL latency per step). Re-run the
 # calibration on the target before trusting them.
-# Measured: matmul 69-91 GFLOP/s, elementwise 10.4-10.8 GB/s; 2-rank fit
-# (relative error) all_gather alpha 338 us, 0.835 GB/s of unsharded buffer,
-# reduce_scatter alpha 468 us, 0.575 GB/s; link = 2-rank figure / 2.
+# Measured: matmul 69-118 GFLOP/s, elementwise 10.4-11.8 GB/s; 2-rank fit
+# (relative error) all_gather alpha 338-363 us, 0.81-0.84 GB/s of unsharded
+# buffer; the gradient reduce as it runs on gloo (all-to-all + sum, see
+# [Note: Reduce-scatter on gloo] in reduce_impl.py) alpha 273 us, 1.21 GB/s
+# (gloo's own reduce_scatter_tensor: 468-484 us, 0.58-0.74 GB/s); link =
+# 2-rank figure / 2.
 CPU_COMPUTE = ComputeConstants(flops_per_s=8.0e10, bytes_per_s=1.05e10)
 GLOO_COMM = {
     "all_gather": CommConstants(alpha_s=3.4e-4, link_bytes_per_s=4.2e8),
-    "reduce_scatter": CommConstants(alpha_s=4.7e-4, link_bytes_per_s=2.9e8),
+    "reduce_scatter": CommConstants(alpha_s=2.7e-4, link_bytes_per_s=6.1e8),
 }
 CUDA_COMPUTE = ComputeConstants(flops_per_s=6.0e14, bytes_per_s=2.3e12)
 NCCL_COMM = {
@@ -95,7 +102,7 @@ def node_bytes(node: fx.Node) -> int:
 def _collective_kind(node: fx.Node) -> str | None:
     if node.target is AG:
         return "all_gather"
-    if node.target is RS:
+    if node.target is RS or node.target is A2A:
         return "reduce_scatter"
     return None
 
@@ -145,11 +152,12 @@ class CostModel:
         return steps * c.alpha_s + steps / max(world_size, 1) * unsharded_bytes / c.link_bytes_per_s
 
     def collective_time(self, node: fx.Node) -> float:
-        """Seconds for an all_gather_into_tensor / reduce_scatter_tensor node."""
+        """Seconds for an all_gather_into_tensor / reduce_scatter_tensor / all_to_all_single node."""
         kind = _collective_kind(node)
         if kind is None:
             return 0.0
-        world = node.args[-2] if kind == "reduce_scatter" else node.args[1]
+        world = (len(node.args[1]) if node.target is A2A
+                 else node.args[-2] if kind == "reduce_scatter" else node.args[1])
         buf = node if kind == "all_gather" else node.args[0]
         return self.comm_time(kind, node_bytes(buf), int(world))
 

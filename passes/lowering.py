@@ -7,7 +7,9 @@ length T; the output ``[N*T]`` is viewed ``[N, T]`` and param i is
 ``out[:, off_i:off_i+n_i].reshape(padded_d0_i, *rest)[:d0_i]``. The
 reduce-scatter input is every full grad zero-padded to ``padded_d0_i``,
 viewed ``[N, n_i]``, concatenated along dim 1 and flattened; after the SUM
-reduce-scatter the ``[T]`` result is divided by N and split by ``n_i``. The
+reduce-scatter (on gloo an all-to-all and a sum over ranks, see [Note:
+Reduce-scatter on gloo] in reduce_impl.py) the ``[T]`` result is divided by N
+and split by ``n_i``. The
 eager runtime uses the same layout, so results are bitwise identical.
 
 [Note: Duplicate markers]
@@ -36,6 +38,7 @@ import torch.fx as fx
 
 from .bucketing import merge_small_buckets
 from .config import overlap
+from .reduce_impl import reduce_by_all_to_all
 from ._graph import (
     META_KEY,
     MarkerArgs,
@@ -310,9 +313,15 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
             pieces.append(b(aten.view.default, g, [n_ranks, a.spec.shard_numel]))
         cat = b(aten.cat.default, pieces, 1) if len(pieces) > 1 else pieces[0]
         flat = b(aten.view.default, cat, [n_ranks * plan.total_numel])
-        rs = b(c10d.reduce_scatter_tensor.default, flat, "sum", n_ranks, plan.group_name)
-        waited = b(c10d.wait_tensor.default, rs)
-        avg = b(aten.div.Tensor, waited, n_ranks)
+        if reduce_by_all_to_all(plan.group_name):  # See [Note: Reduce-scatter on gloo].
+            splits = [plan.total_numel] * n_ranks
+            a2a = b(c10d.all_to_all_single.default, flat, splits, splits, plan.group_name)
+            rows = b(aten.view.default, b(c10d.wait_tensor.default, a2a), [n_ranks, plan.total_numel])
+            summed = b(aten.sum.dim_IntList, rows, [0])
+        else:
+            rs = b(c10d.reduce_scatter_tensor.default, flat, "sum", n_ranks, plan.group_name)
+            summed = b(c10d.wait_tensor.default, rs)
+        avg = b(aten.div.Tensor, summed, n_ranks)
         off = 0
         results = []
         for s in plan.slots:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
-from .cost_model import AG, RS, WAIT
+from .cost_model import ISSUES, WAIT
 from .timeline import owned_info
 
 
@@ -37,13 +37,13 @@ def pin_order(graph: fx.Graph) -> int:
 
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for i, n in enumerate(nodes):
-        if owned_info(n) is None or n.target not in (AG, RS, WAIT):
+        if owned_info(n) is None or n.target not in (*ISSUES, WAIT):
             continue
         if n.target is WAIT:
             prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)
             if prev is not None and prev not in n.all_input_nodes:
                 deps.setdefault(n, OrderedSet()).add(prev)
-            issued = next((p for p in reversed(nodes[:i]) if p.target in (AG, RS)
+            issued = next((p for p in reversed(nodes[:i]) if p.target in ISSUES
                            and owned_info(p) is not None), None)
             if issued is not None and issued not in n.all_input_nodes:
                 deps.setdefault(n, OrderedSet()).add(issued)

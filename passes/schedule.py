@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from .config import OverlapConfig
-from .cost_model import AG, RS, WAIT, CostModel, node_bytes
+from .cost_model import AG, ISSUES, WAIT, CostModel, node_bytes
 from .timeline import Timeline, estimate_peak, owned_info, simulate
 
 _FOREIGN_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "compiled_fsdp")
@@ -126,7 +126,7 @@ def _find_colls(graph: fx.Graph) -> list[_Coll]:
     colls = []
     for n in graph.nodes:
         info = owned_info(n)
-        if info is None or n.target not in (AG, RS):
+        if info is None or n.target not in ISSUES:
             continue
         cone: list[fx.Node] = []
         stack = list(n.all_input_nodes)
@@ -307,7 +307,7 @@ def _sequence(order: list[fx.Node]) -> list[str]:
     seq = []
     for n in order:
         info = owned_info(n)
-        if info is None or n.target not in (AG, RS, WAIT):
+        if info is None or n.target not in (*ISSUES, WAIT):
             continue
         what = "wait" if n.target is WAIT else "all_gather" if n.target is AG else "reduce_scatter"
         seq.append(f"{what}:{info['module_key']}")
@@ -345,7 +345,7 @@ def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None =
     in_flight, peak_flight = 0, 0
     live: dict[fx.Node, int] = {}
     for n in plan.order:
-        if n.target in (AG, RS) and owned_info(n) is not None:
+        if n.target in ISSUES and owned_info(n) is not None:
             c = next(x for x in colls if x.node is n)
             live[n] = c.nbytes
             in_flight += c.nbytes

@@ -23,7 +23,7 @@ import dataclasses
 import torch.fx as fx
 
 from ._graph import META_KEY
-from .cost_model import AG, RS, WAIT, CostModel, node_bytes
+from .cost_model import AG, ISSUES, WAIT, CostModel, node_bytes
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ def simulate(order: list[fx.Node], cost: CostModel) -> Timeline:
     current = -1
     for n in order:
         info = owned_info(n)
-        if n.target in (AG, RS) and info is not None:
+        if n.target in ISSUES and info is not None:
             dur = cost.collective_time(n)
             start = max(t, queue_end)
             queue_end = start + dur
@@ -141,7 +141,7 @@ def estimate_peak(order: list[fx.Node], graph: fx.Graph) -> int:
         size = node_bytes(n)
         delta[pos[n]] += size
         delta[last + 1 if last < end else end] -= size if last < end else 0
-        if n.target in (AG, RS) and owned_info(n) is not None:
+        if n.target in ISSUES and owned_info(n) is not None:
             src = n.args[0]
             waits = [pos[u] for u in n.users if u.target is WAIT and u in pos]
             if isinstance(src, fx.Node) and src in pos and waits:

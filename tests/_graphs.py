@@ -13,6 +13,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
+A2A = torch.ops._c10d_functional.all_to_all_single.default  # the gloo reduce (see passes/reduce_impl.py)
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
@@ -28,7 +29,7 @@ class GraphCapture:
         def compiler(graphs: list[fx.GraphModule], phase: str) -> Any:
             def compile_one(gm: fx.GraphModule, example_inputs: Any) -> Any:
                 graphs.append(gm)
-                n_ag, n_rs = count(gm, AG), count(gm, RS)
+                n_ag, n_rs = count(gm, AG), count_reduces(gm)
 
                 def run(args: list) -> Any:
                     self.runtime[f"{phase}_all_gather"] += n_ag
@@ -55,6 +56,12 @@ class GraphCapture:
 
 def count(gm: fx.GraphModule, target: Any) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def count_reduces(gm: fx.GraphModule) -> int:
+    """Gradient reduces: reduce-scatters, or on gloo the all-to-alls that stand
+    in for them (see [Note: Reduce-scatter on gloo] in passes/reduce_impl.py)."""
+    return count(gm, RS) + count(gm, A2A)
 
 
 def resharded_gathers(gm: fx.GraphModule) -> list[fx.Node]:

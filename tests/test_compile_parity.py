@@ -7,7 +7,7 @@ import torch
 
 from compiled_fsdp import fully_shard
 from _dist import run_distributed
-from _graphs import AG, RS, GraphCapture, count, resharded_gathers, saved_gathered
+from _graphs import AG, GraphCapture, count, count_reduces, resharded_gathers, saved_gathered
 from _models import gpt_case
 from _parity import assert_close, run_parity
 
@@ -121,8 +121,8 @@ def _structure_rank(rank: int, world: int, reshard: bool) -> dict:
         "unique_graphs": counters["stats"]["unique_graphs"],
         "fw_gathers": count(fw[0], AG),
         "bw_gathers": count(bw[0], AG),
-        "fw_reduces": count(fw[0], RS),
-        "bw_reduces": count(bw[0], RS),
+        "fw_reduces": count_reduces(fw[0]),
+        "bw_reduces": count_reduces(bw[0]),
         "resharded_gathers": len(resharded_gathers(fw[0])),
         "saved_gathered": saved_gathered(fw[0]),
         "marker_left": any("compiled_fsdp" in str(n.target) for g in fw + bw for n in g.graph.nodes),
