@@ -15,10 +15,11 @@ class OverlapConfig:
     # Reorder the partitioned forward/backward graphs (Inductor only: see
     # [Note: Where scheduling runs] in schedule.py).
     schedule: bool = True
-    # Bytes of unsharded buffers allowed in flight beyond the module computing
-    # (prefetched gathers not yet waited on + reduce-scatters not yet waited on).
-    # None: twice the largest gathered bucket of the graph, i.e. at most two
-    # gathered modules alive beyond the one computing.
+    # Bytes that collectives in flight (prefetched gathers and reduce-scatters
+    # not yet waited on) may keep alive beyond the module computing: their
+    # output buffers and the buckets made for their input (see [Note:
+    # In-flight bytes] in schedule.py). None: twice the largest gather's, i.e.
+    # at most two gathered modules in flight beyond the one computing.
     budget_bytes: int | None = None
     # A gather is issued no earlier than needed to hide ``cover`` times its
     # estimated duration behind compute (the cost model's estimates are rough:
