@@ -204,7 +204,8 @@ class DumpSession:
                 names = module_names()
                 rec.stages.append(stage)
                 idx = 10 + len(rec.stages) - 1
-                kind = _graph_kind(gm)
+                # The scheduling pass sees a partitioned graph and says which.
+                kind = report.graph if stage == "schedule" else _graph_kind(gm)
                 if stage == "before":
                     fname, what = f"{idx}_joint_before_passes.py", "the joint forward+backward graph AOTAutograd built, before our passes"
                 else:
@@ -225,7 +226,10 @@ class DumpSession:
 
 
 def _graph_kind(gm: fx.GraphModule) -> str:
-    """joint (primals and tangents), forward (primals only) or backward (tangents only)."""
+    """For the graphs the joint passes see: joint (primals and tangents) or
+    forward (an inference graph, lowered by the post-grad pass). A partitioned
+    backward graph also has ``primals_*`` inputs (the saved ones), so the
+    scheduling pass's graphs are named from its report instead."""
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     primals = any(n.startswith("primals") for n in names)
     tangents = any(n.startswith("tangents") for n in names)

@@ -87,6 +87,8 @@ def test_env_dump_has_every_file(tmp_path, backend: str) -> None:
         for name in GRAPH_FILES + INDUCTOR_FILES:
             assert name in index
         assert "all_gather_into_tensor" in open(os.path.join(gdir, "21_backward.py")).read()
+        # the scheduling pass's partitioned graphs, each under its own name
+        assert {"13_forward_after_schedule.py", "14_backward_after_schedule.py"} <= set(os.listdir(gdir))
 
 
 def test_depyf_failure_keeps_everything_else(tmp_path) -> None:
