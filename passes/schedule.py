@@ -83,6 +83,7 @@ class _Coll:
     cone: list[fx.Node]  # issue chain, graph order
     wait: fx.Node | None
     barrier: int  # index of the last foreign collective before it (in barrier order), or -1
+    tail: list[fx.Node] = dataclasses.field(default_factory=list)  # wait and after, graph order
     desired: int = 0  # earliest compute index worth issuing at (gathers)
 
 
@@ -166,6 +167,7 @@ def _find_colls(graph: fx.Graph) -> list[_Coll]:
     order = {n: i for i, n in enumerate(graph.nodes)}
     for c in colls:
         c.cone.sort(key=order.__getitem__)
+        c.tail = sorted(_lazy_tail(c), key=order.__getitem__)
     return colls
 
 
@@ -178,7 +180,8 @@ def _held_bytes(n: fx.Node, cone: list[fx.Node]) -> int:
 
 
 def _lazy_tail(c: _Coll) -> list[fx.Node]:
-    """The wait and the views after it that read only the wait's chain."""
+    """The wait and the nodes after it that read only the wait's chain (views,
+    copy-out, the local sum of a gloo reduce)."""
     if c.wait is None:
         return []
     info = owned_info(c.node)
@@ -209,13 +212,10 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
             c.kind == "gather" for c in colls) else 2 * max(c.nbytes for c in colls)
     issue_of: dict[fx.Node, _Coll] = {}
     lazy_of: dict[fx.Node, _Coll] = {}
-    tails: dict[int, list[fx.Node]] = {}
-    graph_pos = {n: i for i, n in enumerate(nodes)}
     for c in colls:
         for n in (*c.cone, c.node):
             issue_of[n] = c
-        tails[id(c)] = sorted(_lazy_tail(c), key=graph_pos.__getitem__)
-        for n in tails[id(c)]:
+        for n in c.tail:
             lazy_of[n] = c
     compute = [n for n in nodes if n not in issue_of and n not in lazy_of]
     times = [cost.compute_time(n) for n in compute]
@@ -223,6 +223,7 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
     for i in range(len(compute) - 1, -1, -1):
         suffix[i] = suffix[i + 1] + times[i]
     # Barriers and first uses, from the original order.
+    graph_pos = {n: i for i, n in enumerate(nodes)}
     barriers = [i for i, n in enumerate(compute) if _is_foreign_collective(n)]
     first_use: dict[int, int] = {}
     for i, n in enumerate(compute):
@@ -280,7 +281,7 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
         if n is c.wait:
             if c in in_flight:
                 in_flight.remove(c)
-            for t in tails[id(c)]:  # See [Note: In-flight bytes].
+            for t in c.tail:  # See [Note: In-flight bytes].
                 ensure(t)
 
     def ready(c: _Coll, at: int, emitted_barriers: int) -> bool:
