@@ -61,7 +61,7 @@ from workloads import comm_rank, overlap_limit_rank, paired_rank, train_rank  # 
 
 # See [Note: Paired steps].
 PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only", "overlap_limit",
-                "ours_compiled_gloors"]
+                "ours_compiled_nosched", "ours_compiled_gloors"]
 TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_onegroup", "ours_compiled_gloors",
                "ours_eager", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled"]
 

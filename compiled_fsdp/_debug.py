@@ -22,9 +22,11 @@ patched:
 
 The compile id (``CompileContext.current_compile_id()``, ``"frame/compile"``)
 ties the artifacts of one graph together. AOTAutograd's cache would skip the
-joint pass on a hit (see [Note: AOTAutograd cache] in ``_compile.py``), so a
-dump turns ``torch._functorch.config.enable_autograd_cache`` off and restores
-it when the dump ends. Nothing else changes: numerics are unaffected.
+joint pass on a hit (see [Note: AOTAutograd cache] in ``_compile.py``) and
+Inductor's FX-graph cache the post-grad scheduling pass, so a dump turns
+``torch._functorch.config.enable_autograd_cache`` and
+``torch._inductor.config.fx_graph_cache`` off and restores them when the dump
+ends. Nothing else changes: numerics are unaffected.
 
 [Note: A dump never breaks training]
 Every hook body runs under ``_guard``: an exception is recorded in the graph's
@@ -48,6 +50,7 @@ import torch.fx as fx
 from torch._dynamo import callback_handler
 from torch._dynamo.convert_frame import register_bytecode_hook
 from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
 from torch._guards import CompileContext
 from torch._logging._internal import trace_log
 
@@ -88,13 +91,14 @@ class DumpSession:
         self._lock = threading.RLock()
         self._handler = _TraceHandler(self)
         self._hook_handle: Any = None
-        self._saved_cache: Optional[bool] = None
+        self._saved_caches: Optional[tuple[bool, bool]] = None
         self.active = False
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
-        self._saved_cache = functorch_config.enable_autograd_cache
+        self._saved_caches = (functorch_config.enable_autograd_cache, inductor_config.fx_graph_cache)
         functorch_config.enable_autograd_cache = False
+        inductor_config.fx_graph_cache = False
         trace_log.addHandler(self._handler)
         self._hook_handle = register_bytecode_hook(self._on_bytecode)
         _compile.add_observer(self._on_pass)
@@ -109,7 +113,8 @@ class DumpSession:
         _compile.remove_observer(self._on_pass)
         self._hook_handle.remove()
         trace_log.removeHandler(self._handler)
-        functorch_config.enable_autograd_cache = self._saved_cache
+        assert self._saved_caches is not None
+        functorch_config.enable_autograd_cache, inductor_config.fx_graph_cache = self._saved_caches
         self.flush()
 
     def flush(self) -> None:

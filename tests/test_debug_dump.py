@@ -44,10 +44,14 @@ def _broken_depyf_rank(rank: int, world: int, root: str) -> bool:
         raise depyf.decompiler.DecompilationError("forced by the test")
 
     depyf.decompile = broken  # this child process only
-    before = torch._functorch.config.enable_autograd_cache
+    def caches() -> tuple[bool, bool]:
+        return torch._functorch.config.enable_autograd_cache, torch._inductor.config.fx_graph_cache
+
+    before = caches()
     with dump_graphs(root):
+        assert caches() == (False, False)
         _train("aot_eager")
-    return torch._functorch.config.enable_autograd_cache == before
+    return caches() == before
 
 
 def _graph_dir(root: str, rank: int) -> str:
