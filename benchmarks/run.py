@@ -92,9 +92,16 @@ def _plot(results: dict, path: str) -> bool:
     except ImportError:
         return False
     names = list(results["configs"])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    paired = results.get("paired")
+    fig, axes = plt.subplots(1, 3 if paired else 2, figsize=(19 if paired else 13, 4.5))
+    a, b = axes[0], axes[1]
     a.barh(names, [results["configs"][n]["step_s"] for n in names], color="tab:blue")
-    a.set_xlabel("median step time (s), max over ranks")
+    a.set_xlabel("rounds: median step time (s), max over ranks")
+    if paired:  # See [Note: Paired steps]: the comparable numbers.
+        kinds = paired["kinds"]
+        axes[2].barh(kinds, [statistics.median(s[k] for s in paired["per_step_s"]) for k in kinds],
+                     color="tab:green")
+        axes[2].set_xlabel("paired: median step time (s), max over ranks")
     mem = [n for n in names if "step_peak_mb" in results["configs"][n]]
     b.barh(mem, [results["configs"][n]["step_peak_mb"] for n in mem], color="tab:orange")
     b.set_xlabel("peak RSS growth during a step (MiB), max over ranks")
