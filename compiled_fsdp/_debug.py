@@ -231,14 +231,12 @@ class DumpSession:
 
 
 def _graph_kind(gm: fx.GraphModule) -> str:
-    """For the graphs the joint passes see: joint (primals and tangents) or
-    forward (an inference graph, lowered by the post-grad pass). A partitioned
-    backward graph also has ``primals_*`` inputs (the saved ones), so the
-    scheduling pass's graphs are named from its report instead."""
+    """For the graphs the lowering and recompute passes see: joint (it has
+    tangent inputs) or forward (an inference graph, lowered by the post-grad
+    pass). A partitioned backward graph has tangents too, so the scheduling
+    pass's graphs are named from its report instead."""
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    primals = any(n.startswith("primals") for n in names)
-    tangents = any(n.startswith("tangents") for n in names)
-    return "joint" if primals and tangents else "backward" if tangents else "forward"
+    return "joint" if any(n.startswith("tangents") for n in names) else "forward"
 
 
 @contextlib.contextmanager
