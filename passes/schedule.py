@@ -53,7 +53,7 @@ gloo] in reduce_impl.py), so running it frees the collective's buffers. Left
 lazy, the reduce's tail ran where the gradients are used -- the graph's end --
 and every module's full receive buffer stayed alive until then. Measured on
 the benchmark GPT (2 ranks): the backward schedule then raised the estimated
-peak by 56 MB against a 36 MB budget, so the pass kept the partitioner's order
+peak by 56 MB against a 24 MB budget, so the pass kept the partitioner's order
 and every backward collective was waited right after it was issued (exposed
 ``wait_tensor`` 0.40-0.58 s per step in a profile); with the tail following
 its wait the peak rises by 14 MB and the same profile shows 0.03-0.17 s.
