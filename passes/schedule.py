@@ -272,17 +272,14 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
             issue_through(issue_of[n])
             return
         assert n in lazy_of, f"{n} needed before its position"
-        for a in n.all_input_nodes:
-            ensure(a)
-        if n in emitted:  # emitted with its wait's tail
-            return
-        emit(n)
+        # A tail reads only its collective and itself, so the whole tail is
+        # emitted at once, in graph order. See [Note: In-flight bytes].
         c = lazy_of[n]
-        if n is c.wait:
-            if c in in_flight:
-                in_flight.remove(c)
-            for t in c.tail:  # See [Note: In-flight bytes].
-                ensure(t)
+        issue_through(c)
+        for t in c.tail:
+            emit(t)
+        if c in in_flight:
+            in_flight.remove(c)
 
     def ready(c: _Coll, at: int, emitted_barriers: int) -> bool:
         if c.barrier >= emitted_barriers:  # a barrier before it is not emitted yet
