@@ -44,7 +44,6 @@ from collections.abc import Iterator
 from types import CodeType
 from typing import Any, Optional
 
-import depyf
 import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo import callback_handler
@@ -196,6 +195,8 @@ class DumpSession:
             rec.frame = f"{getattr(code, 'co_qualname', code.co_name)} " \
                         f"({code.co_filename}:{code.co_firstlineno})"
             with self._guard(rec, "depyf.decompile"):
+                import depyf  # heavy: imported only once a dump is asked for
+
                 src = depyf.decompile(new_code)
                 self._write(rec, "02_bytecode_decompiled.py",
                             "the Python bytecode Dynamo generated for the frame, decompiled by depyf "
