@@ -45,6 +45,24 @@ class ShardingOptions:
     # Same ranks as ``process_group``; carries every reduce-scatter. See
     # [Note: A second group for reduce-scatters].
     reduce_group: dist.ProcessGroup
+    # The user's 1-D mesh, or None: one is built over ``process_group`` for the
+    # parameters' device type (see ``mesh_for``).
+    mesh: Optional[DeviceMesh] = None
+
+    def mesh_for(self, device_type: str) -> DeviceMesh:
+        """The mesh the parameters' DTensors live on."""
+        if self.mesh is not None:
+            return self.mesh
+        key = (self.process_group.group_name, device_type)
+        mesh = _MESHES.get(key)
+        if mesh is None or mesh.get_group() not in dist.distributed_c10d._world.pg_map:
+            mesh = DeviceMesh.from_group(self.process_group, device_type)
+            _MESHES[key] = mesh
+        return mesh
+
+
+# (group name, device type) -> the 1-D mesh built over a user's ProcessGroup.
+_MESHES: dict[tuple[str, str], DeviceMesh] = {}
 
 
 def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_after_forward: bool) -> ShardingOptions:
@@ -72,7 +90,8 @@ def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_a
     from .passes.config import overlap
 
     reduce_group = _reduce_group_for(group) if overlap.separate_reduce_group else group
-    return ShardingOptions(group, reshard_after_forward, reduce_group)
+    return ShardingOptions(group, reshard_after_forward, reduce_group,
+                           mesh if isinstance(mesh, DeviceMesh) else None)
 
 
 # Gather group name -> its reduce group, created once per gather group.
@@ -156,10 +175,11 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     _agree(options.process_group, module, error, fingerprint)
     group = None
     if owners:
-        world, rank = options.process_group.size(), options.process_group.rank()
+        mesh = options.mesh_for(next(iter(owners)).device.type)
+        rank = options.process_group.rank()
         fsdp_params = []
         for param, places in owners.items():
-            fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], world, rank)
+            fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank)
             _MANAGED[param] = fp
             _SHARDS[fp.sharded] = fp
             fsdp_params.append(fp)
@@ -240,6 +260,12 @@ def _collect_owned(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Par
                     "fully_shard application (a weight shared between two fully sharded modules, or fully_shard "
                     "applied to a parent before its child). Apply fully_shard to a common ancestor of every "
                     "module that uses it (children first, then parents), or pass it in ignored_params."
+                )
+            if p.dim() == 0:
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is a scalar (0-dim); a "
+                    "sharded parameter is a DTensor sharded on dim 0, which a scalar has not. Make it a "
+                    "1-D tensor with one element (e.g. nn.Parameter(torch.tensor([1.5]))), as FSDP2 asks."
                 )
             owned.setdefault(p, []).append((m, name, fqn))
     return owned

@@ -14,11 +14,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ._api import fully_shard
 from ._state import get_fsdp_state, iter_fsdp_states
 
-__all__ = ["CheckConfig", "ModelSpec", "load_model_spec", "max_diff", "run_rank", "shard_specs"]
+__all__ = ["CheckConfig", "ModelSpec", "load_model_spec", "local_tensor", "max_diff", "run_rank", "shard_specs"]
 
 
 def shard_specs(model: nn.Module) -> dict[int, Any]:
@@ -31,10 +32,18 @@ def shard_specs(model: nn.Module) -> dict[int, Any]:
     }
 
 
+def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This rank's part of ``t``: a DTensor's local tensor, a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def max_diff(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> float:
-    """max |a - b|; 0 when both are None, inf when only one is."""
+    """max |a - b| over this rank's local parts; 0 when both are None, inf when only one is."""
+    a, b = local_tensor(a), local_tensor(b)
     if a is None or b is None:
         return 0.0 if a is None and b is None else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
 
@@ -155,7 +164,7 @@ def _run_variant(spec: ModelSpec, cfg: CheckConfig, variant: str, ref: list[dict
 
     def local(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         s = specs.get(id(named[name]))
-        return t if t is None or s is None else s.shard(t, rank)
+        return t if t is None or s is None else s.local(t, rank)
 
     out, tensors = [], []
     for step in range(cfg.steps):
@@ -169,8 +178,8 @@ def _run_variant(spec: ModelSpec, cfg: CheckConfig, variant: str, ref: list[dict
             d = max_diff(p.grad, local(n, r["grads"][n]))
             m = owner.get(n, "")
             module_grad[m] = max(module_grad.get(m, 0.0), d)
-            sq += 0.0 if p.grad is None else float(p.grad.double().pow(2).sum())
-        mine = {"grads": {n: None if p.grad is None else p.grad.clone() for n, p in named.items()}}
+            sq += 0.0 if p.grad is None else float(local_tensor(p.grad).double().pow(2).sum())
+        mine = {"grads": {n: None if p.grad is None else local_tensor(p.grad).clone() for n, p in named.items()}}
         opt.step()
         opt.zero_grad()
         abs_d = rel_d = 0.0
@@ -179,7 +188,7 @@ def _run_variant(spec: ModelSpec, cfg: CheckConfig, variant: str, ref: list[dict
             d = max_diff(p.detach(), want)
             abs_d = max(abs_d, d)
             rel_d = max(rel_d, d / max(want.abs().max().item(), 1e-12) if want.numel() else 0.0)
-        mine["params"] = {n: p.detach().clone() for n, p in named.items()}
+        mine["params"] = {n: local_tensor(p.detach()).clone() for n, p in named.items()}
         vs = 0.0
         if baseline is not None:
             other = baseline[step]

@@ -54,6 +54,16 @@ class ShardSpec:
     def shard_numel(self) -> int:
         return self.shard_dim0 * math.prod(self.rest)
 
+    def local_dim0(self, rank: int) -> int:
+        """Rows of the unpadded parameter that ``rank`` holds: ``torch.chunk``'s
+        (and DTensor ``Shard(0)``'s) split, so trailing ranks may hold fewer
+        rows, or none. See [Note: Parameters are DTensors] in _param.py."""
+        return max(0, min(self.shard_dim0, self.dim0 - rank * self.shard_dim0))
+
+    def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s rows of ``full`` without padding: what its DTensor shard holds."""
+        return self.shard(full, rank)[: self.local_dim0(rank)]
+
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's rows of ``full`` (zero-padded), as a new contiguous tensor."""
         flat = full.reshape(self.dim0, *self.rest)

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from . import _ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
 from ._layout import ShardSpec
@@ -35,7 +37,8 @@ if TYPE_CHECKING:
 
 
 class FSDPParam:
-    """A managed parameter: its shard (the registered ``nn.Parameter``) and its
+    """A managed parameter: its shard (the registered ``nn.Parameter``, a
+    ``DTensor``), the padded local storage the collectives use, and its
     unsharded buffer, whose storage is freed while resharded."""
 
     def __init__(
@@ -43,16 +46,20 @@ class FSDPParam:
         param: nn.Parameter,
         owners: list[tuple[nn.Module, str]],
         fqn: str,
-        world_size: int,
+        mesh: DeviceMesh,
         rank: int,
     ) -> None:
         self.fqn = fqn
         self.owners = owners
-        self.spec = ShardSpec(tuple(param.shape), world_size)
+        self.mesh = mesh
+        self.spec = ShardSpec(tuple(param.shape), mesh.size())
+        self.local_rows = self.spec.local_dim0(rank)
         self.orig_dtype = param.dtype
         with torch.no_grad():
-            shard = self.spec.shard(param.detach(), rank)
-        self.sharded = nn.Parameter(shard, requires_grad=param.requires_grad)
+            # [Note: Parameters are DTensors]: the padded shard is what the
+            # collectives read; the DTensor's local tensor is a view of its rows.
+            self.padded_shard = self.spec.shard(param.detach(), rank)
+        self.sharded = nn.Parameter(self.to_dtensor(self.padded_shard), requires_grad=param.requires_grad)
         self.unsharded: Optional[torch.Tensor] = None
         self.group: Optional["FSDPParamGroup"] = None
         self.index = -1
@@ -60,11 +67,59 @@ class FSDPParam:
         for module, name in owners:
             module._parameters[name] = self.sharded
 
+    def to_dtensor(self, padded: torch.Tensor) -> DTensor:
+        """A ``Shard(0)`` DTensor whose local tensor is a view of ``padded``'s real
+        rows (no copy, no communication)."""
+        full = self.spec.full_shape
+        return DTensor.from_local(
+            padded[: self.local_rows], self.mesh, (Shard(0),), run_check=False,
+            shape=torch.Size(full), stride=_contiguous_strides(full),
+        )
+
+    def add_grad(self, padded_grad: torch.Tensor) -> None:
+        """Accumulate a reduced, padded gradient shard into ``.grad`` (a DTensor
+        with the parameter's spec)."""
+        grad = self.sharded.grad
+        if grad is None:
+            self.sharded.grad = self.to_dtensor(padded_grad.clone())
+        else:
+            grad._local_tensor += padded_grad[: self.local_rows]
+
+    def reset_sharded_param(self) -> None:
+        """After ``load_state_dict(assign=True)`` or ``module._apply`` put another
+        tensor where our parameter was registered: copy its local rows into the
+        padded storage and register our parameter again, so the collectives and
+        the optimizer keep seeing one tensor."""
+        module, name = self.owners[0]
+        current = module._parameters.get(name)
+        if current is self.sharded or current is None:
+            return
+        local = current.to_local() if isinstance(current, DTensor) else current
+        with torch.no_grad():
+            if tuple(local.shape) == tuple(self.padded_shard[: self.local_rows].shape):
+                self.padded_shard[: self.local_rows].copy_(local)
+            else:
+                raise ValueError(
+                    f"compiled_fsdp: parameter {self.fqn!r} was replaced by a tensor of shape "
+                    f"{tuple(current.shape)}; expected a DTensor shard of {self.spec.full_shape}."
+                )
+        for m, n in self.owners:
+            m._parameters[n] = self.sharded
+
+    def traced_input(self) -> torch.Tensor:
+        """What the marker reads under Dynamo: the local shard padded to the
+        common shard shape (a differentiable pad, so gradients reach the DTensor)."""
+        local = self.sharded.to_local()
+        missing = self.spec.shard_dim0 - self.local_rows
+        if missing:
+            local = torch.nn.functional.pad(local, [0, 0] * len(self.spec.rest) + [0, missing])
+        return local
+
     # -- unsharded storage -------------------------------------------------
     def alloc_unsharded(self) -> torch.Tensor:
         """The unsharded buffer with its storage allocated (contents undefined)."""
         if self.unsharded is None:
-            self.unsharded = self.sharded.new_empty(self.spec.full_shape)
+            self.unsharded = self.padded_shard.new_empty(self.spec.full_shape)
         else:
             storage = self.unsharded.untyped_storage()
             nbytes = self.unsharded.numel() * self.unsharded.element_size()
@@ -88,7 +143,7 @@ class FSDPParam:
         if group is not None and torch.compiler.is_compiling():
             comptime(self.record_trace)  # at trace time; see [Note: Fallback decision rule]
             return torch.ops.compiled_fsdp.unshard(
-                self.sharded,
+                self.traced_input(),
                 list(self.spec.full_shape),
                 group.group_name,
                 self.spec.world_size,
@@ -105,6 +160,14 @@ class FSDPParam:
                 "(do not apply fully_shard to that module separately)."
             )
         return self.sharded
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
 
 
 _SUBCLASS_CACHE: dict[tuple[type, frozenset[str]], type] = {}

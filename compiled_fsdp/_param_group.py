@@ -120,7 +120,7 @@ class FSDPParamGroup:
         """Issue the group's all-gather (if sharded); with ``async_op=False`` also wait."""
         if self.state is ShardedState.SHARDED:
             self._pending_gather = all_gather_bucket(
-                [p.sharded for p in self.fsdp_params], self.process_group
+                [p.padded_shard for p in self.fsdp_params], self.process_group
             )
             self.state = ShardedState.GATHERING
         if not async_op:
@@ -174,7 +174,7 @@ class FSDPParamGroup:
             return
         params = [p for p, _ in owned]
         pending = reduce_scatter_bucket(
-            [g.to(p.sharded.dtype) for p, g in owned], [p.spec for p in params], self.reduce_group
+            [g.to(p.orig_dtype) for p, g in owned], [p.spec for p in params], self.reduce_group
         )
         self._pending_reduce = (pending, params)
         if self.ctx is not None:
@@ -186,10 +186,7 @@ class FSDPParamGroup:
             pending, params = self._pending_reduce
             self._pending_reduce = None
             for p, g in zip(params, split_reduce_scatter(pending.wait(), [p.spec for p in params])):
-                if p.sharded.grad is None:
-                    p.sharded.grad = g.clone()
-                else:
-                    p.sharded.grad += g
+                p.add_grad(g)
 
     def end_iteration(self) -> None:
         """Reset per-iteration state: finish communication, free unsharded memory."""

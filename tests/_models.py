@@ -11,11 +11,11 @@ from examples.gpt import GPT, Block, GPTConfig, tiny, tiny_tied
 
 
 class ScaledLinear(nn.Linear):
-    """A Linear with a learnable 0-dim output scale."""
+    """A Linear with a learnable one-element output scale."""
 
     def __init__(self, n_in: int, n_out: int) -> None:
         super().__init__(n_in, n_out)
-        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.scale = nn.Parameter(torch.tensor([1.5]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * self.scale
@@ -23,7 +23,7 @@ class ScaledLinear(nn.Linear):
 
 class Twice(nn.Module):
     """``shared`` is called twice per forward; ``frozen`` never trains; ``spare``
-    owns a parameter that forward never uses; ``pre.scale`` is a 0-dim parameter."""
+    owns a parameter that forward never uses; ``pre.scale`` has one element (fewer rows than ranks)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -45,7 +45,7 @@ def run_parity(
 
     def local(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         spec = specs.get(id(named[name]))
-        return t if t is None or spec is None else spec.shard(t, rank)
+        return t if t is None or spec is None else spec.local(t, rank)
 
     out = {"loss": [], "grad": [], "param": [], "counts": [], "graph_counts": [], "after": []}
     for step in range(steps):
