@@ -7,7 +7,6 @@ from ._explain import ModuleReport, explain
 from ._collectives import collective_counts, reset_collective_counts
 from ._debug import dump_graphs
 from ._state import get_fsdp_state, iter_fsdp_states
-from ._state_dict import get_full_state_dict, load_full_state_dict
 
 __all__ = [
     "ModuleReport",
@@ -17,8 +16,6 @@ __all__ = [
     "dump_graphs",
     "fully_shard",
     "get_fsdp_state",
-    "get_full_state_dict",
     "iter_fsdp_states",
-    "load_full_state_dict",
     "reset_collective_counts",
 ]

@@ -193,6 +193,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
                 by_module.setdefault(m, {})[n] = fp
         for m, names in by_module.items():
             install_param_properties(m, names)
+            m.register_load_state_dict_post_hook(_reset_after_load(list(names.values())))
     for m in module.modules():  # See seed 002: Dynamo traces these unspecialized.
         m._is_fsdp_managed_module = True
         m._fsdp_use_orig_params = True
@@ -204,6 +205,17 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
 
     _compile.install()
     return module
+
+
+def _reset_after_load(fsdp_params: list[FSDPParam]) -> Callable:
+    """A post-hook for ``load_state_dict(assign=True)``, which registers the
+    loaded tensors in place of ours: see ``FSDPParam.reset_sharded_param``."""
+
+    def hook(module: nn.Module, incompatible_keys: object) -> None:
+        for fp in fsdp_params:
+            fp.reset_sharded_param()
+
+    return hook
 
 
 def _validate(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -18,7 +19,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from compiled_fsdp import explain, fully_shard, get_full_state_dict  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+
+from compiled_fsdp import explain, fully_shard  # noqa: E402
 from examples import gpt  # noqa: E402
 
 
@@ -29,6 +33,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--compile", default="inductor", choices=["inductor", "aot_eager", "none"])
     parser.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    parser.add_argument("--checkpoint", default=None, help="DCP checkpoint folder (default: a temporary one)")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -51,7 +56,7 @@ def main() -> None:
     for block in model.layers:
         fully_shard(block, reshard_after_forward=not args.no_reshard)
     fully_shard(model, reshard_after_forward=not args.no_reshard)
-    local = sum(p.numel() for p in model.parameters())
+    local = sum(p.to_local().numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step_fn = model if args.compile == "none" else torch.compile(
         model, backend="inductor" if args.compile == "inductor" else "aot_eager"
@@ -75,10 +80,24 @@ def main() -> None:
         print("how each fully sharded module ran (compiled_fsdp.explain):")
         for report in explain(model):
             print(f"  {report}")
-    full = get_full_state_dict(model)
+    # Checkpoint with the standard APIs (parameters are DTensors): save model and
+    # optimizer with DCP, reload them into the same objects, check nothing moved.
+    ckpt = args.checkpoint or os.path.join(tempfile.gettempdir(), f"compiled_fsdp_ckpt_{os.getppid()}")
+    model_sd, optim_sd = get_state_dict(step_fn, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model_sd, optim_sd = get_state_dict(step_fn, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(step_fn, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    same = all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, model.parameters()))
     if rank == 0:
-        print(f"gathered full state dict: {len(full)} tensors, "
-              f"{sum(t.numel() for t in full.values()) / 1e6:.2f}M values")
+        print(f"DCP checkpoint saved to {ckpt} and reloaded: {'bitwise equal' if same else 'MISMATCH'}")
+    if not same:
+        raise SystemExit("the reloaded checkpoint differs from the saved parameters")
     dist.destroy_process_group()
 
 

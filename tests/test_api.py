@@ -8,7 +8,10 @@ import torch
 import torch.nn as nn
 
 import compiled_fsdp
-from compiled_fsdp import fully_shard, get_full_state_dict, load_full_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+from compiled_fsdp import fully_shard
 from _dist import run_distributed
 from examples.gpt import Block, tiny, tiny_tied
 
@@ -23,30 +26,40 @@ def _sharding_rank(rank: int, world: int) -> dict:
     model = copy.deepcopy(ref)
     fully_shard(model, policy={Block})
     total = sum(p.numel() for p in ref.parameters())
-    local = sum(p.numel() for p in model.parameters())
+    local = sum(p.to_local().numel() for p in model.parameters())
     compiled_fsdp.reset_collective_counts()
     # Reading parameters and the state dict outside forward returns shards, no communication.
     w = model.layers[0].attn.qkv.weight
     sd = model.state_dict()
     counts = compiled_fsdp.collective_counts()
-    full = get_full_state_dict(model)
+    full_opts = StateDictOptions(full_state_dict=True)
+    full = get_model_state_dict(model, options=full_opts)
     exact = all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
     # Round trip: perturb the reference, load its full state dict, gather again.
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(1.0)
-    load_full_state_dict(model, ref.state_dict())
-    again = get_full_state_dict(model)
+    set_model_state_dict(model, ref.state_dict(), options=full_opts)
+    again = get_model_state_dict(model, options=full_opts)
     roundtrip = all(torch.equal(again[k], v) for k, v in ref.state_dict().items())
+    # load_state_dict(assign=True) swaps in new DTensors: ours are registered again,
+    # with the loaded values in the storage the collectives read.
+    before = [id(p) for p in model.parameters()]
+    model.load_state_dict({k: v.detach() * 2 for k, v in model.state_dict().items()}, assign=True)
+    assign_kept = before == [id(p) for p in model.parameters()]
+    doubled = get_model_state_dict(model, options=full_opts)
+    assign_exact = all(torch.equal(doubled[k], v * 2) for k, v in ref.state_dict().items())
     return {
         "total": total,
         "local": local,
-        "w_shape": tuple(w.shape),
-        "is_param": isinstance(w, nn.Parameter),
+        "w_shape": tuple(w.to_local().shape),
+        "w_global": (tuple(w.shape), tuple(w.placements)),
+        "is_param": isinstance(w, nn.Parameter) and isinstance(w, DTensor),
         "keys_match": list(sd) == list(ref.state_dict()),
         "counts": counts,
         "exact": exact,
         "roundtrip": roundtrip,
+        "assign": assign_kept and assign_exact,
         "grads_none": all(p.grad is None for p in model.parameters()),
     }
 
@@ -57,8 +70,15 @@ def test_sharding_and_state_dicts(world: int) -> None:
         # Each rank holds 1/N of the parameters, plus at most one padding row per parameter.
         assert res["total"] / world <= res["local"] <= res["total"] / world + 0.02 * res["total"]
         assert res["w_shape"] == (-(-72 // world), 24) and res["is_param"]
+        assert res["w_global"] == ((72, 24), (Shard(0),))
         assert res["keys_match"] and res["counts"] == {}
-        assert res["exact"] and res["roundtrip"] and res["grads_none"]
+        assert res["exact"] and res["roundtrip"] and res["grads_none"] and res["assign"]
+
+
+class _Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.0))
 
 
 def _bad_input_rank(rank: int, world: int) -> list[str]:
@@ -87,6 +107,7 @@ def _bad_input_rank(rank: int, world: int) -> list[str]:
     # Only rank 1 is wrong: every rank must raise, none may wait in a collective.
     lopsided = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta" if rank == 1 else "cpu"))
     expect(lambda: fully_shard(lopsided), "several devices.*rank 1")
+    expect(lambda: fully_shard(_Scalar()), "scalar")
     different = nn.Linear(4, 5 if rank == 1 else 4)
     expect(lambda: fully_shard(different), "shards different parameters")
 
