@@ -87,17 +87,21 @@ def _knobs(kind: str) -> Iterator[None]:
     """The overlap knobs of ``kind`` while it is sharded, compiled and warmed
     up (they are read then); the defaults again afterwards, so configurations
     built later in the same process (paired mode) are not affected."""
+    from compiled_fsdp import config as comm_config
     from compiled_fsdp.passes import config
 
     saved = dataclasses.replace(config.overlap)
+    saved_comm = dataclasses.replace(comm_config.comm)
     config.overlap.schedule = kind != "ours_compiled_nosched"
-    config.overlap.separate_reduce_group = kind != "ours_compiled_onegroup"
-    config.overlap.gloo_reduce_by_all_to_all = kind != "ours_compiled_gloors"
+    comm_config.comm.separate_reduce_group = kind != "ours_compiled_onegroup"
+    comm_config.comm.gloo_reduce_by_all_to_all = kind != "ours_compiled_gloors"
     try:
         yield
     finally:
         for field in dataclasses.fields(saved):
             setattr(config.overlap, field.name, getattr(saved, field.name))
+        for field in dataclasses.fields(saved_comm):
+            setattr(comm_config.comm, field.name, getattr(saved_comm, field.name))
 
 
 def _train_step(kind: str, rank: int) -> Callable[[], float]:

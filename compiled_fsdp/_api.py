@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .config import comm
 from ._param import FSDPParam, install_param_properties
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_fsdp_state, iter_fsdp_states
@@ -87,9 +88,7 @@ def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_a
         group = mesh
     else:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
-    from .passes.config import overlap
-
-    reduce_group = _reduce_group_for(group) if overlap.separate_reduce_group else group
+    reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
     return ShardingOptions(group, reshard_after_forward, reduce_group,
                            mesh if isinstance(mesh, DeviceMesh) else None)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._layout import ShardSpec, bucket_offsets
-from .passes.reduce_impl import reduce_by_all_to_all
+from ._reduce import reduce_by_all_to_all
 
 _COUNTS: collections.Counter = collections.Counter()
 
@@ -81,7 +81,7 @@ def reduce_scatter_flat(
 ) -> PendingCollective:
     """Sum-reduce-scatter of a contiguous ``[N * T]`` buffer: output ``[T]``. On
     gloo an all-to-all plus a local sum over ranks in rank order (see
-    [Note: Reduce-scatter on gloo] in passes/reduce_impl.py), as the lowering does."""
+    [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py), as the lowering does."""
     world = group.size()
     if reduce_by_all_to_all(group.group_name):
         recv = torch.empty_like(flat_in)

@@ -69,6 +69,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 # Importing _ops registers the marker ops, so any graph the passes see runs.
 import compiled_fsdp._ops  # noqa: F401
 from compiled_fsdp.passes import JointPassReport, Observer, has_markers, lower_markers, run_joint_passes
+from compiled_fsdp import config as comm_config
 from compiled_fsdp.passes import config as passes_config
 from compiled_fsdp.passes.pin import pin_order
 from compiled_fsdp.passes.schedule import ScheduleReport, schedule_graph
@@ -114,12 +115,17 @@ class _CompiledFSDPJointPass:
 
 
 def _source_files() -> tuple[str, ...]:
+    import compiled_fsdp._layout as layout_mod
     import compiled_fsdp._ops as ops_mod
+    import compiled_fsdp._reduce as reduce_mod
     import compiled_fsdp.passes as passes_mod
 
     pdir = os.path.dirname(os.path.abspath(passes_mod.__file__))
     files = [os.path.join(pdir, f) for f in sorted(os.listdir(pdir)) if f.endswith(".py")]
-    return (os.path.abspath(__file__), os.path.abspath(ops_mod.__file__), *files)
+    # The lowering emits the layout and the gloo reduce of these runtime modules.
+    shared = (layout_mod.__file__, reduce_mod.__file__)
+    return (os.path.abspath(__file__), os.path.abspath(ops_mod.__file__),
+            *(os.path.abspath(f) for f in shared), *files)
 
 
 class _SchedulePass(CustomGraphPass):
@@ -146,7 +152,7 @@ class _SchedulePass(CustomGraphPass):
 
     def uuid(self) -> bytes:
         return get_hash_for_files(
-            _source_files(), "compiled_fsdp" + repr(passes_config.overlap)
+            _source_files(), "compiled_fsdp" + repr(passes_config.overlap) + repr(comm_config.comm)
         )
 
 

@@ -68,7 +68,7 @@ def is_collective(node: fx.Node) -> bool:
 
 def _is_reduce(node: fx.Node) -> bool:
     """A reduce-scatter, a reduce marker, or our all-to-all reduce (gloo; see
-    [Note: Reduce-scatter on gloo] in passes/reduce_impl.py)."""
+    [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py)."""
     return ("reduce_scatter" in str(node.target) or is_reduce_grad(node)
             or (node.target is A2A and META_KEY in node.meta))
 

@@ -16,7 +16,18 @@ decides what ``module.weight`` means at the moment it is read:
   parameter): the shard would be silently wrong there, so that raises.
 
 ``state_dict()`` and ``parameters()`` read ``_parameters`` directly, so they see
-the shards under the original FQNs. ``torch.nn.utils.parametrize`` is avoided
+the shards under the original FQNs.
+
+[Note: Parameters are DTensors]
+The registered parameter is a ``DTensor`` (``Shard(0)`` on the module's mesh)
+whose local tensor is a view of ``padded_shard``'s first ``local_rows`` rows, so
+clipping, DCP and the distributed state-dict API treat it as the shard it is,
+and the optimizer's in-place updates land in the storage the all-gathers read.
+The eager runtime communicates ``padded_shard`` (same shape on every rank); a
+traced read feeds the marker ``to_local()`` padded back to that shape, a
+differentiable pad whose backward slices the reduced gradient, and AOTAutograd
+wraps the local gradient into a DTensor ``.grad``. Tested by
+tests/test_dtensor_state.py. ``torch.nn.utils.parametrize`` is avoided
 because it renames state-dict keys.
 """
 from __future__ import annotations

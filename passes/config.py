@@ -28,15 +28,6 @@ class OverlapConfig:
     # Gather/reduce buckets smaller than this many bytes (unsharded) are merged
     # with their neighbour. See [Note: Bucket threshold] in bucketing.py.
     bucket_bytes: int = 256 * 1024
-    # Read by ``fully_shard`` (set it before sharding): run the reduce-scatters
-    # on a second process group with the same ranks, so backward all-gathers
-    # can be issued ahead of the previous module's reduce-scatter. See
-    # [Note: A second group for reduce-scatters] in compiled_fsdp/_api.py.
-    separate_reduce_group: bool = True
-    # On gloo, reduce gradient buckets with an all-to-all and a local sum
-    # instead of gloo's all-reduce-based reduce-scatter (both runtimes). See
-    # [Note: Reduce-scatter on gloo] in reduce_impl.py.
-    gloo_reduce_by_all_to_all: bool = True
 
 
 overlap = OverlapConfig()

@@ -35,7 +35,7 @@ c10d = torch.ops._c10d_functional
 AG = c10d.all_gather_into_tensor.default
 RS = c10d.reduce_scatter_tensor.default
 # On gloo a gradient bucket is reduced by an all-to-all plus a local sum (see
-# [Note: Reduce-scatter on gloo] in reduce_impl.py); it plays the reduce-scatter's part.
+# [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py); it plays the reduce-scatter's part.
 A2A = c10d.all_to_all_single.default
 ISSUES = (AG, RS, A2A)  # the collectives the passes issue (each has one wait)
 WAIT = c10d.wait_tensor.default
@@ -64,7 +64,7 @@ class CommConstants:
 # Measured: matmul 69-118 GFLOP/s, elementwise 10.4-11.8 GB/s; 2-rank fit
 # (relative error) all_gather alpha 338-363 us, 0.81-0.84 GB/s of unsharded
 # buffer; the gradient reduce as it runs on gloo (all-to-all + sum, see
-# [Note: Reduce-scatter on gloo] in reduce_impl.py) alpha 273 us, 1.21 GB/s
+# [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py) alpha 273 us, 1.21 GB/s
 # (gloo's own reduce_scatter_tensor: 468-484 us, 0.58-0.74 GB/s); link =
 # 2-rank figure / 2.
 CPU_COMPUTE = ComputeConstants(flops_per_s=8.0e10, bytes_per_s=1.05e10)

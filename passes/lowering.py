@@ -8,7 +8,7 @@ length T; the output ``[N*T]`` is viewed ``[N, T]`` and param i is
 reduce-scatter input is every full grad zero-padded to ``padded_d0_i``,
 viewed ``[N, n_i]``, concatenated along dim 1 and flattened; after the SUM
 reduce-scatter (on gloo an all-to-all and a sum over ranks, see [Note:
-Reduce-scatter on gloo] in reduce_impl.py) the ``[T]`` result is divided by N
+Reduce-scatter on gloo] in compiled_fsdp/_reduce.py) the ``[T]`` result is divided by N
 and split by ``n_i``. The
 eager runtime uses the same layout, so results are bitwise identical.
 
@@ -36,9 +36,10 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from compiled_fsdp._reduce import reduce_by_all_to_all
+
 from .bucketing import merge_small_buckets
 from .config import overlap
-from .reduce_impl import reduce_by_all_to_all
 from ._graph import (
     META_KEY,
     MarkerArgs,

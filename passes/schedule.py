@@ -49,7 +49,7 @@ Once a collective is waited, its whole tail runs at once: the tail only
 re-lays out or shrinks what the collective returned (slices and the copy-out
 of a gather; on gloo the sum over ranks that turns the all-to-all's ``[N, T]``
 receive buffer into the ``[T]`` gradient shard, see [Note: Reduce-scatter on
-gloo] in reduce_impl.py), so running it frees the collective's buffers. Left
+gloo] in compiled_fsdp/_reduce.py), so running it frees the collective's buffers. Left
 lazy, the reduce's tail ran where the gradients are used -- the graph's end --
 and every module's full receive buffer stayed alive until then. Measured on
 the benchmark GPT (2 ranks): the backward schedule then raised the estimated

@@ -13,7 +13,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
-A2A = torch.ops._c10d_functional.all_to_all_single.default  # the gloo reduce (see passes/reduce_impl.py)
+A2A = torch.ops._c10d_functional.all_to_all_single.default  # the gloo reduce (see compiled_fsdp/_reduce.py)
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
@@ -60,7 +60,7 @@ def count(gm: fx.GraphModule, target: Any) -> int:
 
 def count_reduces(gm: fx.GraphModule) -> int:
     """Gradient reduces: reduce-scatters, or on gloo the all-to-alls that stand
-    in for them (see [Note: Reduce-scatter on gloo] in passes/reduce_impl.py)."""
+    in for them (see [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py)."""
     return count(gm, RS) + count(gm, A2A)
 
 

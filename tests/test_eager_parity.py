@@ -123,9 +123,9 @@ def test_subgroup_mesh(backend: str) -> None:
 
 def _one_group_rank(rank: int, world: int) -> dict:
     from compiled_fsdp import get_fsdp_state
-    from compiled_fsdp.passes import config
+    from compiled_fsdp import config
 
-    config.overlap.separate_reduce_group = False
+    config.comm.separate_reduce_group = False
     build, make_batch, loss = gpt_case(False)
     groups = []
 
@@ -139,7 +139,7 @@ def _one_group_rank(rank: int, world: int) -> dict:
 
 
 def test_separate_reduce_group_off() -> None:
-    """``overlap.separate_reduce_group = False``: reduce-scatters stay on the
+    """``config.comm.separate_reduce_group = False``: reduce-scatters stay on the
     gather group, with the same bitwise result."""
     for res in run_distributed(_one_group_rank, 2):
         assert res["one_group"]

@@ -1,5 +1,5 @@
 """On gloo, gradient buckets are reduced by an all-to-all and a local sum (see
-[Note: Reduce-scatter on gloo] in passes/reduce_impl.py), in the eager runtime
+[Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py), in the eager runtime
 and in the lowered graphs alike."""
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def _shard(model: torch.nn.Module) -> None:
 
 
 def _rank(rank: int, world: int, by_all_to_all: bool) -> dict:
-    from compiled_fsdp.passes import config
+    from compiled_fsdp import config
 
-    config.overlap.gloo_reduce_by_all_to_all = by_all_to_all
+    config.comm.gloo_reduce_by_all_to_all = by_all_to_all
     build, _, loss = gpt_case(False)
     cfg = build().cfg
     # Each rank its own batch, so the ranks' gradients differ and the order of

@@ -24,19 +24,19 @@ the eager runtime and the lowering both use it, so they stay bitwise equal.
 For 2 ranks it is also bitwise equal to gloo's all-reduce (one addition).
 
 The decision depends only on the group's backend, which is the same on every
-rank, and on ``passes.config.overlap.gloo_reduce_by_all_to_all``.
+rank, and on ``compiled_fsdp.config.comm.gloo_reduce_by_all_to_all``.
 """
 
 from __future__ import annotations
 
-from .config import overlap
+from .config import comm
 
 
 def reduce_by_all_to_all(group_name: str) -> bool:
     """True when the bucket reduce on ``group_name`` is an all-to-all plus a
     local sum (gloo; see [Note: Reduce-scatter on gloo]). A name that is not a
     live process group (hand-built test graphs) keeps ``reduce_scatter_tensor``."""
-    if not overlap.gloo_reduce_by_all_to_all:
+    if not comm.gloo_reduce_by_all_to_all:
         return False
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -1,0 +1,27 @@
+"""Settings the runtime reads: how gradients are communicated, on both paths.
+
+Set them before ``fully_shard`` (``separate_reduce_group``) or before the first
+step (``gloo_reduce_by_all_to_all``): ``compiled_fsdp.config.comm.<name> = ...``.
+The compile integration puts them into Inductor's cache key (see
+``compiled_fsdp._compile._SchedulePass``), since the lowering reads them too.
+The overlap passes' own knobs are in ``compiled_fsdp.passes.config``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CommConfig:
+    # Read by ``fully_shard``: run the reduce-scatters on a second process group
+    # with the same ranks, so backward all-gathers can be issued ahead of the
+    # previous module's reduce-scatter. See [Note: A second group for
+    # reduce-scatters] in _api.py.
+    separate_reduce_group: bool = True
+    # On gloo, reduce gradient buckets with an all-to-all and a local sum
+    # instead of gloo's all-reduce-based reduce-scatter (both runtimes). See
+    # [Note: Reduce-scatter on gloo] in _reduce.py.
+    gloo_reduce_by_all_to_all: bool = True
+
+
+comm = CommConfig()
