@@ -174,6 +174,16 @@ def _group_markers(
     return {k: v for k, v in by_module.items() if k not in bad}, skipped
 
 
+def _shard_source(node: fx.Node) -> object:
+    """What a gather marker's input reads. A rank whose DTensor shard has fewer
+    rows than the common shard shape pads it at every read (see [Note:
+    Parameters are DTensors] in compiled_fsdp/_param.py): such reads of one
+    shard are one source."""
+    if node.target is aten.constant_pad_nd.default:
+        return ("pad", node.args[0], tuple(node.args[1]))
+    return node
+
+
 def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPlan:
     parsed = [parse_marker(m) for m in markers]
     first = parsed[0][1]
@@ -189,7 +199,7 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
             continue
         if a != slot.args:
             raise _Skip(f"param {a.param_index}: markers disagree on arguments")
-        if kind == "gather" and inp is not slot.inputs[0]:
+        if kind == "gather" and _shard_source(inp) != _shard_source(slot.inputs[0]):
             raise _Skip(f"param {a.param_index}: markers read different shard nodes")
         slot.markers.append(m)
         slot.inputs.append(inp)
