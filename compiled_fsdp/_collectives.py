@@ -1,7 +1,8 @@
 """Pure collective functions of the eager runtime: pack, communicate, unpack.
 
-Every eager collective the project issues goes through ``_issue`` so tests can
-count them (see ``collective_counts``). See [Note: Shard layout] for the layout.
+Every eager collective the project issues is counted, so tests can assert how
+many ran (see ``collective_counts``). The packing and unpacking around each
+collective is [Note: Bucket layout]'s, shared with the lowering.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._layout import ShardSpec, bucket_offsets
+from ._layout import EAGER, ShardSpec, pack_grads, pack_shards, sum_received, unpack_gathered
 from ._reduce import reduce_by_all_to_all
 
 _COUNTS: collections.Counter = collections.Counter()
@@ -52,11 +53,14 @@ class PendingCollective:
 
 
 def all_gather_bucket(
-    shards: Sequence[torch.Tensor], group: dist.ProcessGroup, async_op: bool = True
+    shards: Sequence[torch.Tensor],
+    specs: Sequence[ShardSpec],
+    group: dist.ProcessGroup,
+    async_op: bool = True,
 ) -> PendingCollective:
-    """One all-gather of the concatenated flattened ``shards``: output ``[N * T]``."""
+    """One all-gather of the packed local ``shards``: output ``[N * T]``."""
     world = group.size()
-    flat_in = torch.cat([s.detach().reshape(-1) for s in shards])
+    flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs)
     out = flat_in.new_empty(world * flat_in.numel())
     _COUNTS["all_gather"] += 1
     work = dist.all_gather_single(out, flat_in, group=group, async_op=async_op)
@@ -67,13 +71,9 @@ def copy_out_all_gather(
     flat_out: torch.Tensor, specs: Sequence[ShardSpec], dests: Sequence[torch.Tensor]
 ) -> None:
     """Copy each parameter's full value out of an all-gather output into ``dests``."""
-    world = specs[0].world_size
-    rows = flat_out.view(world, -1)
-    for spec, off, dest in zip(specs, bucket_offsets(specs), dests):
-        block = rows[:, off : off + spec.shard_numel]
-        padded = block.reshape(spec.padded_dim0, *spec.rest)
-        with torch.no_grad():
-            dest.copy_(spec.unpad(padded))
+    with torch.no_grad():
+        for full, dest in zip(unpack_gathered(EAGER, flat_out, specs), dests):
+            dest.copy_(full)
 
 
 def reduce_scatter_flat(
@@ -87,7 +87,7 @@ def reduce_scatter_flat(
         recv = torch.empty_like(flat_in)
         work = dist.all_to_all_single(recv, flat_in, group=group, async_op=async_op)
         return PendingCollective(recv, work if async_op else None,
-                                 finish=lambda t: t.view(world, -1).sum(0))
+                                 finish=lambda t: sum_received(EAGER, t, world))
     out = flat_in.new_empty(flat_in.numel() // world)
     work = dist.reduce_scatter_single(
         out, flat_in, op=dist.ReduceOp.SUM, group=group, async_op=async_op
@@ -101,21 +101,6 @@ def reduce_scatter_bucket(
     group: dist.ProcessGroup,
     async_op: bool = True,
 ) -> PendingCollective:
-    """One reduce-scatter (sum) of the padded full ``grads``: output ``[T]``, not yet averaged."""
-    world = group.size()
-    cols = [spec.pad(g).reshape(world, -1) for g, spec in zip(grads, specs)]
-    flat_in = torch.cat(cols, dim=1).reshape(-1)
+    """One reduce-scatter (sum) of the full ``grads``: output ``[T]``, not yet averaged."""
     _COUNTS["reduce_scatter"] += 1
-    return reduce_scatter_flat(flat_in, group, async_op)
-
-
-def split_reduce_scatter(
-    flat_out: torch.Tensor, specs: Sequence[ShardSpec]
-) -> list[torch.Tensor]:
-    """Average a reduce-scatter output over ranks and cut it into shard-shaped grads."""
-    world = specs[0].world_size
-    averaged = flat_out / world
-    return [
-        averaged[off : off + spec.shard_numel].view(spec.shard_shape)
-        for spec, off in zip(specs, bucket_offsets(specs))
-    ]
+    return reduce_scatter_flat(pack_grads(EAGER, grads, specs), group, async_op)

@@ -1,28 +1,48 @@
-"""Where each rank's piece of a parameter lives.
+"""Where each rank's piece of a parameter lives, and how a bucket packs them.
 
 [Note: Shard layout]
-A parameter of full shape ``(d0, *rest)`` on a group of ``N`` ranks is padded
-with zero rows to ``padded_d0 = ceil(d0 / N) * N`` and cut on dim 0: rank ``r``
-holds rows ``[r * shard_d0, (r + 1) * shard_d0)`` with ``shard_d0 = padded_d0 / N``.
-A 0-dim parameter is treated as shape ``(1,)``. Padding makes every size work on
-every world size (3 ranks and odd sizes included) and makes every rank's shard the
-same shape, which the bucketed collectives need.
+A parameter of full shape ``(d0, *rest)`` on a group of ``N`` ranks is cut on dim 0
+into chunks of ``shard_d0 = ceil(d0 / N)`` rows, as ``torch.chunk`` and DTensor's
+``Shard(0)`` cut it: rank ``r`` holds rows ``[r * shard_d0, (r + 1) * shard_d0)``
+of the parameter, so trailing ranks may hold fewer rows, or none. That local
+tensor is what the registered DTensor holds. For communication each rank's rows
+are zero-padded to ``shard_d0``, so every rank contributes the same shape (which
+the bucketed collectives need) and every size works on every world size.
 
-A module's parameters are communicated as one bucket: the flattened shards in
-parameter order, ``T`` elements per rank. The all-gather output ``[N * T]`` viewed
-``[N, T]`` holds parameter ``i`` in columns ``[off_i, off_i + n_i)``; the
-reduce-scatter input is built the same way from the padded full gradients. The
-eager runtime and the compiled lowering use exactly this layout, so the reduction
-order inside the collective, and therefore every bit of the result, is the same
-on both paths.
+[Note: Bucket layout]
+A module's parameters are communicated as one bucket, ``T`` elements per rank:
+the padded shards flattened and concatenated in parameter order. The all-gather
+output ``[N * T]`` viewed ``[N, T]`` holds parameter ``i`` in columns
+``[off_i, off_i + n_i)``, viewed ``[N * shard_d0, *rest]`` and cut to ``d0`` rows.
+The reduce-scatter input is built the same way from the full gradients
+zero-padded to ``N * shard_d0`` rows; its ``[T]`` result (summed over ranks) is
+divided by ``N`` and cut per parameter back to the local rows.
+
+The functions below are the one definition of that layout. They take an
+``Emit``: the eager runtime and the marker ops pass ``EAGER``, which runs each
+step at once; the lowering (passes/lowering.py) passes its ``NodeBuilder``,
+which adds the same steps to the graph. Both paths therefore run the same ops in
+the same order, so the compiled step's results are bitwise those of the eager
+runtime (tests/test_compile_parity.py).
+
+[Note: Rank-independent graphs]
+A rank's local shard may have fewer rows than another's, so the traced graphs of
+two ranks differ in those input shapes. The passes must still reach the same
+decisions on every rank (the collectives' order depends on them), so the nodes a
+layout function emits have the same structure and cost estimate on every rank:
+the shard's pad is emitted even when it pads nothing (its cost is estimated from
+its output, see passes/cost_model.py) and the cut back to the local rows is a
+view. Only ``EAGER`` skips a pad of zero rows.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -32,7 +52,7 @@ class ShardSpec:
 
     @property
     def dim0(self) -> int:
-        return self.full_shape[0] if self.full_shape else 1
+        return self.full_shape[0]  # scalar parameters are rejected by fully_shard
 
     @property
     def rest(self) -> tuple[int, ...]:
@@ -61,36 +81,112 @@ class ShardSpec:
         return max(0, min(self.shard_dim0, self.dim0 - rank * self.shard_dim0))
 
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """``rank``'s rows of ``full`` without padding: what its DTensor shard holds."""
-        return self.shard(full, rank)[: self.local_dim0(rank)]
-
-    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """This rank's rows of ``full`` (zero-padded), as a new contiguous tensor."""
-        flat = full.reshape(self.dim0, *self.rest)
-        out = full.new_zeros(self.shard_shape)
-        lo = rank * self.shard_dim0
-        hi = min(lo + self.shard_dim0, self.dim0)
-        if hi > lo:
-            out[: hi - lo].copy_(flat[lo:hi])
-        return out
-
-    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """``[padded_dim0, *rest]`` -> the full (unpadded) parameter shape."""
-        return padded[: self.dim0].reshape(self.full_shape)
-
-    def pad(self, full: torch.Tensor) -> torch.Tensor:
-        """The full gradient, zero-padded to ``[padded_dim0, *rest]``."""
-        flat = full.reshape(self.dim0, *self.rest)
-        if self.padded_dim0 == self.dim0:
-            return flat
-        pad = full.new_zeros((self.padded_dim0 - self.dim0, *self.rest))
-        return torch.cat([flat, pad])
+        """``rank``'s rows of ``full`` without padding, as a new contiguous tensor:
+        what its DTensor shard holds."""
+        lo = min(rank * self.shard_dim0, self.dim0)
+        rows = full.reshape(self.dim0, *self.rest)[lo : lo + self.local_dim0(rank)]
+        return rows.clone(memory_format=torch.contiguous_format)
 
 
 def bucket_offsets(specs: Sequence[ShardSpec]) -> list[int]:
-    """Column offset of each parameter inside a ``[N, T]`` bucket. See [Note: Shard layout]."""
+    """Column offset of each parameter inside a ``[N, T]`` bucket. See [Note: Bucket layout]."""
     offsets, total = [], 0
     for spec in specs:
         offsets.append(total)
         total += spec.shard_numel
     return offsets
+
+
+class Emit(Protocol):
+    """Runs (or records) one op of a layout function; see [Note: Bucket layout]."""
+
+    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+    def value(self, x: Any) -> torch.Tensor:
+        """The tensor (or its fake value) that ``x`` stands for."""
+        ...
+
+
+class _Eager:
+    """Runs each step at once on real tensors."""
+
+    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Any:
+        if target is aten.constant_pad_nd.default and not any(args[1]):
+            return args[0].contiguous()  # see [Note: Rank-independent graphs]
+        return target(*args, **kwargs)
+
+    def value(self, x: Any) -> torch.Tensor:
+        return x
+
+
+EAGER: Emit = _Eager()
+
+
+def _contiguous(op: Emit, x: Any) -> Any:
+    if op.value(x).is_contiguous():
+        return x
+    return op(aten.clone.default, x, memory_format=torch.contiguous_format)
+
+
+def _pad_rows(spec: ShardSpec, rows: int) -> list[int]:
+    """``constant_pad_nd``'s pad argument that appends ``rows`` zero rows."""
+    return [0, 0] * len(spec.rest) + [0, rows]
+
+
+def pack_shards(op: Emit, shards: Sequence[Any], specs: Sequence[ShardSpec]) -> Any:
+    """The all-gather input ``[T]``: each local shard zero-padded to ``shard_d0``
+    rows, flattened, concatenated."""
+    flats = []
+    for shard, spec in zip(shards, specs):
+        missing = spec.shard_dim0 - op.value(shard).shape[0]
+        padded = op(aten.constant_pad_nd.default, shard, _pad_rows(spec, missing))
+        flats.append(op(aten.view.default, padded, [spec.shard_numel]))
+    return op(aten.cat.default, flats) if len(flats) > 1 else flats[0]
+
+
+def unpack_gathered(op: Emit, gathered: Any, specs: Sequence[ShardSpec]) -> list[Any]:
+    """Each parameter's full value out of an all-gather output ``[N * T]``."""
+    world = specs[0].world_size
+    rows = op(aten.view.default, gathered, [world, sum(s.shard_numel for s in specs)])
+    fulls = []
+    for spec, off in zip(specs, bucket_offsets(specs)):
+        piece = _contiguous(op, op(aten.slice.Tensor, rows, 1, off, off + spec.shard_numel))
+        full = op(aten.view.default, piece, [spec.padded_dim0, *spec.rest])
+        if spec.padded_dim0 != spec.dim0:
+            full = op(aten.slice.Tensor, full, 0, 0, spec.dim0)
+        fulls.append(full)
+    return fulls
+
+
+def pack_grads(op: Emit, grads: Sequence[Any], specs: Sequence[ShardSpec]) -> Any:
+    """The reduce-scatter input ``[N * T]`` from the full gradients."""
+    world = specs[0].world_size
+    cols = []
+    for grad, spec in zip(grads, specs):
+        g = _contiguous(op, grad)
+        if spec.padded_dim0 != spec.dim0:
+            g = op(aten.constant_pad_nd.default, g, _pad_rows(spec, spec.padded_dim0 - spec.dim0))
+        cols.append(op(aten.view.default, g, [world, spec.shard_numel]))
+    cat = op(aten.cat.default, cols, 1) if len(cols) > 1 else cols[0]
+    return op(aten.view.default, cat, [world * sum(s.shard_numel for s in specs)])
+
+
+def sum_received(op: Emit, received: Any, world: int) -> Any:
+    """The reduce-scatter's sum, from an all-to-all's ``[N * T]`` output (every
+    rank's ``[T]`` for this rank, in rank order); see [Note: Reduce-scatter on
+    gloo] in _reduce.py."""
+    total = op.value(received).numel() // world
+    return op(aten.sum.dim_IntList, op(aten.view.default, received, [world, total]), [0])
+
+
+def split_reduced(
+    op: Emit, summed: Any, specs: Sequence[ShardSpec], local_rows: Sequence[int]
+) -> list[Any]:
+    """The averaged gradient of each local shard from the summed ``[T]``."""
+    avg = op(aten.div.Tensor, summed, specs[0].world_size)
+    grads = []
+    for spec, off, rows in zip(specs, bucket_offsets(specs), local_rows):
+        piece = op(aten.slice.Tensor, avg, 0, off, off + spec.shard_numel)
+        shard = op(aten.view.default, piece, list(spec.shard_shape))
+        grads.append(op(aten.slice.Tensor, shard, 0, 0, rows))
+    return grads

@@ -8,7 +8,10 @@ passes (e.g. ``backend="eager"``) still trains correctly; under
 ``aot_eager``/Inductor the joint pass (``compiled_fsdp.passes``) replaces them
 with one bucketed collective per fully sharded module.
 
-The layout is the eager runtime's: see [Note: Shard layout] in _layout.py.
+``unshard`` reads this rank's local rows (the DTensor's local tensor) and
+``reduce_grad`` returns the gradient of those rows; the padding to the common
+shard shape happens inside, with the layout functions the eager runtime and the
+lowering share ([Note: Bucket layout] in _layout.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ._collectives import count_collective, reduce_scatter_flat
-from ._layout import ShardSpec
+from ._layout import EAGER, ShardSpec, pack_grads, pack_shards, split_reduced, unpack_gathered
 
 __all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
 
@@ -31,7 +34,7 @@ UNSHARD_SCHEMA = (
 )
 REDUCE_GRAD_SCHEMA = (
     "(Tensor grad, SymInt[] full_shape, str group_name, int world_size, "
-    "int module_key, int param_index) -> Tensor"
+    "int module_key, int param_index, int local_rows) -> Tensor"
 )
 
 
@@ -61,16 +64,16 @@ def unshard(
     reshard_after_forward: bool,
     reduce_group_name: Optional[str] = None,
 ) -> torch.Tensor:
-    spec = _spec(full_shape, world_size)
-    shard = shard.contiguous()
+    specs = [_spec(full_shape, world_size)]
+    flat = pack_shards(EAGER, [shard], specs)
     if world_size == 1:
-        gathered = shard.clone()
+        gathered = flat.clone()
     else:
-        gathered = shard.new_empty([spec.padded_dim0, *spec.rest])
+        gathered = flat.new_empty(world_size * flat.numel())
         count_collective("unbucketed_all_gather")
-        dist.all_gather_single(gathered, shard, group=_group(group_name))
+        dist.all_gather_single(gathered, flat, group=_group(group_name))
     # custom ops must not return an alias of an input; `gathered` is fresh.
-    return spec.unpad(gathered)
+    return unpack_gathered(EAGER, gathered, specs)[0]
 
 
 @unshard.register_fake
@@ -91,14 +94,14 @@ def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-unty
     _, full_shape, group_name, world_size, module_key, param_index, _, reduce_group_name = inputs
     # The gradient is reduced on the reduce group when there is one; see
     # [Note: A second group for reduce-scatters] in _api.py.
-    ctx.args = (list(full_shape), reduce_group_name or group_name, world_size, module_key, param_index)
+    ctx.args = (
+        list(full_shape), reduce_group_name or group_name, world_size, module_key, param_index,
+        inputs[0].shape[0],
+    )
 
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
-    full_shape, group_name, world_size, module_key, param_index = ctx.args
-    g = torch.ops.compiled_fsdp.reduce_grad(
-        grad, full_shape, group_name, world_size, module_key, param_index
-    )
+    g = torch.ops.compiled_fsdp.reduce_grad(grad, *ctx.args)
     return g, None, None, None, None, None, None, None
 
 
@@ -120,17 +123,17 @@ def reduce_grad(
     world_size: int,
     module_key: int,
     param_index: int,
+    local_rows: int,
 ) -> torch.Tensor:
-    spec = _spec(full_shape, world_size)
-    g = spec.pad(grad).contiguous()
+    specs = [_spec(full_shape, world_size)]
+    flat = pack_grads(EAGER, [grad], specs)
     if world_size == 1:
-        out = g.clone()
+        summed = flat.clone()
     else:
         count_collective("unbucketed_reduce_scatter")
-        out = reduce_scatter_flat(g.reshape(-1), _group(group_name), async_op=False).wait()
-        out = out.view(spec.shard_shape)
-    # Sum then divide: identical to the bucketed path (see passes/lowering.py).
-    return out / world_size
+        summed = reduce_scatter_flat(flat, _group(group_name), async_op=False).wait()
+    # Sum then divide, cut to the local rows: the bucketed path's steps.
+    return split_reduced(EAGER, summed, specs, [local_rows])[0]
 
 
 @reduce_grad.register_fake
@@ -141,5 +144,6 @@ def _reduce_grad_fake(
     world_size: int,
     module_key: int,
     param_index: int,
+    local_rows: int,
 ) -> torch.Tensor:
-    return grad.new_empty(_spec(full_shape, world_size).shard_shape)
+    return grad.new_empty([local_rows, *_spec(full_shape, world_size).rest])

@@ -20,15 +20,15 @@ the shards under the original FQNs.
 
 [Note: Parameters are DTensors]
 The registered parameter is a ``DTensor`` (``Shard(0)`` on the module's mesh)
-whose local tensor is a view of ``padded_shard``'s first ``local_rows`` rows, so
-clipping, DCP and the distributed state-dict API treat it as the shard it is,
-and the optimizer's in-place updates land in the storage the all-gathers read.
-The eager runtime communicates ``padded_shard`` (same shape on every rank); a
-traced read feeds the marker ``to_local()`` padded back to that shape, a
-differentiable pad whose backward slices the reduced gradient, and AOTAutograd
-wraps the local gradient into a DTensor ``.grad``. Tested by
-tests/test_dtensor_state.py. ``torch.nn.utils.parametrize`` is avoided
-because it renames state-dict keys.
+holding this rank's rows of the parameter ([Note: Shard layout] in _layout.py),
+so clipping, DCP and the distributed state-dict API treat it as the shard it
+is. The eager runtime packs the local tensors (padded to the common shard shape)
+into its all-gather and writes the reduced gradients as DTensor ``.grad``. A
+traced read feeds the marker ``to_local()``; the marker ops pad and cut the rows
+themselves, so every rank's graph has the same structure (see [Note:
+Rank-independent graphs]) and AOTAutograd wraps the local gradient into a
+DTensor ``.grad``. Tested by tests/test_dtensor_state.py.
+``torch.nn.utils.parametrize`` is avoided because it renames state-dict keys.
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
 class FSDPParam:
     """A managed parameter: its shard (the registered ``nn.Parameter``, a
-    ``DTensor``), the padded local storage the collectives use, and its
-    unsharded buffer, whose storage is freed while resharded."""
+    ``DTensor``) and its unsharded buffer, whose storage is freed while
+    resharded."""
 
     def __init__(
         self,
@@ -67,10 +67,8 @@ class FSDPParam:
         self.local_rows = self.spec.local_dim0(rank)
         self.orig_dtype = param.dtype
         with torch.no_grad():
-            # [Note: Parameters are DTensors]: the padded shard is what the
-            # collectives read; the DTensor's local tensor is a view of its rows.
-            self.padded_shard = self.spec.shard(param.detach(), rank)
-        self.sharded = nn.Parameter(self.to_dtensor(self.padded_shard), requires_grad=param.requires_grad)
+            local = self.spec.local(param.detach(), rank)
+        self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=param.requires_grad)
         self.unsharded: Optional[torch.Tensor] = None
         self.group: Optional["FSDPParamGroup"] = None
         self.index = -1
@@ -78,59 +76,54 @@ class FSDPParam:
         for module, name in owners:
             module._parameters[name] = self.sharded
 
-    def to_dtensor(self, padded: torch.Tensor) -> DTensor:
-        """A ``Shard(0)`` DTensor whose local tensor is a view of ``padded``'s real
-        rows (no copy, no communication)."""
+    def to_dtensor(self, local: torch.Tensor) -> DTensor:
+        """A ``Shard(0)`` DTensor over this rank's rows ``local`` (no copy, no
+        communication)."""
         full = self.spec.full_shape
         return DTensor.from_local(
-            padded[: self.local_rows], self.mesh, (Shard(0),), run_check=False,
+            local, self.mesh, (Shard(0),), run_check=False,
             shape=torch.Size(full), stride=_contiguous_strides(full),
         )
 
-    def add_grad(self, padded_grad: torch.Tensor) -> None:
-        """Accumulate a reduced, padded gradient shard into ``.grad`` (a DTensor
-        with the parameter's spec)."""
-        grad = self.sharded.grad
-        if grad is None:
-            self.sharded.grad = self.to_dtensor(padded_grad.clone())
+    def local_shard(self) -> torch.Tensor:
+        """This rank's rows: the tensor the registered DTensor holds, which the
+        optimizer updates in place."""
+        return self.sharded._local_tensor
+
+    def add_grad(self, grad: torch.Tensor) -> None:
+        """Accumulate a reduced gradient of the local rows into ``.grad`` (a
+        DTensor with the parameter's spec)."""
+        if self.sharded.grad is None:
+            self.sharded.grad = self.to_dtensor(grad.clone(memory_format=torch.contiguous_format))
         else:
-            grad._local_tensor += padded_grad[: self.local_rows]
+            self.sharded.grad._local_tensor += grad
 
     def reset_sharded_param(self) -> None:
         """After ``load_state_dict(assign=True)`` or ``module._apply`` put another
-        tensor where our parameter was registered: copy its local rows into the
-        padded storage and register our parameter again, so the collectives and
-        the optimizer keep seeing one tensor."""
+        tensor where our parameter was registered: copy its local rows into ours
+        and register our parameter again, so the optimizer and the collectives
+        keep seeing one tensor."""
         module, name = self.owners[0]
         current = module._parameters.get(name)
         if current is self.sharded or current is None:
             return
         local = current.to_local() if isinstance(current, DTensor) else current
+        mine = self.local_shard()
+        if tuple(local.shape) != tuple(mine.shape):
+            raise ValueError(
+                f"compiled_fsdp: parameter {self.fqn!r} was replaced by a tensor of shape "
+                f"{tuple(current.shape)}; expected a DTensor shard of {self.spec.full_shape}."
+            )
         with torch.no_grad():
-            if tuple(local.shape) == tuple(self.padded_shard[: self.local_rows].shape):
-                self.padded_shard[: self.local_rows].copy_(local)
-            else:
-                raise ValueError(
-                    f"compiled_fsdp: parameter {self.fqn!r} was replaced by a tensor of shape "
-                    f"{tuple(current.shape)}; expected a DTensor shard of {self.spec.full_shape}."
-                )
+            mine.copy_(local)
         for m, n in self.owners:
             m._parameters[n] = self.sharded
-
-    def traced_input(self) -> torch.Tensor:
-        """What the marker reads under Dynamo: the local shard padded to the
-        common shard shape (a differentiable pad, so gradients reach the DTensor)."""
-        local = self.sharded.to_local()
-        missing = self.spec.shard_dim0 - self.local_rows
-        if missing:
-            local = torch.nn.functional.pad(local, [0, 0] * len(self.spec.rest) + [0, missing])
-        return local
 
     # -- unsharded storage -------------------------------------------------
     def alloc_unsharded(self) -> torch.Tensor:
         """The unsharded buffer with its storage allocated (contents undefined)."""
         if self.unsharded is None:
-            self.unsharded = self.padded_shard.new_empty(self.spec.full_shape)
+            self.unsharded = self.local_shard().new_empty(self.spec.full_shape)
         else:
             storage = self.unsharded.untyped_storage()
             nbytes = self.unsharded.numel() * self.unsharded.element_size()
@@ -154,7 +147,7 @@ class FSDPParam:
         if group is not None and torch.compiler.is_compiling():
             comptime(self.record_trace)  # at trace time; see [Note: Fallback decision rule]
             return torch.ops.compiled_fsdp.unshard(
-                self.traced_input(),
+                self.sharded.to_local(),
                 list(self.spec.full_shape),
                 group.group_name,
                 self.spec.world_size,

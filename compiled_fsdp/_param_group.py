@@ -29,8 +29,8 @@ from ._collectives import (
     all_gather_bucket,
     copy_out_all_gather,
     reduce_scatter_bucket,
-    split_reduce_scatter,
 )
+from ._layout import EAGER, split_reduced
 from ._fallback import record_marker_trace
 from ._param import FSDPParam
 from ._testing import skips_grad_reduction
@@ -120,7 +120,7 @@ class FSDPParamGroup:
         """Issue the group's all-gather (if sharded); with ``async_op=False`` also wait."""
         if self.state is ShardedState.SHARDED:
             self._pending_gather = all_gather_bucket(
-                [p.padded_shard for p in self.fsdp_params], self.process_group
+                [p.local_shard() for p in self.fsdp_params], self.specs, self.process_group
             )
             self.state = ShardedState.GATHERING
         if not async_op:
@@ -185,7 +185,10 @@ class FSDPParamGroup:
         if self._pending_reduce is not None:
             pending, params = self._pending_reduce
             self._pending_reduce = None
-            for p, g in zip(params, split_reduce_scatter(pending.wait(), [p.spec for p in params])):
+            grads = split_reduced(
+                EAGER, pending.wait(), [p.spec for p in params], [p.local_rows for p in params]
+            )
+            for p, g in zip(params, grads):
                 p.add_grad(g)
 
     def end_iteration(self) -> None:

@@ -56,6 +56,8 @@ class MarkerArgs:
     reshard_after_forward: bool | None  # None for reduce_grad
     # unshard only: the group its gradient is reduced on (None: ``group_name``).
     reduce_group_name: str | None = None
+    # reduce_grad only: how many rows of the parameter this rank holds.
+    local_rows: int | None = None
 
     @property
     def spec(self) -> ShardSpec:
@@ -71,7 +73,7 @@ _SCHEMA_NAMES_UNSHARD = (
     "reshard_after_forward", "reduce_group_name",
 )
 _SCHEMA_NAMES_REDUCE = (
-    "grad", "full_shape", "group_name", "world_size", "module_key", "param_index",
+    "grad", "full_shape", "group_name", "world_size", "module_key", "param_index", "local_rows",
 )
 
 
@@ -84,8 +86,8 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
     shape = bound["full_shape"]
     if not all(isinstance(s, int) for s in shape):
         raise ValueError(f"symbolic full_shape {shape!r}")
-    for key in ("world_size", "module_key", "param_index"):
-        if not isinstance(bound[key], int):
+    for key in ("world_size", "module_key", "param_index", "local_rows"):
+        if key in bound and not isinstance(bound[key], int):
             raise ValueError(f"symbolic {key} {bound[key]!r}")
     inp = bound[names[0]]
     if not isinstance(inp, fx.Node):
@@ -100,6 +102,7 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
             bool(bound["reshard_after_forward"]) if "reshard_after_forward" in bound else None
         ),
         reduce_group_name=bound.get("reduce_group_name"),
+        local_rows=bound.get("local_rows"),
     )
 
 
@@ -154,6 +157,44 @@ class NodeBuilder:
             node.meta[k] = dict(v) if isinstance(v, dict) else v
         self.created.append(node)
         return node
+
+    @staticmethod
+    def value(node: Any) -> Any:
+        """The fake value a node stands for (so layout functions in
+        compiled_fsdp/_layout.py can build nodes; see [Note: Bucket layout])."""
+        return node.meta["val"] if isinstance(node, fx.Node) else node
+
+
+_ALIAS_OPS = (aten.view.default, aten.alias.default, aten._unsafe_view.default)
+
+
+def through_identity_views(node: fx.Node) -> fx.Node:
+    """The node ``node`` aliases unchanged: a ``view``/``alias`` with its input's
+    shape (``DTensor.to_local()`` traces as one per read) adds nothing."""
+    while (
+        node.op == "call_function"
+        and node.target in _ALIAS_OPS
+        and isinstance(node.args[0], fx.Node)
+        and _same_shape(node, node.args[0])
+    ):
+        node = node.args[0]
+    return node
+
+
+def is_identity_view_of(node: fx.Node, src: fx.Node) -> bool:
+    """Whether ``node`` is a shape-preserving view of ``src``."""
+    return (
+        node.op == "call_function" and node.target in _ALIAS_OPS
+        and node.args[0] is src and _same_shape(node, src)
+    )
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (
+        isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+        and tuple(va.shape) == tuple(vb.shape) and va.stride() == vb.stride()
+    )
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:

@@ -143,6 +143,11 @@ class CostModel:
                 pass
         if name in _NO_COST_OPS:
             return 0.0
+        if target is torch.ops.aten.constant_pad_nd.default:
+            # From the output alone: a shard's pad reads fewer rows on some ranks,
+            # and every rank must estimate the same ([Note: Rank-independent graphs]
+            # in compiled_fsdp/_layout.py).
+            return 2 * node_bytes(node) / self.compute.bytes_per_s
         moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)
         return moved / self.compute.bytes_per_s
 

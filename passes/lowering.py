@@ -1,23 +1,19 @@
 """Lowering: marker ops -> one bucketed functional collective per module.
 
-[Note: Bucket layout]
-For one fully sharded module (``module_key``) with params sorted by
-``param_index``, the all-gather input is ``cat([shard_i.reshape(-1)])`` of
-length T; the output ``[N*T]`` is viewed ``[N, T]`` and param i is
-``out[:, off_i:off_i+n_i].reshape(padded_d0_i, *rest)[:d0_i]``. The
-reduce-scatter input is every full grad zero-padded to ``padded_d0_i``,
-viewed ``[N, n_i]``, concatenated along dim 1 and flattened; after the SUM
-reduce-scatter (on gloo an all-to-all and a sum over ranks, see [Note:
-Reduce-scatter on gloo] in compiled_fsdp/_reduce.py) the ``[T]`` result is divided by N
-and split by ``n_i``. The
-eager runtime uses the same layout, so results are bitwise identical.
+The bucket layout is [Note: Bucket layout] in compiled_fsdp/_layout.py: the
+lowering calls the same layout functions as the eager runtime, with its
+``NodeBuilder`` as the emitter, so the compiled step's results are bitwise the
+eager runtime's. The gradient bucket is summed by ``reduce_scatter_tensor`` (on
+gloo by an all-to-all and a local sum, see [Note: Reduce-scatter on gloo] in
+compiled_fsdp/_reduce.py).
 
 [Note: Duplicate markers]
 Dynamo emits one ``unshard`` per parameter *read*, so one param can have
-several markers (read twice, module called twice, tied weight). They share
-the shard input and collapse onto one bucket slot. On the backward side each
+several markers (read twice, module called twice, tied weight). They read the
+same shard (each read may add its own shape-preserving ``view``:
+``DTensor.to_local()``) and collapse onto one bucket slot. On the backward side each
 marker produced a ``reduce_grad`` and AOTAutograd summed their outputs with
-``aten.add``; we instead sum the full grads first (graph order) and reduce
+``aten.add`` (through shape-preserving views); we instead sum the full grads first (graph order) and reduce
 once, which is what the eager runtime does (autograd accumulates into the
 unsharded grad before its reduce-scatter). The ``add`` tree is removed.
 
@@ -36,6 +32,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from compiled_fsdp._layout import pack_grads, pack_shards, split_reduced, sum_received, unpack_gathered
 from compiled_fsdp._reduce import reduce_by_all_to_all
 
 from .bucketing import merge_small_buckets
@@ -45,11 +42,13 @@ from ._graph import (
     MarkerArgs,
     NodeBuilder,
     erase_nodes,
+    is_identity_view_of,
     is_reduce_grad,
     is_unshard,
     node_order,
     parse_marker,
     stable_topological_sort,
+    through_identity_views,
 )
 
 aten = torch.ops.aten
@@ -129,21 +128,25 @@ class _Skip(Exception):
 
 
 def _find_accumulation(slot: Slot) -> None:
-    """Finds the ``aten.add`` tree that sums this slot's reduce_grad outputs
-    and its single root (see [Note: Duplicate markers])."""
+    """Finds the tree of ``aten.add`` (and shape-preserving views) that sums this
+    slot's reduce_grad outputs, and its single root (see [Note: Duplicate
+    markers])."""
     members = dict.fromkeys(slot.markers)
-    if len(slot.markers) > 1:
-        graph = slot.markers[0].graph
-        for n in graph.nodes:  # graph order; acc adds follow their operands
-            if (
-                n.op == "call_function"
-                and n.target is aten.add.Tensor
-                and len(n.args) == 2
-                and not n.kwargs
-                and all(isinstance(a, fx.Node) and a in members for a in n.args)
-            ):
-                members[n] = None
-                slot.acc_nodes.append(n)
+    grew = True
+    while grew:
+        grew = False
+        for m in list(members):
+            for u in m.users:
+                if u in members:
+                    continue
+                is_acc = (
+                    u.target is aten.add.Tensor and len(u.args) == 2 and not u.kwargs
+                    and all(isinstance(a, fx.Node) and a in members for a in u.args)
+                )
+                if is_acc or is_identity_view_of(u, m):
+                    members[u] = None
+                    slot.acc_nodes.append(u)
+                    grew = True
     roots = [m for m in members if any(u not in members for u in m.users)]
     if len(roots) != 1:
         raise _Skip(
@@ -174,16 +177,6 @@ def _group_markers(
     return {k: v for k, v in by_module.items() if k not in bad}, skipped
 
 
-def _shard_source(node: fx.Node) -> object:
-    """What a gather marker's input reads. A rank whose DTensor shard has fewer
-    rows than the common shard shape pads it at every read (see [Note:
-    Parameters are DTensors] in compiled_fsdp/_param.py): such reads of one
-    shard are one source."""
-    if node.target is aten.constant_pad_nd.default:
-        return ("pad", node.args[0], tuple(node.args[1]))
-    return node
-
-
 def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPlan:
     parsed = [parse_marker(m) for m in markers]
     first = parsed[0][1]
@@ -199,7 +192,7 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
             continue
         if a != slot.args:
             raise _Skip(f"param {a.param_index}: markers disagree on arguments")
-        if kind == "gather" and _shard_source(inp) != _shard_source(slot.inputs[0]):
+        if kind == "gather" and through_identity_views(inp) is not through_identity_views(slot.inputs[0]):
             raise _Skip(f"param {a.param_index}: markers read different shard nodes")
         slot.markers.append(m)
         slot.inputs.append(inp)
@@ -208,10 +201,14 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
     if len(dtypes) != 1:
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:
-        val = s.inputs[0].meta["val"]
-        want = s.args.spec.shard_shape if kind == "gather" else s.args.full_shape
-        if tuple(val.shape) != tuple(want):
-            raise _Skip(f"param {s.args.param_index}: input shape {tuple(val.shape)} != {want}")
+        shape, spec = tuple(s.inputs[0].meta["val"].shape), s.args.spec
+        ok = (
+            shape[1:] == spec.rest and shape[:1] <= (spec.shard_dim0,) if kind == "gather"
+            else shape == s.args.full_shape
+        )
+        if not ok:
+            want = f"(<= {spec.shard_dim0}, *{spec.rest})" if kind == "gather" else s.args.full_shape
+            raise _Skip(f"param {s.args.param_index}: input shape {shape} != {want}")
         if kind == "reduce":
             _find_accumulation(s)
     return BucketPlan(
@@ -272,74 +269,47 @@ def _copied_meta(src: fx.Node, plan: BucketPlan) -> dict:
 def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
     order = node_order(graph)
     first_marker = min((m for s in plan.slots for m in s.markers), key=order.__getitem__)
-    n_ranks = plan.world_size
+    specs = [s.args.spec for s in plan.slots]
+    # The shard each slot's reads alias (a graph input), defined before any marker.
+    sources = [through_identity_views(s.inputs[0]) for s in plan.slots]
     b = NodeBuilder(graph, _copied_meta(first_marker, plan))
     with graph.inserting_before(first_marker):
-        flats = []
-        for s in plan.slots:
-            shard = s.inputs[0]
-            if not shard.meta["val"].is_contiguous():
-                shard = b(aten.clone.default, shard, memory_format=torch.contiguous_format)
-            flats.append(b(aten.view.default, shard, [s.args.spec.shard_numel]))
-        cat = b(aten.cat.default, flats) if len(flats) > 1 else flats[0]
-        gathered = b(c10d.all_gather_into_tensor.default, cat, n_ranks, plan.group_name)
-        waited = b(c10d.wait_tensor.default, gathered)
-        out2d = b(aten.view.default, waited, [n_ranks, plan.total_numel])
-        off = 0
-        for s in plan.slots:
-            a = s.args
-            piece = b(aten.slice.Tensor, out2d, 1, off, off + a.spec.shard_numel)
-            off += a.spec.shard_numel
-            if not piece.meta["val"].is_contiguous():
-                piece = b(aten.clone.default, piece, memory_format=torch.contiguous_format)
-            full = b(aten.view.default, piece, [a.spec.padded_dim0, *a.spec.rest])
-            if a.spec.padded_dim0 != a.spec.dim0:
-                full = b(aten.slice.Tensor, full, 0, 0, a.spec.dim0)
-            if len(a.full_shape) == 0:
-                full = b(aten.view.default, full, [])
-            for m in s.markers:
-                m.replace_all_uses_with(full)
+        packed = pack_shards(b, sources, specs)
+        gathered = b(c10d.all_gather_into_tensor.default, packed, plan.world_size, plan.group_name)
+        fulls = unpack_gathered(b, b(c10d.wait_tensor.default, gathered), specs)
+    for s, full in zip(plan.slots, fulls):
+        for m in s.markers:
+            m.replace_all_uses_with(full)
     erase_nodes(graph, [m for s in plan.slots for m in s.markers])
+    # The reads' own views of the shard are dead now.
+    for s, source in zip(plan.slots, sources):
+        for inp in s.inputs:
+            while inp is not source and not inp.users:
+                inp, dead = inp.args[0], inp
+                graph.erase_node(dead)
 
 
 def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
     order = node_order(graph)
     last_marker = max((m for s in plan.slots for m in s.markers), key=order.__getitem__)
-    n_ranks = plan.world_size
+    specs = [s.args.spec for s in plan.slots]
     b = NodeBuilder(graph, _copied_meta(last_marker, plan))
     with graph.inserting_before(last_marker):
-        pieces = []
+        grads = []
         for s in plan.slots:
-            a = s.args
             g = s.inputs[0]
             for other in s.inputs[1:]:  # graph order of markers
                 g = b(aten.add.Tensor, g, other)
-            if not g.meta["val"].is_contiguous():
-                g = b(aten.clone.default, g, memory_format=torch.contiguous_format)
-            if len(a.full_shape) == 0:
-                g = b(aten.view.default, g, [1])
-            pad = a.spec.padded_dim0 - a.spec.dim0
-            if pad:
-                g = b(aten.constant_pad_nd.default, g, [0, 0] * (len(a.spec.rest)) + [0, pad])
-            pieces.append(b(aten.view.default, g, [n_ranks, a.spec.shard_numel]))
-        cat = b(aten.cat.default, pieces, 1) if len(pieces) > 1 else pieces[0]
-        flat = b(aten.view.default, cat, [n_ranks * plan.total_numel])
+            grads.append(g)
+        flat = pack_grads(b, grads, specs)
         if reduce_by_all_to_all(plan.group_name):  # See [Note: Reduce-scatter on gloo].
-            splits = [plan.total_numel] * n_ranks
+            splits = [plan.total_numel] * plan.world_size
             a2a = b(c10d.all_to_all_single.default, flat, splits, splits, plan.group_name)
-            rows = b(aten.view.default, b(c10d.wait_tensor.default, a2a), [n_ranks, plan.total_numel])
-            summed = b(aten.sum.dim_IntList, rows, [0])
+            summed = sum_received(b, b(c10d.wait_tensor.default, a2a), plan.world_size)
         else:
-            rs = b(c10d.reduce_scatter_tensor.default, flat, "sum", n_ranks, plan.group_name)
+            rs = b(c10d.reduce_scatter_tensor.default, flat, "sum", plan.world_size, plan.group_name)
             summed = b(c10d.wait_tensor.default, rs)
-        avg = b(aten.div.Tensor, summed, n_ranks)
-        off = 0
-        results = []
-        for s in plan.slots:
-            a = s.args
-            piece = b(aten.slice.Tensor, avg, 0, off, off + a.spec.shard_numel)
-            off += a.spec.shard_numel
-            results.append(b(aten.view.default, piece, list(a.spec.shard_shape)))
+        results = split_reduced(b, summed, specs, [s.args.local_rows for s in plan.slots])
     dead: list[fx.Node] = []
     for s, res in zip(plan.slots, results):
         assert s.root is not None
