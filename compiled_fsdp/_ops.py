@@ -8,10 +8,20 @@ passes (e.g. ``backend="eager"``) still trains correctly; under
 ``aot_eager``/Inductor the joint pass (``compiled_fsdp.passes``) replaces them
 with one bucketed collective per fully sharded module.
 
-``unshard`` reads this rank's local rows (the DTensor's local tensor) and
-``reduce_grad`` returns the gradient of those rows; the padding to the common
-shard shape happens inside, with the layout functions the eager runtime and the
-lowering share ([Note: Bucket layout] in _layout.py).
+``unshard`` reads this rank's ``local_rows`` rows (the DTensor's local tensor)
+and ``reduce_grad`` returns the gradient of those rows; the padding to the
+common shard shape happens inside, with the layout functions the eager runtime
+and the lowering share ([Note: Bucket layout] in _layout.py).
+
+[Note: Local rows in the marker]
+``local_rows`` is also the input's first dimension, and it is passed anyway:
+the Dynamo graph is otherwise the same on every rank (its inputs are DTensors
+of the same global shape), and AOTAutograd's cache keys a DTensor input by its
+global spec only. Ranks sharing a cache directory (every rank of a host does)
+would then load each other's compiled graphs, built for a different local
+shape. With the row count in the graph, ranks holding different rows get
+different keys, and ranks holding the same rows still share one compile.
+Tested by tests/test_compile_parity.py::test_uneven_shards_share_no_cache_entry.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ __all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
 
 UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
-    "int module_key, int param_index, bool reshard_after_forward, "
+    "int module_key, int param_index, int local_rows, bool reshard_after_forward, "
     "str? reduce_group_name=None) -> Tensor"
 )
 REDUCE_GRAD_SCHEMA = (
@@ -61,6 +71,7 @@ def unshard(
     world_size: int,
     module_key: int,
     param_index: int,
+    local_rows: int,
     reshard_after_forward: bool,
     reduce_group_name: Optional[str] = None,
 ) -> torch.Tensor:
@@ -84,6 +95,7 @@ def _unshard_fake(
     world_size: int,
     module_key: int,
     param_index: int,
+    local_rows: int,
     reshard_after_forward: bool,
     reduce_group_name: Optional[str] = None,
 ) -> torch.Tensor:
@@ -91,18 +103,15 @@ def _unshard_fake(
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    _, full_shape, group_name, world_size, module_key, param_index, _, reduce_group_name = inputs
+    _, full_shape, group_name, world_size, module_key, param_index, local_rows, _, reduce_group = inputs
     # The gradient is reduced on the reduce group when there is one; see
     # [Note: A second group for reduce-scatters] in _api.py.
-    ctx.args = (
-        list(full_shape), reduce_group_name or group_name, world_size, module_key, param_index,
-        inputs[0].shape[0],
-    )
+    ctx.args = (list(full_shape), reduce_group or group_name, world_size, module_key, param_index, local_rows)
 
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
     g = torch.ops.compiled_fsdp.reduce_grad(grad, *ctx.args)
-    return g, None, None, None, None, None, None, None
+    return g, None, None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

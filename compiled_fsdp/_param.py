@@ -153,6 +153,7 @@ class FSDPParam:
                 self.spec.world_size,
                 group.key,
                 self.index,
+                self.local_rows,  # see [Note: Local rows in the marker]
                 group.reshards_after_forward,
                 group.reduce_group_name,
             )

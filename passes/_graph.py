@@ -56,8 +56,8 @@ class MarkerArgs:
     reshard_after_forward: bool | None  # None for reduce_grad
     # unshard only: the group its gradient is reduced on (None: ``group_name``).
     reduce_group_name: str | None = None
-    # reduce_grad only: how many rows of the parameter this rank holds.
-    local_rows: int | None = None
+    # How many rows of the parameter this rank holds (the shard's dim 0).
+    local_rows: int = 0
 
     @property
     def spec(self) -> ShardSpec:
@@ -70,7 +70,7 @@ class MarkerArgs:
 
 _SCHEMA_NAMES_UNSHARD = (
     "shard", "full_shape", "group_name", "world_size", "module_key", "param_index",
-    "reshard_after_forward", "reduce_group_name",
+    "local_rows", "reshard_after_forward", "reduce_group_name",
 )
 _SCHEMA_NAMES_REDUCE = (
     "grad", "full_shape", "group_name", "world_size", "module_key", "param_index", "local_rows",
@@ -87,7 +87,7 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
     if not all(isinstance(s, int) for s in shape):
         raise ValueError(f"symbolic full_shape {shape!r}")
     for key in ("world_size", "module_key", "param_index", "local_rows"):
-        if key in bound and not isinstance(bound[key], int):
+        if not isinstance(bound[key], int):
             raise ValueError(f"symbolic {key} {bound[key]!r}")
     inp = bound[names[0]]
     if not isinstance(inp, fx.Node):
@@ -102,7 +102,7 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
             bool(bound["reshard_after_forward"]) if "reshard_after_forward" in bound else None
         ),
         reduce_group_name=bound.get("reduce_group_name"),
-        local_rows=bound.get("local_rows"),
+        local_rows=int(bound["local_rows"]),
     )
 
 

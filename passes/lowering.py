@@ -202,12 +202,8 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:
         shape, spec = tuple(s.inputs[0].meta["val"].shape), s.args.spec
-        ok = (
-            shape[1:] == spec.rest and shape[:1] <= (spec.shard_dim0,) if kind == "gather"
-            else shape == s.args.full_shape
-        )
-        if not ok:
-            want = f"(<= {spec.shard_dim0}, *{spec.rest})" if kind == "gather" else s.args.full_shape
+        want = (s.args.local_rows, *spec.rest) if kind == "gather" else s.args.full_shape
+        if shape != want or s.args.local_rows > spec.shard_dim0:
             raise _Skip(f"param {s.args.param_index}: input shape {shape} != {want}")
         if kind == "reduce":
             _find_accumulation(s)

@@ -76,6 +76,36 @@ def test_inductor_parity() -> None:
         assert res["counts"] == [{}] * 3
 
 
+def _cached_rank(rank: int, world: int, cache_dir: str) -> dict:
+    import os
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch._functorch.config.enable_autograd_cache = True
+    torch._inductor.config.fx_graph_cache = True
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)  # 5 and 3 rows: ranks hold 3 and 2, 2 and 1
+        return torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+    def make_batch(step: int) -> tuple:
+        return (torch.randn(4, 8, generator=torch.Generator().manual_seed(step)),)
+
+    return run_parity(
+        rank, build, fully_shard, make_batch, lambda out, x: out.square().mean(), steps=2,
+        wrap=lambda m: torch.compile(m, fullgraph=True),
+    )
+
+
+def test_uneven_shards_share_no_cache_entry(tmp_path) -> None:
+    """Ranks holding different numbers of rows compile different graphs; a second
+    job on the same cache directory (as every job on a host shares one) must load
+    each rank's own. See [Note: Local rows in the marker]."""
+    for _ in range(2):  # the second run hits the cache written by the first
+        for res in run_distributed(_cached_rank, 2, str(tmp_path), timeout=600):
+            assert_close(res, 1e-5)
+            assert res["counts"] == [{}] * 2
+
+
 def _inference_rank(rank: int, world: int, backend: str) -> dict:
     import copy
 

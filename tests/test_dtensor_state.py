@@ -178,7 +178,7 @@ def _roundtrip_rank(rank: int, world: int, root: str) -> dict:
     set_optimizer_state_dict(other, other_opt, full_osd, options=load_opts)
     out["full"] = _same(_local_params(other), want) and all(
         torch.equal(a, b) for a, b in zip(_optim_locals(other_opt), want_opt))
-    # Parameters stay our DTensors over the padded storage: training continues bitwise.
+    # The loads kept our DTensor parameters (and their optimizer state): training continues bitwise.
     more = _train(model, opt, range(2, 3))
     more_other = _train(other, other_opt, range(2, 3))
     out["continues"] = more == more_other and _same(_local_params(other), _local_params(model))
@@ -250,19 +250,28 @@ def test_reshard_2_to_3_and_to_one_process(tmp_path) -> None:
 # -- bad input ------------------------------------------------------------------
 
 
-def _mismatch_rank(rank: int, world: int, root: str) -> str:
+def _mismatch_rank(rank: int, world: int, root: str) -> dict:
     model, _, _ = _fresh(0)
     dcp.save(get_model_state_dict(model), checkpoint_id=root)
-    torch.manual_seed(0)
-    wider = _shard(GPT(GPTConfig(vocab=67, dim=32, n_layers=2, n_heads=2, seq=16)))
-    sd = get_model_state_dict(wider)
-    try:
-        dcp.load(sd, checkpoint_id=root)
-    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
-        return str(exc)
-    return "no error"
+    out = {}
+    for what, cfg in [("shape", GPTConfig(vocab=67, dim=32, n_layers=2, n_heads=2, seq=16)),
+                      ("key", GPTConfig(vocab=67, dim=24, n_layers=3, n_heads=2, seq=16))]:
+        torch.manual_seed(0)
+        other = _shard(GPT(cfg))
+        before = _local_params(other)
+        try:
+            dcp.load(get_model_state_dict(other), checkpoint_id=root)
+            out[what] = "no error"
+        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+            out[what] = str(exc)
+        out[what + "_untouched"] = _same(_local_params(other), before)
+    return out
 
 
 def test_mismatched_checkpoint_errors_on_every_rank(tmp_path) -> None:
-    for msg in run_distributed(_mismatch_rank, 2, str(tmp_path / "ckpt"), timeout=120):
-        assert "embed.weight" in msg and "67, 24" in msg and "67, 32" in msg, msg
+    """Wider parameters, or a layer the checkpoint lacks: DCP raises on every rank,
+    naming the key (and both shapes), and loads nothing."""
+    for res in run_distributed(_mismatch_rank, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert "embed.weight" in res["shape"] and "67, 24" in res["shape"] and "67, 32" in res["shape"], res
+        assert "layers.2." in res["key"], res
+        assert res["shape_untouched"] and res["key_untouched"]
