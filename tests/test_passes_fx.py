@@ -29,18 +29,25 @@ from compiled_fsdp.passes import (
     tag_recompute,
 )
 
-U = torch.ops.compiled_fsdp.unshard
+
+
+def U(shard, full, group, n, key, index, reshard):  # noqa: N802 - the marker, as the property calls it
+    return torch.ops.compiled_fsdp.unshard(shard, full, group, n, key, index, shard.shape[0], reshard)
+
+
 c10d = torch.ops._c10d_functional
 GROUP = "fake_group"
 
 
-def _shard_shape(full: list[int], n: int) -> list[int]:
-    nd = full or [1]
-    return [-(-nd[0] // n), *nd[1:]]
+def _shard_shape(full: list[int], n: int, rank: int = 0) -> list[int]:
+    """``rank``'s local shard shape (``torch.chunk``'s rows)."""
+    rows = -(-full[0] // n)
+    return [max(0, min(rows, full[0] - rank * rows)), *full[1:]]
 
 
-def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor]) -> fx.GraphModule:
-    """make_fx of ``fn(*shards, *extra)`` followed by autograd.grad w.r.t. the shards."""
+def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor], rank: int = 0) -> fx.GraphModule:
+    """make_fx of ``fn(*shards, *extra)`` followed by autograd.grad w.r.t. the
+    shards, as rank ``rank`` traces it."""
 
     def joint(*args):
         shards = args[: len(shapes)]
@@ -48,7 +55,7 @@ def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor]) -> fx
         grads = torch.autograd.grad(out, shards, allow_unused=True)
         return (out, *grads)
 
-    shards = [torch.randn(_shard_shape(s, n), requires_grad=True) for s in shapes]
+    shards = [torch.randn(_shard_shape(s, n, rank), requires_grad=True) for s in shapes]
     return make_fx(joint, tracing_mode="fake")(*shards, *extra)
 
 
@@ -215,22 +222,34 @@ def test_plan_apply_split() -> None:
     assert tag_recompute(gm).must_recompute > 0
 
 
-def test_zero_dim_and_padding_world_3() -> None:
+def _uneven_world_3(rank: int) -> fx.GraphModule:
     n = 3
 
     def fn(s_scale, s_w, x):
-        scale = U(s_scale, [], GROUP, n, 7, 0, True)
-        w = U(s_w, [4, 2], GROUP, n, 7, 1, True)
+        scale = U(s_scale, [1], GROUP, n, 7, 0, True)
+        w = U(s_w, [5, 2], GROUP, n, 7, 1, True)
         return (torch.nn.functional.linear(x, w) * scale).sum()
 
-    gm = _joint(fn, [[], [4, 2]], n, [torch.randn(5, 2)])
+    gm = _joint(fn, [[1], [5, 2]], n, [torch.randn(4, 2)], rank)
     report = run_joint_passes(gm)
     assert report.lowering.count("gather") == 1 and report.lowering.count("reduce") == 1
     assert _markers(gm) == []
-    ag = _calls(gm, c10d.all_gather_into_tensor.default)[0]
-    assert tuple(ag.meta["val"].shape) == (3 * (1 + 4),)  # shards (1,) and (2, 2)
-    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
-    assert [tuple(o.meta["val"].shape) for o in outputs[1:]] == [(1,), (2, 2)]
+    return gm
+
+
+def test_uneven_shards_world_3() -> None:
+    """Rank 2 of 3 holds no row of a 1-row parameter and one of a 5-row one: the
+    bucket pads them to the common shard shape, and every rank's graph runs the
+    same ops (see [Note: Rank-independent graphs] in compiled_fsdp/_layout.py)."""
+    graphs = [_uneven_world_3(rank) for rank in range(3)]
+    for rank, gm in enumerate(graphs):
+        ag = _calls(gm, c10d.all_gather_into_tensor.default)[0]
+        assert tuple(ag.meta["val"].shape) == (3 * (1 + 4),)  # padded shards (1,) and (2, 2)
+        outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        want = {0: [(1,), (2, 2)], 1: [(0,), (2, 2)], 2: [(0,), (1, 2)]}[rank]
+        assert [tuple(o.meta["val"].shape) for o in outputs[1:]] == want
+    ops = [[str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs]
+    assert ops[0] == ops[1] == ops[2]
 
 
 def test_mixed_dtypes_fall_back_to_markers() -> None:
