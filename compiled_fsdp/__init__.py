@@ -3,6 +3,7 @@
 See README.md for usage and DESIGN.md for how the pieces fit.
 """
 from ._api import ShardingOptions, fully_shard
+from ._module import FSDPModule
 from ._explain import ModuleReport, explain
 from ._collectives import collective_counts, reset_collective_counts
 from ._debug import dump_graphs
@@ -11,6 +12,7 @@ from ._state import get_fsdp_state, iter_fsdp_states
 __all__ = [
     "ModuleReport",
     "explain",
+    "FSDPModule",
     "ShardingOptions",
     "collective_counts",
     "dump_graphs",

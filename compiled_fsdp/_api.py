@@ -18,10 +18,12 @@ from typing import Callable, Iterable, Optional, Union
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import comm
-from ._param import FSDPParam, install_param_properties
+from ._module import FSDPModule
+from ._param import FSDPParam, install_class
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, get_fsdp_state, iter_fsdp_states
 
@@ -30,8 +32,6 @@ Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 # Original parameter -> its FSDPParam, to detect a parameter claimed twice.
 # (Keyed by identity: tensors compare elementwise.)
 _MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# Shard parameter -> its FSDPParam.
-_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Group keys: the n-th application of fully_shard in a program is key n on every
 # rank, so markers and buckets agree across ranks.
 _KEYS = itertools.count()
@@ -174,13 +174,12 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     _agree(options.process_group, module, error, fingerprint)
     group = None
     if owners:
-        mesh = options.mesh_for(next(iter(owners)).device.type)
+        mesh = options.mesh_for(_mesh_device_type(next(iter(owners)), options.process_group))
         rank = options.process_group.rank()
         fsdp_params = []
         for param, places in owners.items():
             fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank)
             _MANAGED[param] = fp
-            _SHARDS[fp.sharded] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
             fsdp_params, options.process_group, options.reduce_group, next(_KEYS),
@@ -191,7 +190,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             for m, n in fp.owners:
                 by_module.setdefault(m, {})[n] = fp
         for m, names in by_module.items():
-            install_param_properties(m, names)
+            install_class(m, names)
             m.register_load_state_dict_post_hook(_reset_after_load(list(names.values())))
     for m in module.modules():  # See seed 002: Dynamo traces these unspecialized.
         m._is_fsdp_managed_module = True
@@ -200,10 +199,20 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
         if nested.param_group is not None:
             nested.param_group.outermost = False
     FSDPState(module, group)
+    install_class(module, mixin=FSDPModule)
     from . import _compile
 
     _compile.install()
     return module
+
+
+def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup) -> str:
+    """The device type of the parameters' mesh. For a model built on ``meta``
+    (see [Note: Meta-device init] in _param.py) it is the device the process
+    group communicates on: CUDA for NCCL, else CPU."""
+    if param.device.type != "meta":
+        return param.device.type
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
 
 
 def _reset_after_load(fsdp_params: list[FSDPParam]) -> Callable:
@@ -265,7 +274,9 @@ def _collect_owned(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Par
             if p is None or p in ignored:
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
-            if p in _MANAGED or p in _SHARDS:
+            # (A shard is a DTensor; no registry holds it: a weak reference would stop
+            # to_empty() from swapping it, see [Note: Meta-device init].)
+            if p in _MANAGED or isinstance(p, DTensor):
                 raise ValueError(
                     f"fully_shard({type(module).__name__}): parameter {fqn!r} is already managed by another "
                     "fully_shard application (a weight shared between two fully sharded modules, or fully_shard "

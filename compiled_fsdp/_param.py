@@ -29,6 +29,17 @@ themselves, so every rank's graph has the same structure (see [Note:
 Rank-independent graphs]) and AOTAutograd wraps the local gradient into a
 DTensor ``.grad``. Tested by tests/test_dtensor_state.py.
 ``torch.nn.utils.parametrize`` is avoided because it renames state-dict keys.
+
+[Note: Meta-device init]
+``fully_shard`` accepts parameters on ``meta``: each shard is a meta tensor of
+the local shape, so no rank ever holds a full parameter. ``module.to_empty(device=...)``
+then swaps every registered DTensor for one with real (uninitialized) local
+storage; ``torch.utils.swap_tensors`` keeps the parameter object, so nothing
+here needs updating (``local_shard()`` reads the DTensor's local tensor each
+time). User init (``reset_parameters()``, ``init_weights()``) reads parameters
+outside forward, so it gets the DTensors and writes each rank's rows in place;
+a DCP load fills them from a checkpoint. A forward while a shard is still on
+``meta`` raises (``check_materialized``). Tested by tests/test_meta_init.py.
 """
 from __future__ import annotations
 
@@ -70,6 +81,9 @@ class FSDPParam:
             local = self.spec.local(param.detach(), rank)
         self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=param.requires_grad)
         self.unsharded: Optional[torch.Tensor] = None
+        # Full gradients summed over micro-batches without sync; see
+        # [Note: Gradient accumulation without sync] in _module.py.
+        self.unsharded_grad: Optional[torch.Tensor] = None
         self.group: Optional["FSDPParamGroup"] = None
         self.index = -1
         self.record_trace: Any = None  # set with the group; see [Note: Fallback decision rule]
@@ -98,6 +112,22 @@ class FSDPParam:
         else:
             self.sharded.grad._local_tensor += grad
 
+    def accumulate_unsharded_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Add ``grad`` to the gradient kept without sync and return the sum."""
+        if grad is not None:
+            if self.unsharded_grad is None:
+                self.unsharded_grad = grad.detach().to(self.orig_dtype, copy=True)
+            else:
+                self.unsharded_grad += grad
+        return self.unsharded_grad
+
+    def take_unsharded_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The gradient to reduce now: ``grad`` plus what was kept without sync."""
+        kept, self.unsharded_grad = self.unsharded_grad, None
+        if kept is None:
+            return grad
+        return kept if grad is None else kept + grad
+
     def reset_sharded_param(self) -> None:
         """After ``load_state_dict(assign=True)`` or ``module._apply`` put another
         tensor where our parameter was registered: copy its local rows into ours
@@ -118,6 +148,16 @@ class FSDPParam:
             mine.copy_(local)
         for m, n in self.owners:
             m._parameters[n] = self.sharded
+
+    def check_materialized(self) -> None:
+        """Raises if this shard still has no storage ([Note: Meta-device init])."""
+        if self.local_shard().is_meta:
+            raise RuntimeError(
+                f"compiled_fsdp: parameter {self.fqn!r} is still on the meta device. After building "
+                "the model under torch.device('meta') and fully_shard, call model.to_empty(device=...) "
+                "and initialize it (reset_parameters() / init_weights(), or load a checkpoint) before "
+                "the first forward."
+            )
 
     # -- unsharded storage -------------------------------------------------
     def alloc_unsharded(self) -> torch.Tensor:
@@ -175,7 +215,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-_SUBCLASS_CACHE: dict[tuple[type, frozenset[str]], type] = {}
+_SUBCLASS_CACHE: dict[tuple[type, frozenset[str], tuple[type, ...]], type] = {}
 
 
 def _make_property(name: str) -> property:
@@ -185,16 +225,24 @@ def _make_property(name: str) -> property:
     return property(getter, doc=f"managed parameter {name!r}; see [Note: Parameter property]")
 
 
-def install_param_properties(module: nn.Module, names: dict[str, FSDPParam]) -> None:
-    """Swap ``module``'s class for a subclass whose ``names`` are properties."""
+def install_class(
+    module: nn.Module, names: Optional[dict[str, FSDPParam]] = None, mixin: Optional[type] = None
+) -> None:
+    """Swap ``module``'s class for a generated subclass of its original class with
+    a property for each managed parameter it owns (``names``) and, for a module
+    ``fully_shard`` was applied to, the ``FSDPModule`` methods (``mixin``).
+    Calls accumulate: the class always has every property and mixin so far."""
     params = module.__dict__.setdefault("_fsdp_params", {})
-    params.update(names)
+    params.update(names or {})
+    mixins = module.__dict__.get("_fsdp_mixins", ())
+    if mixin is not None and mixin not in mixins:
+        mixins = module.__dict__["_fsdp_mixins"] = (*mixins, mixin)
     base = getattr(module, "_fsdp_base_class", type(module))
-    key = (base, frozenset(params))
+    key = (base, frozenset(params), mixins)
     cls = _SUBCLASS_CACHE.get(key)
     if cls is None:
-        attrs = {n: _make_property(n) for n in sorted(params)}
+        attrs: dict[str, Any] = {n: _make_property(n) for n in sorted(params)}
         attrs["_fsdp_base_class"] = base
-        cls = type(f"FSDP{base.__name__}", (base,), attrs)
+        cls = type(f"FSDP{base.__name__}", (*mixins, base), attrs)
         _SUBCLASS_CACHE[key] = cls
     module.__class__ = cls

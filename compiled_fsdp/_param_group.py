@@ -84,6 +84,9 @@ class FSDPParamGroup:
         self.name = name
         self.fqn = name  # the module's name under its root, set at the root's lazy init
         self.reshard_after_forward = reshard_after_forward
+        # See [Note: Gradient accumulation without sync] in _module.py.
+        self.reduce_grads = True
+        self.reshard_after_backward = True
         # No fully sharded module contains this one (yet): see ``reshards_after_forward``.
         self.outermost = True
         self.specs = [p.spec for p in fsdp_params]
@@ -168,8 +171,14 @@ class FSDPParamGroup:
 
     def post_backward(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
         """Reshard and issue the group's reduce-scatter (not awaited here)."""
-        owned = [(p, g) for p, g in zip(self.fsdp_params, grads) if g is not None]
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
+        if not self.reduce_grads:  # see [Note: Gradient accumulation without sync]
+            for p, g in zip(self.fsdp_params, grads):
+                p.accumulate_unsharded_grad(g)
+            return
+        owned = [(p, p.take_unsharded_grad(g)) for p, g in zip(self.fsdp_params, grads)]
+        owned = [(p, g) for p, g in owned if g is not None]
         if not owned or skips_grad_reduction(self.fqn):
             return
         params = [p for p, _ in owned]
@@ -194,7 +203,8 @@ class FSDPParamGroup:
     def end_iteration(self) -> None:
         """Reset per-iteration state: finish communication, free unsharded memory."""
         self.finish_grad_sync()
-        self.reshard()
+        if self.reshard_after_backward or not self.needs_grad_sync:
+            self.reshard()
         self.exposed_views = None
         self._iter_views = None
         self.needs_grad_sync = False

@@ -46,6 +46,8 @@ skipping, it traces ``_wrapped_call_impl`` with the hooks inlined.
 """
 from __future__ import annotations
 
+import warnings
+
 import weakref
 from typing import Any, Optional
 
@@ -174,8 +176,12 @@ class FSDPState:
 
     def _lazy_init(self) -> None:
         """See [Note: Roots and iterations]."""
+        states = iter_fsdp_states(self.module)
+        for st in states:  # every rank reaches the same verdict: the same model
+            for p in st.param_group.fsdp_params if st.param_group is not None else ():
+                p.check_materialized()
         ctx = _RootContext(self)
-        ctx.states = iter_fsdp_states(self.module)
+        ctx.states = states
         fqns = {m: name for name, m in self.module.named_modules()}
         for st in ctx.states:
             st.ctx = ctx
@@ -207,6 +213,13 @@ class FSDPState:
             group = self.param_group
             if in_compiled_call and (group is None or not is_split(group.key)):
                 ctx.compiled_forward = True  # Dynamo traces the forward: markers, no hooks
+                if any(g.reduce_grads is False for g in ctx.groups()):
+                    warnings.warn(
+                        "compiled_fsdp: set_requires_gradient_sync(False) is not honoured inside "
+                        "compiled graphs yet: they reduce-scatter every micro-batch and accumulate "
+                        "sharded gradients (the same sum up to rounding, more communication).",
+                        stacklevel=2,
+                    )
                 self._set_path("compiled")
                 return
             ctx.in_forward = True

@@ -76,6 +76,14 @@ class GPT(nn.Module):
             self.head.weight = self.embed.weight
         nn.init.normal_(self.pos, std=0.02)
 
+    def init_weights(self) -> None:
+        """Initialize every parameter in place, as ``__init__`` does (for a model
+        built on ``meta``, sharded, then ``to_empty``)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        nn.init.normal_(self.pos, std=0.02)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.layers:

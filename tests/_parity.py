@@ -24,16 +24,22 @@ def run_parity(
     graph_counts: Optional[Callable[[], dict]] = None,
     after_step: Optional[Callable[[nn.Module], object]] = None,
     make_ref_batch: Optional[Callable[[int], tuple]] = None,
+    prepare: Optional[Callable[[nn.Module], nn.Module]] = None,
 ) -> dict:
     """Per step: |loss diff|, max |grad diff| and max |param diff| over all params,
     the eager collective counts of the sharded step, the in-graph ones when
     ``graph_counts`` reports them, and whatever ``after_step(model)`` returns.
     ``make_ref_batch`` gives the reference's batch when the ranks' batches
     differ (the global batch; default: the rank's own, the same on every rank);
-    the loss difference is then not measured (the ranks' losses differ)."""
+    the loss difference is then not measured (the ranks' losses differ).
+    ``prepare(ref)`` builds the sharded model another way (default: a deep copy
+    of the reference, then ``shard``)."""
     ref = build()
-    model = copy.deepcopy(ref)
-    shard(model)
+    if prepare is not None:
+        model = prepare(ref)
+    else:
+        model = copy.deepcopy(ref)
+        shard(model)
     specs = shard_specs(model)
     runner = wrap(model) if wrap is not None else model
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

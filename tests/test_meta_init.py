@@ -1,0 +1,134 @@
+"""Meta-device init: build under ``torch.device("meta")``, ``fully_shard``,
+``to_empty``, then initialize or load. See [Note: Meta-device init] in
+compiled_fsdp/_param.py."""
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from compiled_fsdp import fully_shard
+from _dist import run_distributed
+from _models import gpt_case
+from _parity import assert_close, run_parity
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    for block in model.layers:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _from_meta(build, load_from: nn.Module) -> nn.Module:
+    """Built on meta, sharded, materialized, then loaded from ``load_from``'s full
+    state dict with the distributed state-dict API (rank 0's copy is broadcast)."""
+    with torch.device("meta"):
+        model = build()
+    _shard(model)
+    assert all(p.to_local().is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, load_from.state_dict(),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def _parity_rank(rank: int, world: int, backend: str) -> dict:
+    build, make_batch, loss = gpt_case(True)  # tied, uneven rows
+    wrap = None if backend == "none" else (lambda m: torch.compile(m, backend=backend, fullgraph=True))
+    return run_parity(rank, build, _shard, make_batch, loss, wrap=wrap,
+                      prepare=lambda ref: _from_meta(build, ref))
+
+
+@pytest.mark.parametrize("world,backend", [(2, "none"), (2, "aot_eager"), (3, "none")])
+def test_meta_init_then_load_trains_like_the_reference(world: int, backend: str) -> None:
+    """Bitwise on 2 ranks (eager and aot_eager), within 1e-6 on 3."""
+    for res in run_distributed(_parity_rank, world, backend):
+        assert_close(res, 0.0 if world == 2 else 1e-6)
+
+
+def _reset_rank(rank: int, world: int) -> dict:
+    build, make_batch, loss_fn = gpt_case(False)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build()
+    _shard(model)
+    model.to_empty(device="cpu")
+    model.init_weights()  # reset_parameters() of every submodule, and the rest
+    runner = torch.compile(model, backend="aot_eager", fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(3):
+        (tokens,) = make_batch(step)
+        loss = loss_fn(runner(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
+            "devices": {str(p.device) for p in model.parameters()}}
+
+
+def test_meta_init_with_init_weights_compiles_and_is_deterministic() -> None:
+    """``init_weights()`` (``reset_parameters()`` per submodule) on the DTensor
+    shards, then compiled steps (no "two devices" error); the same seed gives the
+    same shards in a new job."""
+    first, second = run_distributed(_reset_rank, 2), run_distributed(_reset_rank, 2)
+    for a, b in zip(first, second):
+        assert a["devices"] == {"cpu"}
+        assert all(torch.isfinite(torch.tensor(a["losses"])))
+        assert a["losses"] == b["losses"]
+        assert a["params"].keys() == b["params"].keys()
+        assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+class _Wide(nn.Module):
+    """64 MiB of fp32 parameters in 8 layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(1024, 2048, bias=False) for _ in range(8))
+
+
+def _setup_peak_rank(rank: int, world: int, meta: bool) -> dict:
+    full_mb = 8 * 1024 * 2048 * 4 / 2**20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    with torch.device("meta" if meta else "cpu"):
+        model = _Wide()
+    _shard(model)
+    if meta:
+        model.to_empty(device="cpu")
+    for layer in model.layers:
+        layer.reset_parameters()
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    local_mb = sum(p.to_local().numel() for p in model.parameters()) * 4 / 2**20
+    return {"grown_mb": grown, "full_mb": full_mb, "local_mb": local_mb}
+
+
+def test_meta_setup_never_holds_the_full_model() -> None:
+    """Peak RSS growth during set-up is about the rank's shards (1/N of the model),
+    where building the same model on the CPU first grows it by the whole model."""
+    for res in run_distributed(_setup_peak_rank, 2, True):
+        assert res["local_mb"] == res["full_mb"] / 2
+        assert res["grown_mb"] < 0.75 * res["full_mb"], res
+    for res in run_distributed(_setup_peak_rank, 2, False):  # the control
+        assert res["grown_mb"] >= 0.9 * res["full_mb"], res
+
+
+def _forward_on_meta_rank(rank: int, world: int) -> str:
+    build, make_batch, _ = gpt_case(False)
+    with torch.device("meta"):
+        model = build()
+    _shard(model)
+    try:
+        model(*make_batch(0))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_forward_on_meta_raises_on_every_rank() -> None:
+    for msg in run_distributed(_forward_on_meta_rank, 2, timeout=120):
+        assert "meta device" in msg and "to_empty" in msg, msg
