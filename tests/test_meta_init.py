@@ -3,8 +3,6 @@
 compiled_fsdp/_param.py."""
 from __future__ import annotations
 
-import resource
-
 import pytest
 import torch
 import torch.nn as nn
@@ -92,9 +90,18 @@ class _Wide(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(1024, 2048, bias=False) for _ in range(8))
 
 
+def _status_mb(key: str) -> float:
+    """A ``/proc/self/status`` memory line (``VmRSS``, ``VmHWM``) in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(key + ":"))
+    return int(line.split()[1]) / 1024  # kB
+
+
 def _setup_peak_rank(rank: int, world: int, meta: bool) -> dict:
     full_mb = 8 * 1024 * 2048 * 4 / 2**20
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    with open("/proc/self/clear_refs", "w") as f:  # the peak RSS (VmHWM) restarts from now
+        f.write("5")
+    before = _status_mb("VmRSS")
     with torch.device("meta" if meta else "cpu"):
         model = _Wide()
     _shard(model)
@@ -102,7 +109,7 @@ def _setup_peak_rank(rank: int, world: int, meta: bool) -> dict:
         model.to_empty(device="cpu")
     for layer in model.layers:
         layer.reset_parameters()
-    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    grown = _status_mb("VmHWM") - before
     local_mb = sum(p.to_local().numel() for p in model.parameters()) * 4 / 2**20
     return {"grown_mb": grown, "full_mb": full_mb, "local_mb": local_mb}
 
