@@ -112,14 +112,14 @@ class FSDPParam:
         else:
             self.sharded.grad._local_tensor += grad
 
-    def accumulate_unsharded_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Add ``grad`` to the gradient kept without sync and return the sum."""
-        if grad is not None:
-            if self.unsharded_grad is None:
-                self.unsharded_grad = grad.detach().to(self.orig_dtype, copy=True)
-            else:
-                self.unsharded_grad += grad
-        return self.unsharded_grad
+    def accumulate_unsharded_grad(self, grad: Optional[torch.Tensor]) -> None:
+        """Add ``grad`` to the gradient kept without sync."""
+        if grad is None:
+            return
+        if self.unsharded_grad is None:
+            self.unsharded_grad = grad.detach().to(self.orig_dtype, copy=True)
+        else:
+            self.unsharded_grad += grad
 
     def take_unsharded_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The gradient to reduce now: ``grad`` plus what was kept without sync."""

@@ -168,33 +168,32 @@ class NodeBuilder:
 _ALIAS_OPS = (aten.view.default, aten.alias.default, aten._unsafe_view.default)
 
 
+def _identity_view_source(node: fx.Node) -> fx.Node | None:
+    """What ``node`` aliases unchanged, if it is a ``view``/``alias`` with its
+    input's shape and strides (``DTensor.to_local()`` traces as one per read)."""
+    if node.op != "call_function" or node.target not in _ALIAS_OPS:
+        return None
+    src = node.args[0]
+    if not isinstance(src, fx.Node):
+        return None
+    va, vb = node.meta.get("val"), src.meta.get("val")
+    same = (
+        isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+        and tuple(va.shape) == tuple(vb.shape) and va.stride() == vb.stride()
+    )
+    return src if same else None
+
+
 def through_identity_views(node: fx.Node) -> fx.Node:
-    """The node ``node`` aliases unchanged: a ``view``/``alias`` with its input's
-    shape (``DTensor.to_local()`` traces as one per read) adds nothing."""
-    while (
-        node.op == "call_function"
-        and node.target in _ALIAS_OPS
-        and isinstance(node.args[0], fx.Node)
-        and _same_shape(node, node.args[0])
-    ):
-        node = node.args[0]
+    """The node ``node`` aliases unchanged, through any shape-preserving views."""
+    while (src := _identity_view_source(node)) is not None:
+        node = src
     return node
 
 
 def is_identity_view_of(node: fx.Node, src: fx.Node) -> bool:
     """Whether ``node`` is a shape-preserving view of ``src``."""
-    return (
-        node.op == "call_function" and node.target in _ALIAS_OPS
-        and node.args[0] is src and _same_shape(node, src)
-    )
-
-
-def _same_shape(a: fx.Node, b: fx.Node) -> bool:
-    va, vb = a.meta.get("val"), b.meta.get("val")
-    return (
-        isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
-        and tuple(va.shape) == tuple(vb.shape) and va.stride() == vb.stride()
-    )
+    return _identity_view_source(node) is src
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
