@@ -4,8 +4,9 @@ See README.md for usage and DESIGN.md for how the pieces fit.
 """
 from ._api import ShardingOptions, fully_shard
 from ._module import FSDPModule
+from ._policy import MixedPrecisionPolicy
 from ._explain import ModuleReport, explain
-from ._collectives import collective_counts, reset_collective_counts
+from ._collectives import collective_bytes, collective_counts, reset_collective_counts
 from ._debug import dump_graphs
 from ._state import get_fsdp_state, iter_fsdp_states
 
@@ -13,7 +14,9 @@ __all__ = [
     "ModuleReport",
     "explain",
     "FSDPModule",
+    "MixedPrecisionPolicy",
     "ShardingOptions",
+    "collective_bytes",
     "collective_counts",
     "dump_graphs",
     "fully_shard",

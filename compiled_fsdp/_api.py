@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import comm
-from ._module import FSDPModule
+from ._module import FSDPModule, ManagedByAncestor
 from ._param import FSDPParam, install_class
 from ._param_group import FSDPParamGroup
+from ._policy import MixedPrecisionPolicy, check_policy
 from ._state import FSDPState, get_fsdp_state, iter_fsdp_states
 
 Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
@@ -49,6 +50,9 @@ class ShardingOptions:
     # The user's 1-D mesh, or None: one is built over ``process_group`` for the
     # parameters' device type (see ``mesh_for``).
     mesh: Optional[DeviceMesh] = None
+    # What the user passed as ``mp_policy``; checked (on every rank together) by
+    # ``_shard_one``. See [Note: Mixed precision] in _policy.py.
+    mp_policy: object = None
 
     def mesh_for(self, device_type: str) -> DeviceMesh:
         """The mesh the parameters' DTensors live on."""
@@ -66,7 +70,9 @@ class ShardingOptions:
 _MESHES: dict[tuple[str, str], DeviceMesh] = {}
 
 
-def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_after_forward: bool) -> ShardingOptions:
+def _resolve_options(
+    mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_after_forward: bool, mp_policy: object
+) -> ShardingOptions:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fully_shard: torch.distributed is not initialized. Call "
@@ -90,7 +96,7 @@ def _resolve_options(mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_a
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
     return ShardingOptions(group, reshard_after_forward, reduce_group,
-                           mesh if isinstance(mesh, DeviceMesh) else None)
+                           mesh if isinstance(mesh, DeviceMesh) else None, mp_policy)
 
 
 # Gather group name -> its reduce group, created once per gather group.
@@ -143,6 +149,7 @@ def fully_shard(
     reshard_after_forward: bool = True,
     policy: Optional[Policy] = None,
     ignored_params: Optional[set[nn.Parameter]] = None,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (default: the whole world) and
     return the same module object.
@@ -151,8 +158,10 @@ def fully_shard(
     a set of module classes (or a predicate) whose instances are sharded first.
     ``reshard_after_forward=True`` frees the unsharded parameters after forward
     and gathers them again in backward (ZeRO-3); ``False`` keeps them to backward.
+    ``mp_policy`` gathers and computes in ``param_dtype`` and reduces gradients in
+    ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``); default: full precision.
     """
-    options = _resolve_options(mesh, reshard_after_forward)
+    options = _resolve_options(mesh, reshard_after_forward, mp_policy)
     if policy is not None:
         matches = _policy_matches(policy)
         targets = [m for m in module.modules() if m is not module and matches(m)]
@@ -164,21 +173,23 @@ def fully_shard(
 
 def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Optional[set[nn.Parameter]]) -> nn.Module:
     ignored = set(ignored_params or ())
-    error: Optional[str] = None
+    error: Optional[tuple[str, str]] = None
     owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    mp = MixedPrecisionPolicy()
     try:
+        mp = check_policy(options.mp_policy)
         owners = _validate(module, ignored)
-    except ValueError as exc:
-        error = str(exc)
+    except (TypeError, ValueError) as exc:
+        error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
-    _agree(options.process_group, module, error, fingerprint)
+    _agree(options.process_group, module, error, (fingerprint, repr(mp)))
     group = None
     if owners:
         mesh = options.mesh_for(_mesh_device_type(next(iter(owners)), options.process_group))
         rank = options.process_group.rank()
         fsdp_params = []
         for param, places in owners.items():
-            fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank)
+            fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank, mp)
             _MANAGED[param] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
@@ -190,7 +201,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             for m, n in fp.owners:
                 by_module.setdefault(m, {})[n] = fp
         for m, names in by_module.items():
-            install_class(m, names)
+            install_class(m, names, mixin=None if m is module else ManagedByAncestor)
             m.register_load_state_dict_post_hook(_reset_after_load(list(names.values())))
     for m in module.modules():  # See seed 002: Dynamo traces these unspecialized.
         m._is_fsdp_managed_module = True
@@ -198,7 +209,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     for nested in iter_fsdp_states(module):
         if nested.param_group is not None:
             nested.param_group.outermost = False
-    FSDPState(module, group)
+    FSDPState(module, group, mp)
     install_class(module, mixin=FSDPModule)
     from . import _compile
 
@@ -243,7 +254,9 @@ def _validate(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Paramete
     return owners
 
 
-def _agree(group: dist.ProcessGroup, module: nn.Module, error: Optional[str], fingerprint: list) -> None:
+def _agree(
+    group: dist.ProcessGroup, module: nn.Module, error: Optional[tuple[str, str]], fingerprint: object
+) -> None:
     """[Note: Agreeing at fully_shard]
     A check that fails on one rank only would let the other ranks run on into the
     first all-gather and wait forever. So every rank shares its verdict and the
@@ -254,14 +267,16 @@ def _agree(group: dist.ProcessGroup, module: nn.Module, error: Optional[str], fi
     dist.all_gather_object(verdicts, (error, fingerprint), group=group)
     failed = [(r, e) for r, (e, _) in enumerate(verdicts) if e is not None]
     if failed:
-        rank, msg = failed[0]
-        raise ValueError(f"{msg} (found on rank {rank}; every rank stops here)")
+        rank, (kind, msg) = failed[0]
+        raise (TypeError if kind == "TypeError" else ValueError)(
+            f"{msg} (found on rank {rank}; every rank stops here)")
     for r, (_, fp) in enumerate(verdicts):
         if fp != fingerprint:
             raise ValueError(
                 f"fully_shard({type(module).__name__}): rank {r} shards different parameters than rank "
-                f"{group.rank()} ({len(fp)} vs {len(fingerprint)} parameters, or different names, shapes or "
-                "dtypes). Build the same model on every rank (same config and seed) before fully_shard."
+                f"{group.rank()} (a different number of parameters, different names, shapes or dtypes, or "
+                "a different mp_policy). Build the same model on every rank (same config and seed) and "
+                "call fully_shard with the same arguments."
             )
 
 

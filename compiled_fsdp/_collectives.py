@@ -17,6 +17,8 @@ from ._layout import EAGER, ShardSpec, pack_grads, pack_shards, sum_received, un
 from ._reduce import reduce_by_all_to_all
 
 _COUNTS: collections.Counter = collections.Counter()
+# Bytes each rank sent into the bucketed collectives, by kind.
+_BYTES: collections.Counter = collections.Counter()
 
 
 def collective_counts() -> dict[str, int]:
@@ -24,8 +26,15 @@ def collective_counts() -> dict[str, int]:
     return dict(_COUNTS)
 
 
+def collective_bytes() -> dict[str, int]:
+    """Bytes this rank contributed to the eager runtime's bucketed all-gathers and
+    reduce-scatters, by kind, since the last reset."""
+    return dict(_BYTES)
+
+
 def reset_collective_counts() -> None:
     _COUNTS.clear()
+    _BYTES.clear()
 
 
 def count_collective(kind: str) -> None:
@@ -56,13 +65,16 @@ def all_gather_bucket(
     shards: Sequence[torch.Tensor],
     specs: Sequence[ShardSpec],
     group: dist.ProcessGroup,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
     async_op: bool = True,
 ) -> PendingCollective:
-    """One all-gather of the packed local ``shards``: output ``[N * T]``."""
+    """One all-gather of the packed local ``shards``, each cast to its compute
+    dtype (``dtypes``): output ``[N * T]``."""
     world = group.size()
-    flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs)
+    flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs, dtypes)
     out = flat_in.new_empty(world * flat_in.numel())
     _COUNTS["all_gather"] += 1
+    _BYTES["all_gather"] += flat_in.numel() * flat_in.element_size()
     work = dist.all_gather_single(out, flat_in, group=group, async_op=async_op)
     return PendingCollective(out, work if async_op else None)
 
@@ -103,4 +115,6 @@ def reduce_scatter_bucket(
 ) -> PendingCollective:
     """One reduce-scatter (sum) of the full ``grads``: output ``[T]``, not yet averaged."""
     _COUNTS["reduce_scatter"] += 1
-    return reduce_scatter_flat(pack_grads(EAGER, grads, specs), group, async_op)
+    flat = pack_grads(EAGER, grads, specs)
+    _BYTES["reduce_scatter"] += flat.numel() * flat.element_size()
+    return reduce_scatter_flat(flat, group, async_op)

@@ -18,6 +18,12 @@ The reduce-scatter input is built the same way from the full gradients
 zero-padded to ``N * shard_d0`` rows; its ``[T]`` result (summed over ranks) is
 divided by ``N`` and cut per parameter back to the local rows.
 
+With a mixed-precision policy ([Note: Mixed precision] in _policy.py) a shard is
+cast to its compute dtype before its pad, a gradient to its reduce dtype before
+the pack (``reduce_input``, which also adds what was kept without sync), and a
+reduced shard to the parameter's dtype after the cut: the casts are layout
+steps like the others, so both paths emit them identically.
+
 The functions below are the one definition of that layout. They take an
 ``Emit``: the eager runtime and the marker ops pass ``EAGER``, which runs each
 step at once; the lowering (passes/lowering.py) passes its ``NodeBuilder``,
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -128,16 +134,27 @@ def _contiguous(op: Emit, x: Any) -> Any:
     return op(aten.clone.default, x, memory_format=torch.contiguous_format)
 
 
+def cast(op: Emit, x: Any, dtype: Optional[torch.dtype]) -> Any:
+    """``x`` in ``dtype`` (a new tensor), or ``x`` itself when it already is."""
+    if dtype is None or op.value(x).dtype == dtype:
+        return x
+    return op(aten._to_copy.default, x, dtype=dtype)
+
+
 def _pad_rows(spec: ShardSpec, rows: int) -> list[int]:
     """``constant_pad_nd``'s pad argument that appends ``rows`` zero rows."""
     return [0, 0] * len(spec.rest) + [0, rows]
 
 
-def pack_shards(op: Emit, shards: Sequence[Any], specs: Sequence[ShardSpec]) -> Any:
-    """The all-gather input ``[T]``: each local shard zero-padded to ``shard_d0``
-    rows, flattened, concatenated."""
+def pack_shards(
+    op: Emit, shards: Sequence[Any], specs: Sequence[ShardSpec],
+    dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
+) -> Any:
+    """The all-gather input ``[T]``: each local shard cast to its compute dtype
+    (``dtypes``), zero-padded to ``shard_d0`` rows, flattened, concatenated."""
     flats = []
-    for shard, spec in zip(shards, specs):
+    for i, (shard, spec) in enumerate(zip(shards, specs)):
+        shard = cast(op, shard, dtypes[i] if dtypes is not None else None)
         missing = spec.shard_dim0 - op.value(shard).shape[0]
         padded = op(aten.constant_pad_nd.default, shard, _pad_rows(spec, missing))
         flats.append(op(aten.view.default, padded, [spec.shard_numel]))
@@ -156,6 +173,13 @@ def unpack_gathered(op: Emit, gathered: Any, specs: Sequence[ShardSpec]) -> list
             full = op(aten.slice.Tensor, full, 0, 0, spec.dim0)
         fulls.append(full)
     return fulls
+
+
+def reduce_input(op: Emit, grad: Any, kept: Any, dtype: Optional[torch.dtype]) -> Any:
+    """The full gradient to reduce: ``grad`` in the reduce dtype, added to the
+    gradient ``kept`` from micro-batches without sync (None: nothing kept)."""
+    grad = cast(op, grad, dtype)
+    return grad if kept is None else op(aten.add.Tensor, kept, grad)
 
 
 def pack_grads(op: Emit, grads: Sequence[Any], specs: Sequence[ShardSpec]) -> Any:
@@ -180,13 +204,16 @@ def sum_received(op: Emit, received: Any, world: int) -> Any:
 
 
 def split_reduced(
-    op: Emit, summed: Any, specs: Sequence[ShardSpec], local_rows: Sequence[int]
+    op: Emit, summed: Any, specs: Sequence[ShardSpec], local_rows: Sequence[int],
+    dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
 ) -> list[Any]:
-    """The averaged gradient of each local shard from the summed ``[T]``."""
+    """The averaged gradient of each local shard from the summed ``[T]``, in
+    the parameter's dtype (``dtypes``)."""
     avg = op(aten.div.Tensor, summed, specs[0].world_size)
     grads = []
-    for spec, off, rows in zip(specs, bucket_offsets(specs), local_rows):
+    for i, (spec, off, rows) in enumerate(zip(specs, bucket_offsets(specs), local_rows)):
         piece = op(aten.slice.Tensor, avg, 0, off, off + spec.shard_numel)
         shard = op(aten.view.default, piece, list(spec.shard_shape))
-        grads.append(op(aten.slice.Tensor, shard, 0, 0, rows))
+        rows_only = op(aten.slice.Tensor, shard, 0, 0, rows)
+        grads.append(cast(op, rows_only, dtypes[i] if dtypes is not None else None))
     return grads

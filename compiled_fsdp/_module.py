@@ -34,6 +34,26 @@ class FSDPModule:
             group.reshard_after_backward = reshard_after_backward
 
 
+class ManagedByAncestor:
+    """Mixed into modules that own managed parameters without ``fully_shard``
+    having been applied to them (their parameters belong to an ancestor's
+    group): FSDP2's methods there say where to call them instead."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        _not_sharded(self, "set_requires_gradient_sync")
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        _not_sharded(self, "set_reshard_after_backward")
+
+
+def _not_sharded(module: object, what: str) -> None:
+    raise TypeError(
+        f"{what}: this {type(module).__name__} was not passed to fully_shard; its parameters are "
+        f"communicated by an ancestor's fully_shard group. Call {what} on a module fully_shard was "
+        "applied to (the root, with recurse=True, covers every module below it)."
+    )
+
+
 def _groups(module: object, what: str, value: object, recurse: bool) -> list:
     if not isinstance(value, bool):
         raise TypeError(f"{what}: expected True or False, got {value!r}.")

@@ -11,7 +11,27 @@ with one bucketed collective per fully sharded module.
 ``unshard`` reads this rank's ``local_rows`` rows (the DTensor's local tensor)
 and ``reduce_grad`` returns the gradient of those rows; the padding to the
 common shard shape happens inside, with the layout functions the eager runtime
-and the lowering share ([Note: Bucket layout] in _layout.py).
+and the lowering share ([Note: Bucket layout] in _layout.py). ``param_dtype``
+and ``reduce_dtype`` are the parameter's mixed-precision dtypes ([Note: Mixed
+precision] in _policy.py).
+
+[Note: Accumulation without sync in graphs]
+``sync`` and ``kept`` carry FSDP2's ``set_requires_gradient_sync`` into the
+graph. The parameter property reads the flag while Dynamo traces, so Dynamo
+guards on it: one graph per flag value, no recompile when it flips back.
+
+- ``sync=False``: ``kept`` is the parameter's *gradient sink*, a full-shape
+  leaf with zero strides (one element of storage) that requires grad. The
+  backward gives the shard no gradient and gives the sink the full gradient
+  in ``reduce_dtype`` (``reduce_grad(sync=False)``, no communication), so
+  autograd's own accumulation sums the micro-batches into ``sink.grad``,
+  outside the graph, exactly as a reference's ``.grad`` is summed.
+- ``sync=True`` after such micro-batches: ``kept`` is ``sink.grad``, which
+  ``reduce_grad`` adds to this backward's gradient before the one
+  reduce-scatter ([Note: Bucket layout]'s ``reduce_input``, shared with the
+  eager runtime). The root's post-forward then drops the sink's reference;
+  the graph's saved copy is freed by its backward.
+- ``sync=True`` with nothing kept: ``kept`` is None, the usual graph.
 
 [Note: Local rows in the marker]
 ``local_rows`` is also the input's first dimension, and it is passed anyway:
@@ -33,18 +53,22 @@ import torch
 import torch.distributed as dist
 
 from ._collectives import count_collective, reduce_scatter_flat
-from ._layout import EAGER, ShardSpec, pack_grads, pack_shards, split_reduced, unpack_gathered
+from ._layout import (
+    EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, unpack_gathered,
+)
 
 __all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
 
 UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
     "int module_key, int param_index, int local_rows, bool reshard_after_forward, "
-    "str? reduce_group_name=None) -> Tensor"
+    "str? reduce_group_name=None, ScalarType? param_dtype=None, ScalarType? reduce_dtype=None, "
+    "Tensor? kept=None, bool sync=True) -> Tensor"
 )
 REDUCE_GRAD_SCHEMA = (
     "(Tensor grad, SymInt[] full_shape, str group_name, int world_size, "
-    "int module_key, int param_index, int local_rows) -> Tensor"
+    "int module_key, int param_index, int local_rows, ScalarType? reduce_dtype=None, "
+    "ScalarType? grad_dtype=None, Tensor? kept=None, bool sync=True) -> Tensor"
 )
 
 
@@ -74,9 +98,13 @@ def unshard(
     local_rows: int,
     reshard_after_forward: bool,
     reduce_group_name: Optional[str] = None,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    kept: Optional[torch.Tensor] = None,
+    sync: bool = True,
 ) -> torch.Tensor:
     specs = [_spec(full_shape, world_size)]
-    flat = pack_shards(EAGER, [shard], specs)
+    flat = pack_shards(EAGER, [shard], specs, [param_dtype])
     if world_size == 1:
         gathered = flat.clone()
     else:
@@ -98,20 +126,30 @@ def _unshard_fake(
     local_rows: int,
     reshard_after_forward: bool,
     reduce_group_name: Optional[str] = None,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    kept: Optional[torch.Tensor] = None,
+    sync: bool = True,
 ) -> torch.Tensor:
-    return shard.new_empty(list(full_shape))
+    return shard.new_empty(list(full_shape), dtype=param_dtype or shard.dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    _, full_shape, group_name, world_size, module_key, param_index, local_rows, _, reduce_group = inputs
+    (shard, full_shape, group_name, world_size, module_key, param_index, local_rows, _,
+     reduce_group, _, reduce_dtype, kept, sync) = inputs
     # The gradient is reduced on the reduce group when there is one; see
     # [Note: A second group for reduce-scatters] in _api.py.
-    ctx.args = (list(full_shape), reduce_group or group_name, world_size, module_key, param_index, local_rows)
+    ctx.args = (list(full_shape), reduce_group or group_name, world_size, module_key, param_index,
+                local_rows, reduce_dtype, shard.dtype)
+    ctx.sync = sync
+    ctx.kept = kept if sync else None  # see [Note: Accumulation without sync in graphs]
 
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
-    g = torch.ops.compiled_fsdp.reduce_grad(grad, *ctx.args)
-    return g, None, None, None, None, None, None, None, None
+    g = torch.ops.compiled_fsdp.reduce_grad(grad, *ctx.args, kept=ctx.kept, sync=ctx.sync)
+    if ctx.sync:
+        return g, None, None, None, None, None, None, None, None, None, None, None, None
+    return None, None, None, None, None, None, None, None, None, None, None, g, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -133,16 +171,23 @@ def reduce_grad(
     module_key: int,
     param_index: int,
     local_rows: int,
+    reduce_dtype: Optional[torch.dtype] = None,
+    grad_dtype: Optional[torch.dtype] = None,
+    kept: Optional[torch.Tensor] = None,
+    sync: bool = True,
 ) -> torch.Tensor:
+    if not sync:  # the full gradient for the sink; see [Note: Accumulation without sync in graphs]
+        full = cast(EAGER, grad, reduce_dtype)
+        return full.clone() if full is grad else full
     specs = [_spec(full_shape, world_size)]
-    flat = pack_grads(EAGER, [grad], specs)
+    flat = pack_grads(EAGER, [reduce_input(EAGER, grad, kept, reduce_dtype)], specs)
     if world_size == 1:
         summed = flat.clone()
     else:
         count_collective("unbucketed_reduce_scatter")
         summed = reduce_scatter_flat(flat, _group(group_name), async_op=False).wait()
     # Sum then divide, cut to the local rows: the bucketed path's steps.
-    return split_reduced(EAGER, summed, specs, [local_rows])[0]
+    return split_reduced(EAGER, summed, specs, [local_rows], [grad_dtype])[0]
 
 
 @reduce_grad.register_fake
@@ -154,5 +199,11 @@ def _reduce_grad_fake(
     module_key: int,
     param_index: int,
     local_rows: int,
+    reduce_dtype: Optional[torch.dtype] = None,
+    grad_dtype: Optional[torch.dtype] = None,
+    kept: Optional[torch.Tensor] = None,
+    sync: bool = True,
 ) -> torch.Tensor:
-    return grad.new_empty([local_rows, *_spec(full_shape, world_size).rest])
+    if not sync:
+        return grad.new_empty(list(full_shape), dtype=reduce_dtype or grad.dtype)
+    return grad.new_empty([local_rows, *_spec(full_shape, world_size).rest], dtype=grad_dtype or grad.dtype)

@@ -52,7 +52,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
-from ._layout import ShardSpec
+from ._layout import EAGER, ShardSpec, reduce_input
+from ._policy import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
     from ._param_group import FSDPParamGroup
@@ -70,6 +71,7 @@ class FSDPParam:
         fqn: str,
         mesh: DeviceMesh,
         rank: int,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.fqn = fqn
         self.owners = owners
@@ -77,13 +79,17 @@ class FSDPParam:
         self.spec = ShardSpec(tuple(param.shape), mesh.size())
         self.local_rows = self.spec.local_dim0(rank)
         self.orig_dtype = param.dtype
+        # See [Note: Mixed precision] in _policy.py.
+        self.param_dtype = mp_policy.compute_dtype(param.dtype)
+        self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         with torch.no_grad():
             local = self.spec.local(param.detach(), rank)
         self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=param.requires_grad)
         self.unsharded: Optional[torch.Tensor] = None
-        # Full gradients summed over micro-batches without sync; see
-        # [Note: Gradient accumulation without sync] in _module.py.
-        self.unsharded_grad: Optional[torch.Tensor] = None
+        # Its ``.grad`` is the full gradient summed over micro-batches without
+        # sync, on both paths; see [Note: Accumulation without sync in graphs]
+        # in _ops.py and [Note: Gradient accumulation without sync] in _module.py.
+        self.grad_sink: Optional[torch.Tensor] = None
         self.group: Optional["FSDPParamGroup"] = None
         self.index = -1
         self.record_trace: Any = None  # set with the group; see [Note: Fallback decision rule]
@@ -112,21 +118,44 @@ class FSDPParam:
         else:
             self.sharded.grad._local_tensor += grad
 
+    def ensure_grad_sink(self) -> torch.Tensor:
+        """The gradient sink (created once, outside any traced code): a leaf of
+        the full shape with zero strides, so it holds one element."""
+        if self.grad_sink is None:
+            full = self.spec.full_shape
+            self.grad_sink = torch.empty_strided(
+                full, (0,) * len(full), dtype=self.reduce_dtype, device=self.local_shard().device
+            ).requires_grad_()
+        return self.grad_sink
+
+    def kept_grad(self) -> Optional[torch.Tensor]:
+        """The full gradient kept without sync, in the reduce dtype, or None."""
+        return None if self.grad_sink is None else self.grad_sink.grad
+
     def accumulate_unsharded_grad(self, grad: Optional[torch.Tensor]) -> None:
         """Add ``grad`` to the gradient kept without sync."""
         if grad is None:
             return
-        if self.unsharded_grad is None:
-            self.unsharded_grad = grad.detach().to(self.orig_dtype, copy=True)
+        sink = self.ensure_grad_sink()
+        if sink.grad is None:
+            sink.grad = grad.detach().to(self.reduce_dtype, copy=True)
         else:
-            self.unsharded_grad += grad
+            sink.grad += grad
 
     def take_unsharded_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The gradient to reduce now: ``grad`` plus what was kept without sync."""
-        kept, self.unsharded_grad = self.unsharded_grad, None
-        if kept is None:
-            return grad
-        return kept if grad is None else kept + grad
+        """The full gradient to reduce now, in the reduce dtype: ``grad`` added to
+        what was kept without sync (which is dropped)."""
+        kept = self.kept_grad()
+        if kept is not None:
+            self.grad_sink.grad = None
+        if grad is None:
+            return kept
+        return reduce_input(EAGER, grad, kept, self.reduce_dtype)
+
+    def drop_kept_grad(self) -> None:
+        """Forget the kept gradient (a compiled backward has taken it)."""
+        if self.grad_sink is not None:
+            self.grad_sink.grad = None
 
     def reset_sharded_param(self) -> None:
         """After ``load_state_dict(assign=True)`` or ``module._apply`` put another
@@ -163,7 +192,7 @@ class FSDPParam:
     def alloc_unsharded(self) -> torch.Tensor:
         """The unsharded buffer with its storage allocated (contents undefined)."""
         if self.unsharded is None:
-            self.unsharded = self.local_shard().new_empty(self.spec.full_shape)
+            self.unsharded = self.local_shard().new_empty(self.spec.full_shape, dtype=self.param_dtype)
         else:
             storage = self.unsharded.untyped_storage()
             nbytes = self.unsharded.numel() * self.unsharded.element_size()
@@ -186,6 +215,15 @@ class FSDPParam:
             return views[self.index]
         if group is not None and torch.compiler.is_compiling():
             comptime(self.record_trace)  # at trace time; see [Note: Fallback decision rule]
+            # Read while tracing, so Dynamo guards on it: see [Note: Accumulation
+            # without sync in graphs] in _ops.py.
+            sync = group.reduce_grads
+            kept = self.kept_grad() if sync else self.grad_sink
+            if not sync and kept is None:
+                raise RuntimeError(
+                    f"compiled_fsdp: {self.fqn!r} has gradient sync off but no gradient sink; "
+                    "call the model through its root module (the sinks are made there)."
+                )
             return torch.ops.compiled_fsdp.unshard(
                 self.sharded.to_local(),
                 list(self.spec.full_shape),
@@ -196,6 +234,10 @@ class FSDPParam:
                 self.local_rows,  # see [Note: Local rows in the marker]
                 group.reshards_after_forward,
                 group.reduce_group_name,
+                self.param_dtype,
+                self.reduce_dtype,
+                kept,
+                sync,
             )
         if group is not None and group.forward_active():
             raise RuntimeError(

@@ -123,7 +123,8 @@ class FSDPParamGroup:
         """Issue the group's all-gather (if sharded); with ``async_op=False`` also wait."""
         if self.state is ShardedState.SHARDED:
             self._pending_gather = all_gather_bucket(
-                [p.local_shard() for p in self.fsdp_params], self.specs, self.process_group
+                [p.local_shard() for p in self.fsdp_params], self.specs, self.process_group,
+                [p.param_dtype for p in self.fsdp_params],
             )
             self.state = ShardedState.GATHERING
         if not async_op:
@@ -182,9 +183,8 @@ class FSDPParamGroup:
         if not owned or skips_grad_reduction(self.fqn):
             return
         params = [p for p, _ in owned]
-        pending = reduce_scatter_bucket(
-            [g.to(p.orig_dtype) for p, g in owned], [p.spec for p in params], self.reduce_group
-        )
+        # take_unsharded_grad cast them to the reduce dtype: see [Note: Mixed precision].
+        pending = reduce_scatter_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group)
         self._pending_reduce = (pending, params)
         if self.ctx is not None:
             self.ctx.on_reduce_issued(self)
@@ -195,7 +195,8 @@ class FSDPParamGroup:
             pending, params = self._pending_reduce
             self._pending_reduce = None
             grads = split_reduced(
-                EAGER, pending.wait(), [p.spec for p in params], [p.local_rows for p in params]
+                EAGER, pending.wait(), [p.spec for p in params], [p.local_rows for p in params],
+                [p.orig_dtype for p in params],
             )
             for p, g in zip(params, grads):
                 p.add_grad(g)

@@ -46,8 +46,6 @@ skipping, it traces ``_wrapped_call_impl`` with the hooks inlined.
 """
 from __future__ import annotations
 
-import warnings
-
 import weakref
 from typing import Any, Optional
 
@@ -60,6 +58,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._fallback import is_split
 from ._param_group import FSDPParamGroup, ShardedState
+from ._policy import MixedPrecisionPolicy, cast_floating
 
 _MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, FSDPState]" = weakref.WeakKeyDictionary()
 
@@ -103,6 +102,23 @@ class _RootContext:
             self.end_iteration()
         self.forward_order, self.post_forward_order = [], []
         self.step += 1
+        for g in self.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
+            if not g.reduce_grads:
+                for p in g.fsdp_params:
+                    p.ensure_grad_sink()
+
+    def drop_kept_grads(self) -> None:
+        """After a compiled forward that will run backward: its graph holds the
+        kept gradient of every module it reduces (see [Note: Accumulation without
+        sync in graphs]). Modules that fell back this step reduce theirs eagerly."""
+        for st in self.states:
+            g = st.param_group
+            if g is None or not g.reduce_grads:
+                continue
+            if st.last_path == "fallback" and st.path_step == self.step:
+                continue
+            for p in g.fsdp_params:
+                p.drop_kept_grad()
 
     def end_iteration(self) -> None:
         """See [Note: Roots and iterations]."""
@@ -159,15 +175,18 @@ class _RootContext:
 class FSDPState:
     """What ``fully_shard`` attaches to one module: its parameter group and hooks."""
 
-    def __init__(self, module: nn.Module, param_group: Optional[FSDPParamGroup]) -> None:
+    def __init__(
+        self, module: nn.Module, param_group: Optional[FSDPParamGroup], mp_policy: MixedPrecisionPolicy
+    ) -> None:
         self.module = module
         self.param_group = param_group
+        self.mp_policy = mp_policy
         self.ctx: Optional[_RootContext] = None
         # How the last forward ran (see compiled_fsdp.explain) and in which step.
         self.last_path: Optional[str] = None
         self.path_step = -1
         _MODULE_STATE[module] = self
-        module.register_forward_pre_hook(self._pre_forward, prepend=True)
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
     @property
@@ -193,16 +212,20 @@ class FSDPState:
         self.last_path, self.path_step = path, self.ctx.step
 
     # -- hooks -------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        """See [Note: Hooks under Dynamo]."""
-        if torch.compiler.is_compiling():
-            return  # traced inside a graph: the passes own this module's communication
-        self._eager_pre_forward(_is_in_optimized_module())
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """See [Note: Hooks under Dynamo]. Traced inside a graph, only the input
+        casts remain: the passes own this module's communication."""
+        if not torch.compiler.is_compiling():
+            self._eager_pre_forward(_is_in_optimized_module())
+        mp = self.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:  # [Note: Mixed precision]
+            return cast_floating(mp.param_dtype, (args, kwargs))
+        return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return output
-        return self._eager_post_forward(output)
+        if not torch.compiler.is_compiling():
+            output = self._eager_post_forward(output)
+        return cast_floating(self.mp_policy.output_dtype, output)
 
     def _eager_pre_forward(self, in_compiled_call: bool) -> None:
         if self.ctx is None:
@@ -213,13 +236,6 @@ class FSDPState:
             group = self.param_group
             if in_compiled_call and (group is None or not is_split(group.key)):
                 ctx.compiled_forward = True  # Dynamo traces the forward: markers, no hooks
-                if any(g.reduce_grads is False for g in ctx.groups()):
-                    warnings.warn(
-                        "compiled_fsdp: set_requires_gradient_sync(False) is not honoured inside "
-                        "compiled graphs yet: they reduce-scatter every micro-batch and accumulate "
-                        "sharded gradients (the same sum up to rounding, more communication).",
-                        stacklevel=2,
-                    )
                 self._set_path("compiled")
                 return
             ctx.in_forward = True
@@ -236,6 +252,8 @@ class FSDPState:
             ctx.in_forward = False
             if ctx.compiled_forward:
                 ctx.compiled_forward = False
+                if torch.is_grad_enabled():
+                    ctx.drop_kept_grads()
                 return output
         ctx.post_forward_order.append(self)
         grad_outputs = [

@@ -58,6 +58,15 @@ class MarkerArgs:
     reduce_group_name: str | None = None
     # How many rows of the parameter this rank holds (the shard's dim 0).
     local_rows: int = 0
+    # Mixed precision (see [Note: Mixed precision] in compiled_fsdp/_policy.py):
+    # unshard: the gathered dtype; both: the reduce dtype; reduce_grad: the
+    # dtype of the reduced shard gradient.
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    grad_dtype: torch.dtype | None = None
+    # False: the gradient is kept, not reduced (see [Note: Accumulation without
+    # sync in graphs] in compiled_fsdp/_ops.py).
+    sync: bool = True
 
     @property
     def spec(self) -> ShardSpec:
@@ -68,20 +77,27 @@ class MarkerArgs:
         return (self.group_name, self.world_size)
 
 
-_SCHEMA_NAMES_UNSHARD = (
-    "shard", "full_shape", "group_name", "world_size", "module_key", "param_index",
-    "local_rows", "reshard_after_forward", "reduce_group_name",
-)
-_SCHEMA_NAMES_REDUCE = (
-    "grad", "full_shape", "group_name", "world_size", "module_key", "param_index", "local_rows",
-)
+def _schema_names(node: fx.Node) -> tuple[str, ...]:
+    """The marker's argument names, from its op's schema (compiled_fsdp/_ops.py)."""
+    return tuple(a.name for a in node.target._schema.arguments)
+
+
+def marker_kept(node: fx.Node) -> fx.Node | None:
+    """The marker's ``kept`` input: the gradient sink (``sync=False``) or the
+    gradient kept from earlier micro-batches; see [Note: Accumulation without
+    sync in graphs] in compiled_fsdp/_ops.py."""
+    bound = dict(zip(_schema_names(node), node.args))
+    bound.update(node.kwargs)
+    kept = bound.get("kept")
+    return kept if isinstance(kept, fx.Node) else None
 
 
 def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
     """Returns (tensor input node, static args). Raises ValueError when an
     argument is symbolic (the passes only bucket static shapes)."""
-    names = _SCHEMA_NAMES_UNSHARD if is_unshard(node) else _SCHEMA_NAMES_REDUCE
-    bound = dict(zip(names, node.args))
+    names = _schema_names(node)
+    bound = {a.name: a.default_value for a in node.target._schema.arguments if a.has_default_value()}
+    bound.update(zip(names, node.args))
     bound.update(node.kwargs)
     shape = bound["full_shape"]
     if not all(isinstance(s, int) for s in shape):
@@ -103,6 +119,10 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
         ),
         reduce_group_name=bound.get("reduce_group_name"),
         local_rows=int(bound["local_rows"]),
+        param_dtype=bound.get("param_dtype"),
+        reduce_dtype=bound.get("reduce_dtype"),
+        grad_dtype=bound.get("grad_dtype"),
+        sync=bool(bound["sync"]),
     )
 
 

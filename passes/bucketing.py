@@ -35,8 +35,7 @@ from ._graph import node_order
 
 
 def _bytes(bucket) -> int:  # noqa: ANN001 - lowering.BucketPlan (import cycle)
-    val = bucket.slots[0].inputs[0].meta["val"]
-    return bucket.total_numel * bucket.world_size * val.element_size()
+    return bucket.total_numel * bucket.world_size * bucket.comm_dtype.itemsize
 
 
 def _compatible(a, b) -> bool:  # noqa: ANN001
@@ -44,7 +43,7 @@ def _compatible(a, b) -> bool:  # noqa: ANN001
         a.group_name == b.group_name
         and a.world_size == b.world_size
         and a.reshard_after_forward == b.reshard_after_forward
-        and a.slots[0].inputs[0].meta["val"].dtype == b.slots[0].inputs[0].meta["val"].dtype
+        and a.comm_dtype == b.comm_dtype
     )
 
 

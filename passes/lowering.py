@@ -32,7 +32,9 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from compiled_fsdp._layout import pack_grads, pack_shards, split_reduced, sum_received, unpack_gathered
+from compiled_fsdp._layout import (
+    pack_grads, pack_shards, reduce_input, split_reduced, sum_received, unpack_gathered,
+)
 from compiled_fsdp._reduce import reduce_by_all_to_all
 
 from .bucketing import merge_small_buckets
@@ -45,6 +47,7 @@ from ._graph import (
     is_identity_view_of,
     is_reduce_grad,
     is_unshard,
+    marker_kept,
     node_order,
     parse_marker,
     stable_topological_sort,
@@ -72,11 +75,15 @@ class Slot:
     inputs: list[fx.Node]  # marker tensor inputs, same order
     acc_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # reduce only
     root: fx.Node | None = None  # reduce only: node whose uses get the shard grad
+    # reduce only: the gradient kept from micro-batches without sync (a graph input).
+    kept: fx.Node | None = None
 
 
 @dataclasses.dataclass
 class BucketPlan:
-    kind: str  # "gather" | "reduce"
+    # "gather" | "reduce" | "keep" (a gradient kept without sync: no collective;
+    # see [Note: Accumulation without sync in graphs] in compiled_fsdp/_ops.py)
+    kind: str
     module_key: int
     group_name: str
     world_size: int
@@ -88,6 +95,15 @@ class BucketPlan:
     @property
     def total_numel(self) -> int:
         return sum(s.args.spec.shard_numel for s in self.slots)
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        """The dtype the collective moves: the gathered (compute) dtype or the
+        reduce dtype. One per bucket: see [Note: Mixed precision] in
+        compiled_fsdp/_policy.py."""
+        a = self.slots[0].args
+        wanted = a.param_dtype if self.kind == "gather" else a.reduce_dtype
+        return wanted or self.slots[0].inputs[0].meta["val"].dtype
 
 
 @dataclasses.dataclass
@@ -168,9 +184,12 @@ def _group_markers(
         try:
             _, a = parse_marker(n)
         except ValueError as e:
-            key = n.args[4] if len(n.args) > 4 and isinstance(n.args[4], int) else -1
-            skipped.append((kind, key, str(e)))
-            by_module.pop(key, None)
+            if kind != "keep":  # (reported once, under its reduce)
+                key = n.args[4] if len(n.args) > 4 and isinstance(n.args[4], int) else -1
+                skipped.append((kind, key, str(e)))
+                by_module.pop(key, None)
+            continue
+        if kind != "gather" and a.sync != (kind == "reduce"):
             continue
         by_module[a.module_key].append(n)
     bad = {k for (_, k, _) in skipped}
@@ -188,16 +207,19 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
             raise _Skip("inconsistent reshard_after_forward")
         slot = slots.get(a.param_index)
         if slot is None:
-            slots[a.param_index] = Slot(args=a, markers=[m], inputs=[inp])
+            slots[a.param_index] = Slot(args=a, markers=[m], inputs=[inp], kept=marker_kept(m))
             continue
         if a != slot.args:
             raise _Skip(f"param {a.param_index}: markers disagree on arguments")
         if kind == "gather" and through_identity_views(inp) is not through_identity_views(slot.inputs[0]):
             raise _Skip(f"param {a.param_index}: markers read different shard nodes")
+        if kind == "reduce" and marker_kept(m) is not slot.kept:
+            raise _Skip(f"param {a.param_index}: markers add different kept gradients")
         slot.markers.append(m)
         slot.inputs.append(inp)
     ordered = [slots[k] for k in sorted(slots)]
-    dtypes = {str(s.inputs[0].meta["val"].dtype) for s in ordered}
+    wanted = (lambda a: a.param_dtype) if kind == "gather" else (lambda a: a.reduce_dtype)
+    dtypes = {str(wanted(s.args) or s.inputs[0].meta["val"].dtype) for s in ordered}
     if len(dtypes) != 1:
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:
@@ -205,7 +227,7 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         want = (s.args.local_rows, *spec.rest) if kind == "gather" else s.args.full_shape
         if shape != want or s.args.local_rows > spec.shard_dim0:
             raise _Skip(f"param {s.args.param_index}: input shape {shape} != {want}")
-        if kind == "reduce":
+        if kind != "gather":
             _find_accumulation(s)
     return BucketPlan(
         kind=kind,
@@ -238,7 +260,7 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
         bucket_bytes = overlap.bucket_bytes
     buckets: list[BucketPlan] = []
     skipped: list[tuple[str, int, str]] = []
-    for kind in ("gather", "reduce"):
+    for kind in ("gather", "reduce", "keep"):
         groups, bad = _group_markers(gm.graph, kind)
         skipped.extend(bad)
         planned = []
@@ -247,7 +269,9 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
                 planned.append(_plan_bucket(kind, key, groups[key]))
             except _Skip as e:
                 skipped.append((kind, key, str(e)))
-        buckets.extend(merge_small_buckets(gm.graph, planned, bucket_bytes, _combine))
+        # (a kept gradient is not communicated: nothing to merge)
+        buckets.extend(planned if kind == "keep" else
+                       merge_small_buckets(gm.graph, planned, bucket_bytes, _combine))
     return LoweringPlan(buckets=buckets, skipped=skipped)
 
 
@@ -270,7 +294,7 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
     sources = [through_identity_views(s.inputs[0]) for s in plan.slots]
     b = NodeBuilder(graph, _copied_meta(first_marker, plan))
     with graph.inserting_before(first_marker):
-        packed = pack_shards(b, sources, specs)
+        packed = pack_shards(b, sources, specs, [s.args.param_dtype for s in plan.slots])
         gathered = b(c10d.all_gather_into_tensor.default, packed, plan.world_size, plan.group_name)
         fulls = unpack_gathered(b, b(c10d.wait_tensor.default, gathered), specs)
     for s, full in zip(plan.slots, fulls):
@@ -291,12 +315,9 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
     specs = [s.args.spec for s in plan.slots]
     b = NodeBuilder(graph, _copied_meta(last_marker, plan))
     with graph.inserting_before(last_marker):
-        grads = []
-        for s in plan.slots:
-            g = s.inputs[0]
-            for other in s.inputs[1:]:  # graph order of markers
-                g = b(aten.add.Tensor, g, other)
-            grads.append(g)
+        grads = [reduce_input(b, _summed(b, s), s.kept, s.args.reduce_dtype) for s in plan.slots]
+        if plan.kind == "keep":  # the full gradients, for the sinks
+            return _replace_roots(graph, plan, grads)
         flat = pack_grads(b, grads, specs)
         if reduce_by_all_to_all(plan.group_name):  # See [Note: Reduce-scatter on gloo].
             splits = [plan.total_numel] * plan.world_size
@@ -305,7 +326,21 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         else:
             rs = b(c10d.reduce_scatter_tensor.default, flat, "sum", plan.world_size, plan.group_name)
             summed = b(c10d.wait_tensor.default, rs)
-        results = split_reduced(b, summed, specs, [s.args.local_rows for s in plan.slots])
+        results = split_reduced(b, summed, specs, [s.args.local_rows for s in plan.slots],
+                                [s.args.grad_dtype for s in plan.slots])
+    _replace_roots(graph, plan, results)
+
+
+def _summed(b: NodeBuilder, slot: Slot) -> fx.Node:
+    """The slot's full gradient: its markers' inputs summed in graph order (see
+    [Note: Duplicate markers])."""
+    g = slot.inputs[0]
+    for other in slot.inputs[1:]:
+        g = b(aten.add.Tensor, g, other)
+    return g
+
+
+def _replace_roots(graph: fx.Graph, plan: BucketPlan, results: list[fx.Node]) -> None:
     dead: list[fx.Node] = []
     for s, res in zip(plan.slots, results):
         assert s.root is not None

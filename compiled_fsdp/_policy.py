@@ -1,0 +1,97 @@
+"""Frozen policies ``fully_shard`` takes, with FSDP2's names and meaning.
+
+[Note: Mixed precision]
+With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` each shard is cast to
+``param_dtype`` *before* its all-gather, so the collective moves half the bytes
+of an fp32 one, and the module computes with the gathered low-precision copy.
+Gradients arrive in ``param_dtype``; they are cast to ``reduce_dtype`` (default:
+``param_dtype``), reduce-scattered in it, and the averaged shard is cast back to
+the parameter's own dtype for ``.grad``. The registered parameters, their
+``.grad`` and the optimizer state stay in the original dtype.
+
+The casts are steps of the bucket layout ([Note: Bucket layout] in _layout.py),
+so the eager runtime and the lowering emit the same ones in the same order: in
+a compiled graph the cast is the first node of a module's gather chain, and
+with ``reshard_after_forward`` it is recomputed in backward with the gather (the
+forward saves the fp32 shard, never a bf16 unsharded copy). A bucket carries one
+dtype: modules with different policies never share a bucket.
+
+``cast_forward_inputs`` casts the floating-point tensors among a fully sharded
+module's forward arguments to ``param_dtype`` (in its pre-forward hook, traced
+into the graph under compile); ``output_dtype`` casts its floating-point outputs.
+Tested by tests/test_mixed_precision.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mixed-precision policy; see [Note: Mixed precision].
+
+    ``param_dtype``: the dtype of the gathered parameters (and of forward and
+    backward compute); None keeps the parameters' own dtype.
+    ``reduce_dtype``: the dtype gradients are reduced in; None means ``param_dtype``.
+    ``output_dtype``: cast the module's floating-point outputs to it; None leaves them.
+    ``cast_forward_inputs``: cast the module's floating-point inputs to ``param_dtype``.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, torch.dtype) or not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecisionPolicy: {name} must be a floating-point torch.dtype (e.g. "
+                    f"torch.bfloat16) or None, got {value!r}."
+                )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise ValueError(
+                f"MixedPrecisionPolicy: cast_forward_inputs must be True or False, got "
+                f"{self.cast_forward_inputs!r}."
+            )
+
+    def compute_dtype(self, orig: torch.dtype) -> torch.dtype:
+        """The dtype a parameter of dtype ``orig`` is gathered and used in (a
+        parameter that is not floating point is never cast)."""
+        return (self.param_dtype or orig) if orig.is_floating_point else orig
+
+    def grad_reduce_dtype(self, orig: torch.dtype) -> torch.dtype:
+        """The dtype its gradient is reduced (and kept without sync) in."""
+        return (self.reduce_dtype or self.param_dtype or orig) if orig.is_floating_point else orig
+
+
+def check_policy(policy: object) -> MixedPrecisionPolicy:
+    """``policy`` itself, or a TypeError that says what ``mp_policy`` takes."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard: mp_policy must be a compiled_fsdp.MixedPrecisionPolicy, got "
+            f"{type(policy).__name__}. Write mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
+        )
+    return policy
+
+
+def cast_floating(dtype: Optional[torch.dtype], tree: Any) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (no-op for None)."""
+    if dtype is None:
+        return tree
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
