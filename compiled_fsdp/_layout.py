@@ -135,10 +135,12 @@ def _contiguous(op: Emit, x: Any) -> Any:
 
 
 def cast(op: Emit, x: Any, dtype: Optional[torch.dtype]) -> Any:
-    """``x`` in ``dtype`` (a new tensor), or ``x`` itself when it already is."""
+    """``x`` in ``dtype`` (a new tensor), or ``x`` itself when it already is.
+    (The prim, not ``aten._to_copy``: the joint passes run after Inductor's
+    decompositions, and Inductor lowers the prim but not ``_to_copy``.)"""
     if dtype is None or op.value(x).dtype == dtype:
         return x
-    return op(aten._to_copy.default, x, dtype=dtype)
+    return op(torch.ops.prims.convert_element_type.default, x, dtype)
 
 
 def _pad_rows(spec: ShardSpec, rows: int) -> list[int]:

@@ -25,6 +25,7 @@ def run_parity(
     after_step: Optional[Callable[[nn.Module], object]] = None,
     make_ref_batch: Optional[Callable[[int], tuple]] = None,
     prepare: Optional[Callable[[nn.Module], nn.Module]] = None,
+    ref_forward: Optional[Callable[[nn.Module, tuple], torch.Tensor]] = None,
 ) -> dict:
     """Per step: |loss diff|, max |grad diff| and max |param diff| over all params,
     the eager collective counts of the sharded step, the in-graph ones when
@@ -33,7 +34,8 @@ def run_parity(
     differ (the global batch; default: the rank's own, the same on every rank);
     the loss difference is then not measured (the ranks' losses differ).
     ``prepare(ref)`` builds the sharded model another way (default: a deep copy
-    of the reference, then ``shard``)."""
+    of the reference, then ``shard``). ``ref_forward(ref, inputs)`` runs the
+    reference (default: ``ref(*inputs)``)."""
     ref = build()
     if prepare is not None:
         model = prepare(ref)
@@ -53,19 +55,21 @@ def run_parity(
         spec = specs.get(id(named[name]))
         return t if t is None or spec is None else spec.local(t, rank)
 
-    out = {"loss": [], "grad": [], "param": [], "counts": [], "graph_counts": [], "after": []}
+    out = {"loss": [], "grad": [], "param": [], "counts": [], "bytes": [], "graph_counts": [], "after": []}
     for step in range(steps):
         inputs = make_batch(step)
         compiled_fsdp.reset_collective_counts()
         loss = loss_fn(runner(*inputs), *inputs)
         loss.backward()
         out["counts"].append(compiled_fsdp.collective_counts())
+        out["bytes"].append(compiled_fsdp.collective_bytes())
         if graph_counts is not None:
             out["graph_counts"].append(graph_counts())
         if after_step is not None:
             out["after"].append(after_step(model))
         ref_inputs = make_ref_batch(step) if make_ref_batch is not None else inputs
-        ref_loss = loss_fn(ref(*ref_inputs), *ref_inputs)
+        ref_out = ref_forward(ref, ref_inputs) if ref_forward is not None else ref(*ref_inputs)
+        ref_loss = loss_fn(ref_out, *ref_inputs)
         ref_loss.backward()
         out["loss"].append(0.0 if make_ref_batch is not None else abs(loss.item() - ref_loss.item()))
         out["grad"].append(max(max_diff(named[n].grad, local(n, p.grad)) for n, p in named_ref.items()))
