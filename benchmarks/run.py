@@ -14,6 +14,9 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   ours_eager             compiled_fsdp's eager hook runtime
   fsdp2_eager            torch.distributed.fsdp.fully_shard
   fsdp2_compiled         FSDP2 + torch.compile
+  ..._bf16               ours_compiled, fsdp2_eager, fsdp2_compiled and
+                         compute_compiled with bf16 parameters for compute and
+                         gathers, fp32 reduce (MixedPrecisionPolicy)
   compute_eager/compiled unsharded model, two processes at once, no communication
   comm_only              the step's collectives alone (same buckets and count)
   overlap_limit          compute_compiled with comm_only on a second thread at
@@ -63,7 +66,8 @@ from workloads import comm_rank, overlap_limit_rank, paired_rank, train_rank  # 
 PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only", "overlap_limit",
                 "ours_compiled_nosched", "ours_compiled_gloors"]
 TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_onegroup", "ours_compiled_gloors",
-               "ours_eager", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled"]
+               "ours_eager", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
+               "ours_compiled_bf16", "fsdp2_eager_bf16", "fsdp2_compiled_bf16", "compute_compiled_bf16"]
 
 
 def _summary(rounds: list[list[dict]]) -> dict:
@@ -121,6 +125,10 @@ _RATIOS = [  # (name, numerator, denominator); "max(a, b)" means the larger of b
     ("ours_compiled / ours_compiled_onegroup", "ours_compiled", "ours_compiled_onegroup"),
     ("ours_compiled / ours_compiled_gloors", "ours_compiled", "ours_compiled_gloors"),
     ("ours_eager / fsdp2_eager", "ours_eager", "fsdp2_eager"),
+    ("ours_compiled_bf16 / compute_compiled_bf16", "ours_compiled_bf16", "compute_compiled_bf16"),
+    ("ours_compiled_bf16 / fsdp2_eager_bf16", "ours_compiled_bf16", "fsdp2_eager_bf16"),
+    ("ours_compiled_bf16 / fsdp2_compiled_bf16", "ours_compiled_bf16", "fsdp2_compiled_bf16"),
+    ("ours_compiled_bf16 / ours_compiled", "ours_compiled_bf16", "ours_compiled"),
 ]
 
 

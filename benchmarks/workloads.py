@@ -59,26 +59,33 @@ class _RssSampler:
 
 
 def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Returns (model whose parameters the optimizer steps, callable to run)."""
+    """Returns (model whose parameters the optimizer steps, callable to run).
+    A ``_bf16`` kind gathers and computes in bf16 and reduces in fp32 (both
+    FSDPs' ``MixedPrecisionPolicy``); its compute floor runs a bf16 model."""
     model = bench()
+    bf16 = kind.endswith("_bf16")
     if kind.startswith("ours"):
         import compiled_fsdp
 
         # A cache hit skips the passes, so the schedule report would be empty.
         torch._functorch.config.enable_autograd_cache = False
         torch._inductor.config.fx_graph_cache = False
+        mp = compiled_fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
         for block in model.layers:
-            compiled_fsdp.fully_shard(block)
-        compiled_fsdp.fully_shard(model)
+            compiled_fsdp.fully_shard(block, mp_policy=mp)
+        compiled_fsdp.fully_shard(model, mp_policy=mp)
     elif kind.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
         for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    compiled = kind.startswith("ours_compiled") or kind.endswith("compiled")
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    elif bf16:
+        model.to(torch.bfloat16)
+    compiled = kind.startswith("ours_compiled") or kind.removesuffix("_bf16").endswith("compiled")
     return model, (torch.compile(model) if compiled else model)
 
 

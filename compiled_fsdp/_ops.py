@@ -33,6 +33,12 @@ guards on it: one graph per flag value, no recompile when it flips back.
   the graph's saved copy is freed by its backward.
 - ``sync=True`` with nothing kept: ``kept`` is None, the usual graph.
 
+A parameter read twice has two markers with the same ``kept``. The lowering sums
+their gradients and adds ``kept`` once per parameter; the markers' own eager
+implementations (``backend="eager"``, or a module the lowering left alone) reduce
+per read, so ``reduce_grad`` adds a given ``kept`` tensor only the first time it
+sees it (``_ADDED``). Tested by tests/test_no_sync.py.
+
 [Note: Local rows in the marker]
 ``local_rows`` is also the input's first dimension, and it is passed anyway:
 the Dynamo graph is otherwise the same on every rank (its inputs are DTensors
@@ -51,6 +57,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._collectives import count_collective, reduce_scatter_flat
 from ._layout import (
@@ -58,6 +65,10 @@ from ._layout import (
 )
 
 __all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
+
+# Kept gradients an eager ``reduce_grad`` has already added (by identity); see
+# [Note: Accumulation without sync in graphs].
+_ADDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
@@ -179,6 +190,11 @@ def reduce_grad(
     if not sync:  # the full gradient for the sink; see [Note: Accumulation without sync in graphs]
         full = cast(EAGER, grad, reduce_dtype)
         return full.clone() if full is grad else full
+    if kept is not None:  # added once, however many reads: see the note
+        if kept in _ADDED:
+            kept = None
+        else:
+            _ADDED[kept] = None
     specs = [_spec(full_shape, world_size)]
     flat = pack_grads(EAGER, [reduce_input(EAGER, grad, kept, reduce_dtype)], specs)
     if world_size == 1:

@@ -4,7 +4,11 @@
     torchrun --nproc-per-node 2 examples/train.py --compile none   # eager hook runtime
 
 Uses CUDA + NCCL when a GPU is available, CPU + gloo otherwise. Each rank gets its
-own batch (data parallel); rank 0 prints the loss and what each rank holds.
+own batches (data parallel); rank 0 prints the loss and what each rank holds.
+Parameters are gathered and used in bf16 and gradients reduced in fp32
+(``MixedPrecisionPolicy``; ``--precision fp32`` turns it off), and each optimizer
+step accumulates ``--micro-batches`` backward passes, reduce-scattering only on
+the last (``set_requires_gradient_sync``).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
-from compiled_fsdp import explain, fully_shard  # noqa: E402
+from compiled_fsdp import MixedPrecisionPolicy, explain, fully_shard  # noqa: E402
 from examples import gpt  # noqa: E402
 
 
@@ -33,6 +37,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--compile", default="inductor", choices=["inductor", "aot_eager", "none"])
     parser.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                        help="bf16: gather and compute in bf16, reduce in fp32 (default)")
+    parser.add_argument("--micro-batches", type=int, default=2,
+                        help="backward passes per optimizer step (gradient sync on the last only)")
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint folder (default: a temporary one)")
     args = parser.parse_args()
 
@@ -53,9 +61,11 @@ def main() -> None:
     cfg = model.cfg
     model.to(device)
     total = sum(p.numel() for p in model.parameters())
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if args.precision == "bf16" else None
     for block in model.layers:
-        fully_shard(block, reshard_after_forward=not args.no_reshard)
-    fully_shard(model, reshard_after_forward=not args.no_reshard)
+        fully_shard(block, reshard_after_forward=not args.no_reshard, mp_policy=mp_policy)
+    fully_shard(model, reshard_after_forward=not args.no_reshard, mp_policy=mp_policy)
     local = sum(p.to_local().numel() for p in model.parameters())
     # fused: one kernel per step instead of one DTensor dispatch per tensor and op (DESIGN.md)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -65,15 +75,19 @@ def main() -> None:
 
     if rank == 0:
         print(f"{world} ranks on {device}, {total / 1e6:.2f}M parameters, {local / 1e6:.2f}M on each rank, "
-              f"compile={args.compile}")
+              f"compile={args.compile}, precision={args.precision}, micro-batches={args.micro_batches}")
+    micro = args.micro_batches
     for step in range(args.steps):
-        tokens = gpt.batch(cfg, args.batch, seed=1000 * step + rank).to(device)
         start = time.perf_counter()
-        loss = gpt.loss_fn(step_fn(tokens), tokens)
-        loss.backward()
+        loss = torch.zeros((), device=device)
+        for i in range(micro):
+            model.set_requires_gradient_sync(i == micro - 1)  # reduce-scatter on the last only
+            tokens = gpt.batch(cfg, args.batch, seed=1000 * step + 100 * i + rank).to(device)
+            micro_loss = gpt.loss_fn(step_fn(tokens), tokens).float() / micro
+            micro_loss.backward()
+            loss += micro_loss.detach()
         opt.step()
         opt.zero_grad()
-        loss = loss.detach()
         dist.all_reduce(loss)
         if rank == 0:
             print(f"step {step:3d}  loss {loss.item() / world:.4f}  {time.perf_counter() - start:.2f}s")

@@ -107,6 +107,17 @@ def test_compiled_accumulation_without_sync(bf16: bool) -> None:
             assert runs == {"fw_all_gather": 3 * 3, "bw_all_gather": 3 * 2, "bw_reduce_scatter": 3}
 
 
+def test_compiled_accumulation_with_markers_unlowered() -> None:
+    """backend="eager" runs the markers' own implementations (no passes): the
+    tied weight's two reads each reduce, and the kept gradient is added once.
+    Added twice, the tied weight's gradient would be off by the kept sum itself
+    (measured 0.4 when added per read); added once, only the order of the last two additions differs
+    from the reference's (kept + read 1) + read 2 against kept + (read 1 + read 2)."""
+    for res in run_distributed(_accumulate_rank, 2, 3, False, "eager", False, timeout=600):
+        assert max(res["grad"]) <= 1e-6 and max(res["param"]) <= 1e-6, res
+        assert res["grad_none_before_sync"]
+
+
 def test_compiled_accumulation_inductor() -> None:
     """Inductor takes the zero-stride gradient sinks and the kept gradients as
     graph inputs too: close to the reference, no eager collective."""

@@ -31,8 +31,8 @@ from compiled_fsdp.passes import (
 
 
 
-def U(shard, full, group, n, key, index, reshard):  # noqa: N802 - the marker, as the property calls it
-    return torch.ops.compiled_fsdp.unshard(shard, full, group, n, key, index, shard.shape[0], reshard)
+def U(shard, full, group, n, key, index, reshard, **kw):  # noqa: N802 - the marker, as the property calls it
+    return torch.ops.compiled_fsdp.unshard(shard, full, group, n, key, index, shard.shape[0], reshard, **kw)
 
 
 c10d = torch.ops._c10d_functional
@@ -336,3 +336,118 @@ def test_install_is_idempotent_and_composes() -> None:
         assert ic.post_grad_custom_post_pass == old_post
     finally:
         fc.joint_custom_pass, ic.post_grad_custom_post_pass = old_joint, old_post
+
+
+BF16, CAST = torch.bfloat16, torch.ops.prims.convert_element_type.default
+
+
+def _mixed_precision_graph() -> fx.GraphModule:
+    """module 0 gathers in bf16 and reduces in fp32 (W read twice); module 1 is fp32."""
+
+    def fn(s_w, s_w2, x):
+        mp = {"param_dtype": BF16, "reduce_dtype": torch.float32}
+        w = U(s_w, [6, 4], GROUP, 2, 0, 0, True, **mp)
+        w_again = U(s_w, [6, 4], GROUP, 2, 0, 0, True, **mp)
+        w2 = U(s_w2, [3, 6], GROUP, 2, 1, 0, True)
+        h = torch.nn.functional.linear(x.to(BF16), w) * torch.nn.functional.linear(x.to(BF16), w_again)
+        return torch.nn.functional.linear(h.float(), w2).sum()
+
+    return _joint(fn, [[6, 4], [3, 6]], 2, [torch.randn(5, 4)])
+
+
+def test_mixed_precision_casts_sit_in_the_chains() -> None:
+    """See [Note: Mixed precision]: the shard is cast before the gather (so the
+    gather moves bf16) and the cast is tagged with the chain, so it is recomputed
+    with the gather; the two bf16 gradients of W are summed, cast to fp32 once and
+    reduced in fp32; the shard gradient is fp32. A bf16 and an fp32 bucket are
+    never merged, however small."""
+    gm = _mixed_precision_graph()
+    report = apply_lowering(gm, plan_lowering(gm, bucket_bytes=1 << 30))
+    tag_recompute(gm)
+    gathers = sorted(_calls(gm, c10d.all_gather_into_tensor.default),
+                     key=lambda n: n.meta["compiled_fsdp"]["module_key"])
+    assert [g.args[0].meta["val"].dtype for g in gathers] == [BF16, torch.float32]
+    assert report.count("gather") == 2
+    casts = [c for c in _calls(gm, CAST) if c.meta.get("compiled_fsdp", {}).get("role") == "gather_chain"]
+    assert len(casts) == 1 and casts[0].args[1] == BF16
+    assert casts[0].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    assert casts[0].args[0].op == "placeholder"  # the fp32 shard itself
+    reduces = sorted(_calls(gm, c10d.reduce_scatter_tensor.default),
+                     key=lambda n: n.meta["compiled_fsdp"]["module_key"])
+    assert [r.args[0].meta["val"].dtype for r in reduces] == [torch.float32, torch.float32]
+    grad_casts = [c for c in _calls(gm, CAST) if c.meta.get("compiled_fsdp", {}).get("role") == "reduce_chain"]
+    assert len(grad_casts) == 1 and grad_casts[0].args[0].target is torch.ops.aten.add.Tensor
+    assert grad_casts[0].args[0].meta["val"].dtype == BF16  # summed in bf16, then cast
+    out = gm.graph.output_node().args[0]
+    assert [o.meta["val"].dtype for o in out[1:]] == [torch.float32, torch.float32]
+
+
+def _no_sync_graph(sync: bool) -> fx.GraphModule:
+    """One module, W read twice, reduce in fp32 from bf16 compute. ``sync=False``:
+    the second input is the gradient sink; ``sync=True``: a kept gradient."""
+
+    def joint(s_w, kept, x):
+        mp = {"param_dtype": BF16, "reduce_dtype": torch.float32, "kept": kept, "sync": sync}
+        w = U(s_w, [6, 4], GROUP, 2, 0, 0, True, **mp)
+        w_again = U(s_w, [6, 4], GROUP, 2, 0, 0, True, **mp)
+        out = (torch.nn.functional.linear(x, w) * torch.nn.functional.linear(x, w_again)).sum()
+        wrt = [s_w] if sync else [kept]
+        return (out, *torch.autograd.grad(out, wrt))
+
+    kept = torch.empty_strided((6, 4), (0, 0)).requires_grad_(not sync)
+    if sync:
+        kept = torch.randn(6, 4)
+    shard = torch.randn(3, 4, requires_grad=True)
+    return make_fx(joint, tracing_mode="fake")(shard, kept, torch.randn(5, 4, dtype=BF16))
+
+
+def test_kept_gradients_without_sync() -> None:
+    """See [Note: Accumulation without sync in graphs]. Without sync the backward
+    has no collective: the two reads' bf16 gradients are summed and cast to fp32
+    for the sink. With sync, the kept fp32 gradient is added to the cast sum
+    before the one reduce-scatter."""
+    off = _no_sync_graph(sync=False)
+    report = run_joint_passes(off)
+    assert [b.kind for b in report.lowering.buckets] == ["gather", "keep"]
+    assert _markers(off) == [] and not _calls(off, c10d.reduce_scatter_tensor.default)
+    sink_grad = off.graph.output_node().args[0][1]
+    assert sink_grad.target is CAST and sink_grad.args[0].target is torch.ops.aten.add.Tensor
+    assert tuple(sink_grad.meta["val"].shape) == (6, 4) and sink_grad.meta["val"].dtype == torch.float32
+
+    on = _no_sync_graph(sync=True)
+    report = run_joint_passes(on)
+    assert [b.kind for b in report.lowering.buckets] == ["gather", "reduce"]
+    (rs,) = _calls(on, c10d.reduce_scatter_tensor.default)
+    kept = [n for n in on.graph.nodes if n.op == "placeholder"][1]
+    adds = [a for a in _calls(on, torch.ops.aten.add.Tensor) if a.args[0] is kept]
+    assert len(adds) == 1 and adds[0].args[1].target is CAST
+    seen, stack = set(), [rs]
+    while stack:
+        cur = stack.pop()
+        seen.add(cur)
+        stack.extend(i for i in cur.all_input_nodes if i not in seen)
+    assert adds[0] in seen
+
+
+def test_mixed_precision_and_kept_lowering_matches_markers(single_rank_group: str) -> None:
+    """The lowered graph computes bitwise what the markers' eager implementations
+    compute, with casts and a kept gradient (one read per parameter: with two,
+    the markers reduce each read's bf16 gradient cast on its own, the lowering
+    their bf16 sum, which rounds differently)."""
+    g = single_rank_group
+
+    def joint(s_w, s_b, kept, x):
+        mp = {"param_dtype": BF16, "reduce_dtype": torch.float32}
+        w = U(s_w, [5, 4], g, 1, 0, 0, True, kept=kept, **mp)
+        b = U(s_b, [5], g, 1, 0, 1, True, **mp)
+        out = torch.nn.functional.linear(x, w, b).float().square().sum()
+        return (out, *torch.autograd.grad(out, [s_w, s_b]))
+
+    args = [torch.randn(5, 4, requires_grad=True), torch.randn(5, requires_grad=True),
+            torch.randn(5, 4), torch.randn(3, 4, dtype=BF16)]
+    gm = make_fx(joint, tracing_mode="fake")(*args)
+    expected = gm(*args)
+    lower_markers(gm)
+    assert _markers(gm) == []
+    for e, r in zip(expected, gm(*args)):
+        torch.testing.assert_close(r, e, rtol=0, atol=0)
