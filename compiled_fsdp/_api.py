@@ -211,9 +211,10 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             nested.param_group.outermost = False
     FSDPState(module, group, mp)
     install_class(module, mixin=FSDPModule)
-    from . import _compile
+    from . import _compile, _debug
 
     _compile.install()
+    _debug.start_from_env()  # COMPILED_FSDP_DUMP: see [Note: Dump hooks] in _debug.py
     return module
 
 

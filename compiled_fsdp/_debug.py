@@ -18,7 +18,16 @@ patched:
   on some resume functions on torch 2.13 (``DecompilationError``, opcode
   ``SWAP``); any failure is recorded in the index, never raised.
 * ``torch._dynamo.callback_handler`` end callbacks: rewrite the index after
-  each compile; the start callback reads ``COMPILED_FSDP_DUMP``.
+  each compile.
+
+``COMPILED_FSDP_DUMP=<dir>`` starts a session at the first ``fully_shard``
+(nothing is registered at import). [Note: Dumps survive a reset]
+``torch._dynamo.reset()`` clears every ``callback_handler`` registration and
+restarts Dynamo's frame counter, so compile ids repeat. The session notices at
+the next structured-trace record (its trace handler and bytecode hook are not
+touched by a reset): it registers its end callback again and, if it has
+recorded graphs already, starts a new generation, whose graph folders are
+prefixed ``r<n>_`` so they never overwrite the graphs from before the reset. Tested by tests/test_debug_dump.py.
 
 The compile id (``CompileContext.current_compile_id()``, ``"frame/compile"``)
 ties the artifacts of one graph together. AOTAutograd's cache would skip the
@@ -92,6 +101,7 @@ class DumpSession:
         self._hook_handle: Any = None
         self._saved_caches: Optional[tuple[bool, bool]] = None
         self.active = False
+        self._generation = 0  # resets seen; see [Note: Dumps survive a reset]
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -108,7 +118,8 @@ class DumpSession:
         if not self.active:
             return
         self.active = False
-        callback_handler.remove_end_callback(self._on_compile_end)
+        if self._on_compile_end in callback_handler.end_callbacks:  # (gone after a reset)
+            callback_handler.remove_end_callback(self._on_compile_end)
         _compile.remove_observer(self._on_pass)
         self._hook_handle.remove()
         trace_log.removeHandler(self._handler)
@@ -135,10 +146,20 @@ class DumpSession:
 
     def _graph(self, compile_id: Optional[str]) -> GraphRecord:
         cid = compile_id or "unknown"
+        if self._generation:
+            cid = f"r{self._generation}:{cid}"
         rec = self.graphs.get(cid)
         if rec is None:
-            rec = self.graphs[cid] = GraphRecord(cid, os.path.join(self.rank_dir(), "graph_" + cid.replace("/", "_")))
+            folder = "graph_" + cid.replace("/", "_").replace(":", "_")
+            rec = self.graphs[cid] = GraphRecord(cid, os.path.join(self.rank_dir(), folder))
         return rec
+
+    def _rearm(self) -> None:
+        """See [Note: Dumps survive a reset]."""
+        if self.active and self._on_compile_end not in callback_handler.end_callbacks:
+            callback_handler.register_end_callback(self._on_compile_end)
+            if self.graphs:  # compile ids from here on may repeat earlier ones
+                self._generation += 1
 
     @contextlib.contextmanager
     def _guard(self, rec: Optional[GraphRecord], what: str = "dump") -> Iterator[None]:
@@ -160,6 +181,8 @@ class DumpSession:
 
     # -- hooks -------------------------------------------------------------
     def _on_trace(self, metadata: dict[str, Any], payload: Optional[str]) -> None:
+        with self._lock:
+            self._rearm()
         if not metadata:
             return
         event = next(iter(metadata))
@@ -256,13 +279,11 @@ def dump_graphs(directory: str) -> Iterator[DumpSession]:
 _env_session: Optional[DumpSession] = None
 
 
-def _start_from_env(args: Any) -> None:
-    """Compile-start callback: ``COMPILED_FSDP_DUMP=<dir>`` dumps the rest of the process."""
+def start_from_env() -> None:
+    """``COMPILED_FSDP_DUMP=<dir>`` dumps the rest of the process; called by
+    ``fully_shard`` (idempotent)."""
     global _env_session
     root = os.environ.get(DUMP_ENV)
     if root and _env_session is None:
         _env_session = DumpSession(root)
         _env_session.start()
-
-
-callback_handler.register_start_callback(_start_from_env)

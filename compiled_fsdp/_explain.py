@@ -35,9 +35,16 @@ def explain(model: nn.Module) -> list[ModuleReport]:
     reports = []
     for state in iter_fsdp_states(model):
         path = _last_path(state)
-        reason = _break_reason(state.module) if path == "fallback" else None
+        reason = None
+        if path == "fallback":
+            reason = _UNTRACED if state.untraced else _break_reason(state.module)
         reports.append(ModuleReport(fqns.get(state.module, "?"), getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason))
     return reports
+
+
+_UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
+             "as FlopCounterMode, the recompile limit, a disabled or failed compile); see "
+             "[Note: Untraced root frames]")
 
 
 def _last_path(state: FSDPState) -> str:

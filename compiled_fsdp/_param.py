@@ -239,6 +239,11 @@ class FSDPParam:
                 kept,
                 sync,
             )
+        ctx = group.ctx if group is not None else None
+        if ctx is not None and ctx.compiled_forward and ctx.root.param_group is group:
+            # Not traced after all: see [Note: Untraced root frames] in _state.py.
+            ctx.fall_back_untraced()
+            return group.exposed_views[self.index]
         if group is not None and group.forward_active():
             raise RuntimeError(
                 f"compiled_fsdp: parameter {self.fqn!r} of fully sharded module {group.name} was read "

@@ -107,6 +107,28 @@ class _RootContext:
                 for p in g.fsdp_params:
                     p.ensure_grad_sink()
 
+    def fall_back_untraced(self) -> None:
+        """[Note: Untraced root frames]
+        Under ``torch.compile(model)`` the root's pre-forward runs as Python and
+        leaves its parameters to the graph Dynamo is about to trace. Dynamo may
+        instead run the frame eagerly: under an active dispatch mode
+        (``FlopCounterMode``, ``CommDebugMode``), past the recompile limit, with
+        ``TORCH_COMPILE_DISABLE=1``, or when a failing backend falls back under
+        ``suppress_errors``. Nothing tells the hook beforehand, but the first read
+        of a root parameter outside tracing does: it lands here and the root
+        switches to the eager runtime for this forward (gather through
+        ``_UnshardFn``, reduce in its post-backward), as the blocks already do
+        (their hooks run as Python and fall back). So such a frame trains exactly
+        like eager, with one reduction per gradient. Tested by
+        tests/test_untraced_frames.py."""
+        root = self.root
+        self.compiled_forward = False
+        self.in_forward = True
+        root._set_path("fallback")
+        root.untraced = True
+        self.forward_order.insert(0, root)
+        root.param_group.pre_forward()
+
     def drop_kept_grads(self) -> None:
         """After a compiled forward that will run backward: its graph holds the
         kept gradient of every module it reduces (see [Note: Accumulation without
@@ -185,6 +207,8 @@ class FSDPState:
         # How the last forward ran (see compiled_fsdp.explain) and in which step.
         self.last_path: Optional[str] = None
         self.path_step = -1
+        # The root's last forward ran untraced: see [Note: Untraced root frames].
+        self.untraced = False
         _MODULE_STATE[module] = self
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
@@ -210,6 +234,7 @@ class FSDPState:
 
     def _set_path(self, path: str) -> None:
         self.last_path, self.path_step = path, self.ctx.step
+        self.untraced = False
 
     # -- hooks -------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:

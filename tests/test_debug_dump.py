@@ -1,5 +1,5 @@
 """Graph dumps of a 2-rank compiled run: every file, a valid Perfetto trace, and
-a dump that survives a depyf failure."""
+a dump that survives a depyf failure and ``torch._dynamo.reset()``."""
 from __future__ import annotations
 
 import json
@@ -20,12 +20,14 @@ GRAPH_FILES = [
 INDUCTOR_FILES = ["30_inductor_forward.py", "31_inductor_backward.py"]
 
 
-def _train(backend: str) -> None:
+def _train(backend: str, reset_before_compile: bool = False) -> None:
     build, make_batch, loss_fn = gpt_case(False)
     model = build()
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
+    if reset_before_compile:
+        torch._dynamo.reset()
     step = torch.compile(model, backend=backend)
     for i in range(2):
         inputs = make_batch(i)
@@ -33,8 +35,25 @@ def _train(backend: str) -> None:
 
 
 def _env_rank(rank: int, world: int, root: str, backend: str) -> None:
-    os.environ["COMPILED_FSDP_DUMP"] = root  # read at the first compile
+    os.environ["COMPILED_FSDP_DUMP"] = root  # read at the first fully_shard
     _train(backend)
+
+
+def _reset_rank(rank: int, world: int, root: str, use_env: bool) -> None:
+    """A user's torch._dynamo.reset() before compiling, and again between two
+    compiled runs (notebooks and test suites do both)."""
+    if use_env:
+        os.environ["COMPILED_FSDP_DUMP"] = root
+        torch._dynamo.reset()
+        _train("aot_eager", reset_before_compile=True)
+        torch._dynamo.reset()
+        _train("aot_eager")
+    else:
+        with dump_graphs(root):
+            torch._dynamo.reset()
+            _train("aot_eager")
+            torch._dynamo.reset()
+            _train("aot_eager")
 
 
 def _broken_depyf_rank(rank: int, world: int, root: str) -> bool:
@@ -93,6 +112,23 @@ def test_env_dump_has_every_file(tmp_path, backend: str) -> None:
         assert "all_gather_into_tensor" in open(os.path.join(gdir, "21_backward.py")).read()
         # the scheduling pass's partitioned graphs, each under its own name
         assert {"13_forward_after_schedule.py", "14_backward_after_schedule.py"} <= set(os.listdir(gdir))
+
+
+@pytest.mark.parametrize("use_env", [True, False])
+def test_dump_survives_dynamo_reset(tmp_path, use_env: bool) -> None:
+    """See [Note: Dumps survive a reset]: both runs' graphs are written, the
+    second under its own prefix, and the index lists both."""
+    root = str(tmp_path / "dump")
+    run_distributed(_reset_rank, 2, root, use_env, timeout=600)
+    for rank in range(2):
+        rank_dir = os.path.join(root, f"rank{rank}")
+        graphs = sorted(d for d in os.listdir(rank_dir) if d.startswith("graph_"))
+        assert graphs == ["graph_0_0", "graph_r1_0_0"], graphs
+        for g in graphs:
+            for name in GRAPH_FILES:
+                assert os.path.getsize(os.path.join(rank_dir, g, name)) > 0, (g, name)
+        index = open(os.path.join(rank_dir, "index.md")).read()
+        assert "graph 0/0" in index and "graph r1:0/0" in index, index
 
 
 def test_depyf_failure_keeps_everything_else(tmp_path) -> None:
