@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ._fallback import _TRACED_FRAMES
+from ._fallback import _TRACED_FRAMES, is_split
 from ._state import FSDPState, iter_fsdp_states
 
 
@@ -37,7 +37,13 @@ def explain(model: nn.Module) -> list[ModuleReport]:
         path = _last_path(state)
         reason = None
         if path == "fallback":
-            reason = _UNTRACED if state.untraced else _break_reason(state.module)
+            group = state.param_group
+            if state.untraced:
+                reason = _UNTRACED
+            elif state.is_root and group is not None and is_split(group.key):
+                reason = _SPLIT
+            else:
+                reason = _break_reason(state.module)
         reports.append(ModuleReport(fqns.get(state.module, "?"), getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason))
     return reports
 
@@ -45,6 +51,10 @@ def explain(model: nn.Module) -> list[ModuleReport]:
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
              "as FlopCounterMode, the recompile limit, a disabled or failed compile); see "
              "[Note: Untraced root frames]")
+
+
+_SPLIT = ("a parameter of the root was traced in more than one Dynamo frame, so in-graph collectives "
+          "would gather and reduce it twice; see [Note: Fallback decision rule]")
 
 
 def _last_path(state: FSDPState) -> str:

@@ -27,7 +27,10 @@ def _shard(model: torch.nn.Module) -> None:
 
 
 def _rank(rank: int, world: int, way: str) -> dict:
-    build, make_batch, loss = gpt_case(True)  # tied embedding and head, uneven rows
+    # Tied embedding and head, uneven rows; untied with a disabled block, whose
+    # graph break would otherwise leave the tied weight in two fragments (the
+    # root then falls back from the second step: tests/test_graph_breaks.py).
+    build, make_batch, loss = gpt_case(way != "disabled_block")
     capture = GraphCapture()
     backend = capture.backend
     mode = contextlib.nullcontext
@@ -83,21 +86,35 @@ def _rank(rank: int, world: int, way: str) -> dict:
 
 @pytest.mark.parametrize("way", WAYS)
 def test_untraced_frames_train_like_eager(way: str) -> None:
-    """Bitwise equal to the reference; every module's gradient reduced once per
-    step (3 modules: the eager runtime's reduce-scatters plus the graphs'); no
-    per-parameter marker collective."""
+    """Bitwise equal to the reference (every rank sees the same batch, so a
+    gradient reduced twice would come out doubled); no per-parameter marker
+    collective. Untraced: all three modules run in the eager runtime, one
+    reduce-scatter each, nothing in graphs (past the recompile limit: from the
+    second step, the first is compiled). A disabled block: the first step mixes
+    eager and in-graph reduce-scatters; Dynamo's frames after the disabled call
+    read the root's embedding again (measured: the root's first two parameters
+    are traced in frames 0 and 1), so the root falls back from the second step
+    by [Note: Fallback decision rule], and with it every module."""
     for res in run_distributed(_rank, 2, way, timeout=600):
         assert_close(res, 0.0)
-        for eager, graph in zip(res["counts"], res["after"]):
+        for step, (eager, graph) in enumerate(zip(res["counts"], res["after"])):
             assert not any(k.startswith("unbucketed") for k in eager), eager
-            assert eager.get("reduce_scatter", 0) + graph.get("bw_reduce_scatter", 0) == 3, (eager, graph)
+            if way == "recompile_limit" and step == 0:  # the one graph allowed
+                assert eager == {} and graph["bw_reduce_scatter"] == 3, (eager, graph)
+            elif way == "disabled_block" and step == 0:
+                assert eager["reduce_scatter"] >= 1 and graph["bw_reduce_scatter"] >= 1, (eager, graph)
+            else:
+                assert eager == {"all_gather": 5, "reduce_scatter": 3} and graph == {}, (eager, graph)
         paths = {fqn: path for fqn, path, _ in res["explain"]}
-        if way == "disabled_block":  # only the disabled block runs eagerly
-            assert paths == {"": "compiled", "layers.0": "compiled", "layers.1": "fallback"}
-            assert res["after"][-1].get("bw_reduce_scatter") == 2
+        if way == "disabled_block":
+            assert paths["layers.1"] == "fallback"
         else:
             assert set(paths.values()) == {"fallback"}
             root_reason = next(reason for fqn, _, reason in res["explain"] if fqn == "")
-            assert "without tracing it" in root_reason
+            # A backend that fails after Dynamo traced the frame leaves the root's
+            # parameters traced in several frames (the frame and its retries): the
+            # root then falls back before its forward, for that reason.
+            want = "more than one Dynamo frame" if way == "failing_backend" else "without tracing it"
+            assert want in root_reason, root_reason
         if way == "flop_counter":
             assert len(res["flops"]) == 3 and min(res["flops"]) > 0
