@@ -178,7 +178,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     mp = MixedPrecisionPolicy()
     try:
         mp = check_policy(options.mp_policy)
-        owners = _validate(module, ignored)
+        owners = _validate(module, ignored, mp)
     except (TypeError, ValueError) as exc:
         error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
@@ -238,7 +238,9 @@ def _reset_after_load(fsdp_params: list[FSDPParam]) -> Callable:
     return hook
 
 
-def _validate(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:
+def _validate(
+    module: nn.Module, ignored: set[nn.Parameter], mp: MixedPrecisionPolicy
+) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:
     """Local checks; raises ValueError with what was wrong and what to do."""
     if get_fsdp_state(module) is not None:
         raise ValueError(
@@ -251,6 +253,16 @@ def _validate(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Paramete
         raise ValueError(
             f"fully_shard({type(module).__name__}): its parameters are on several devices {devices}; "
             "move the module to one device (e.g. module.to(device)) before fully_shard."
+        )
+    # One bucket carries one dtype (see [Note: Mixed precision] in _policy.py).
+    dtypes = {str(mp.compute_dtype(p.dtype)): places[0][2] for p, places in owners.items()}
+    if len(dtypes) > 1:
+        examples = ", ".join(f"{fqn!r} ({dtype})" for dtype, fqn in sorted(dtypes.items()))
+        raise ValueError(
+            f"fully_shard({type(module).__name__}): its parameters would be communicated in several "
+            f"dtypes: {examples}. One fully_shard application gathers its parameters in one dtype, as "
+            "in FSDP2: convert them to one dtype, apply fully_shard to the odd ones' module "
+            "separately, or pass them in ignored_params."
         )
     return owners
 

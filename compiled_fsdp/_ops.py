@@ -18,7 +18,13 @@ precision] in _policy.py).
 [Note: Accumulation without sync in graphs]
 ``sync`` and ``kept`` carry FSDP2's ``set_requires_gradient_sync`` into the
 graph. The parameter property reads the flag while Dynamo traces, so Dynamo
-guards on it: one graph per flag value, no recompile when it flips back.
+guards on it (and on whether a gradient is kept): in an accumulation loop one
+graph per flag value, no recompile when it flips back; a synced step with
+nothing kept (one micro-batch per step, evaluation) is a third graph. The flag
+takes effect at the forward, so it must not change before that forward's
+backward (FSDP2 reads it in backward): the root checks this when the backward
+starts and raises (``_RootContext.watch_compiled_backward``). A parameter that
+does not require grad always has ``sync=True`` and nothing kept.
 
 - ``sync=False``: ``kept`` is the parameter's *gradient sink*, a full-shape
   leaf with zero strides (one element of storage) that requires grad. The
@@ -29,8 +35,9 @@ guards on it: one graph per flag value, no recompile when it flips back.
 - ``sync=True`` after such micro-batches: ``kept`` is ``sink.grad``, which
   ``reduce_grad`` adds to this backward's gradient before the one
   reduce-scatter ([Note: Bucket layout]'s ``reduce_input``, shared with the
-  eager runtime). The root's post-forward then drops the sink's reference;
-  the graph's saved copy is freed by its backward.
+  eager runtime). When that forward's backward starts, the root drops the
+  sink's reference (the graph's saved copy is freed by its backward); a
+  forward whose backward never runs leaves it kept.
 - ``sync=True`` with nothing kept: ``kept`` is None, the usual graph.
 
 A parameter read twice has two markers with the same ``kept``. The lowering sums
@@ -145,22 +152,24 @@ def _unshard_fake(
     return shard.new_empty(list(full_shape), dtype=param_dtype or shard.dtype)
 
 
+_UNSHARD_ARGS = [a.name for a in torch.ops.compiled_fsdp.unshard.default._schema.arguments]
+
+
 def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    (shard, full_shape, group_name, world_size, module_key, param_index, local_rows, _,
-     reduce_group, _, reduce_dtype, kept, sync) = inputs
+    a = dict(zip(_UNSHARD_ARGS, inputs))
     # The gradient is reduced on the reduce group when there is one; see
     # [Note: A second group for reduce-scatters] in _api.py.
-    ctx.args = (list(full_shape), reduce_group or group_name, world_size, module_key, param_index,
-                local_rows, reduce_dtype, shard.dtype)
-    ctx.sync = sync
-    ctx.kept = kept if sync else None  # see [Note: Accumulation without sync in graphs]
+    ctx.args = (list(a["full_shape"]), a["reduce_group_name"] or a["group_name"], a["world_size"],
+                a["module_key"], a["param_index"], a["local_rows"], a["reduce_dtype"], a["shard"].dtype)
+    ctx.sync = a["sync"]
+    ctx.kept = a["kept"] if ctx.sync else None  # see [Note: Accumulation without sync in graphs]
 
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
     g = torch.ops.compiled_fsdp.reduce_grad(grad, *ctx.args, kept=ctx.kept, sync=ctx.sync)
-    if ctx.sync:
-        return g, None, None, None, None, None, None, None, None, None, None, None, None
-    return None, None, None, None, None, None, None, None, None, None, None, g, None
+    # The shard's gradient, or (without sync) the sink's; none for the rest.
+    receiver = "shard" if ctx.sync else "kept"
+    return tuple(g if name == receiver else None for name in _UNSHARD_ARGS)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -217,7 +217,7 @@ class FSDPParam:
             comptime(self.record_trace)  # at trace time; see [Note: Fallback decision rule]
             # Read while tracing, so Dynamo guards on it: see [Note: Accumulation
             # without sync in graphs] in _ops.py.
-            sync = group.reduce_grads
+            sync = group.reduce_grads or not self.sharded.requires_grad
             kept = self.kept_grad() if sync else self.grad_sink
             if not sync and kept is None:
                 raise RuntimeError(

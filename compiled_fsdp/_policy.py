@@ -17,8 +17,11 @@ forward saves the fp32 shard, never a bf16 unsharded copy). A bucket carries one
 dtype: modules with different policies never share a bucket.
 
 ``cast_forward_inputs`` casts the floating-point tensors among a fully sharded
-module's forward arguments to ``param_dtype`` (in its pre-forward hook, traced
-into the graph under compile); ``output_dtype`` casts its floating-point outputs.
+module's forward arguments to ``param_dtype`` in its pre-forward hook;
+``output_dtype`` casts its floating-point outputs in its post-forward hook. Under
+compile the hooks of modules inside the graph are traced into it; the root's
+run as Python around the compiled forward ([Note: Hooks under Dynamo] in
+_state.py), so the root's casts run eagerly.
 Tested by tests/test_mixed_precision.py.
 """
 from __future__ import annotations

@@ -105,7 +105,8 @@ class _RootContext:
         for g in self.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             if not g.reduce_grads:
                 for p in g.fsdp_params:
-                    p.ensure_grad_sink()
+                    if p.sharded.requires_grad:
+                        p.ensure_grad_sink()
 
     def fall_back_untraced(self) -> None:
         """[Note: Untraced root frames]
@@ -129,16 +130,50 @@ class _RootContext:
         self.forward_order.insert(0, root)
         root.param_group.pre_forward()
 
+    def watch_compiled_backward(self, output: Any) -> None:
+        """After a compiled forward: when its backward starts, check that the
+        gradient-sync flags are still those the graph was traced with, and drop
+        the kept gradients the graph took (its backward holds its own reference).
+        A forward whose backward never runs keeps them. See [Note: Accumulation
+        without sync in graphs] in _ops.py."""
+        outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not torch.is_grad_enabled() or not outs:
+            return
+        traced = [(g, g.reduce_grads) for g in self.groups()]
+
+        def pre_backward(grads: Any) -> None:
+            for g, flag in traced:
+                if g.reduce_grads != flag:
+                    raise RuntimeError(
+                        f"compiled_fsdp: set_requires_gradient_sync({g.reduce_grads}) on {g.fqn or '<root>'} "
+                        "was called between a compiled forward and its backward. Under torch.compile the "
+                        "flag takes effect when the forward runs: set it before the forward."
+                    )
+                kept = any(p.kept_grad() is not None for p in g.fsdp_params)
+                if flag and kept and is_split(g.key) and g in self._graph_reduced_groups():
+                    raise RuntimeError(
+                        f"compiled_fsdp: {g.fqn or '<root>'} has gradients kept without sync and its "
+                        "parameters are read in more than one compiled frame (a graph break between "
+                        "two of its uses), so each frame would add them. Remove the graph break, or "
+                        "run the model without torch.compile while accumulating."
+                    )
+            self.drop_kept_grads()
+
+        register_multi_grad_hook(outs, pre_backward, mode="any")
+
+    def _graph_reduced_groups(self) -> list[FSDPParamGroup]:
+        """Groups whose gradients this step's compiled graphs reduce: those with
+        sync on that did not fall back to the eager runtime this step."""
+        return [
+            st.param_group for st in self.states
+            if st.param_group is not None and st.param_group.reduce_grads
+            and not (st.last_path == "fallback" and st.path_step == self.step)
+        ]
+
     def drop_kept_grads(self) -> None:
-        """After a compiled forward that will run backward: its graph holds the
-        kept gradient of every module it reduces (see [Note: Accumulation without
-        sync in graphs]). Modules that fell back this step reduce theirs eagerly."""
-        for st in self.states:
-            g = st.param_group
-            if g is None or not g.reduce_grads:
-                continue
-            if st.last_path == "fallback" and st.path_step == self.step:
-                continue
+        """A compiled backward has started: its graph holds the kept gradient of
+        every module it reduces."""
+        for g in self._graph_reduced_groups():
             for p in g.fsdp_params:
                 p.drop_kept_grad()
 
@@ -277,8 +312,7 @@ class FSDPState:
             ctx.in_forward = False
             if ctx.compiled_forward:
                 ctx.compiled_forward = False
-                if torch.is_grad_enabled():
-                    ctx.drop_kept_grads()
+                ctx.watch_compiled_backward(output)
                 return output
         ctx.post_forward_order.append(self)
         grad_outputs = [

@@ -98,12 +98,15 @@ class BucketPlan:
 
     @property
     def comm_dtype(self) -> torch.dtype:
-        """The dtype the collective moves: the gathered (compute) dtype or the
-        reduce dtype. One per bucket: see [Note: Mixed precision] in
-        compiled_fsdp/_policy.py."""
-        a = self.slots[0].args
-        wanted = a.param_dtype if self.kind == "gather" else a.reduce_dtype
-        return wanted or self.slots[0].inputs[0].meta["val"].dtype
+        """The dtype the bucket's collective moves (one per bucket)."""
+        return _comm_dtype(self.kind, self.slots[0])
+
+
+def _comm_dtype(kind: str, slot: Slot) -> torch.dtype:
+    """The gathered (compute) dtype, or the reduce dtype, of one slot; see
+    [Note: Mixed precision] in compiled_fsdp/_policy.py."""
+    wanted = slot.args.param_dtype if kind == "gather" else slot.args.reduce_dtype
+    return wanted or slot.inputs[0].meta["val"].dtype
 
 
 @dataclasses.dataclass
@@ -218,8 +221,7 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         slot.markers.append(m)
         slot.inputs.append(inp)
     ordered = [slots[k] for k in sorted(slots)]
-    wanted = (lambda a: a.param_dtype) if kind == "gather" else (lambda a: a.reduce_dtype)
-    dtypes = {str(wanted(s.args) or s.inputs[0].meta["val"].dtype) for s in ordered}
+    dtypes = {str(_comm_dtype(kind, s)) for s in ordered}
     if len(dtypes) != 1:
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:

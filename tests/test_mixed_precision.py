@@ -115,11 +115,15 @@ class _MLP(nn.Module):
 
 
 def _io_rank(rank: int, world: int, backend: Optional[str]) -> dict:
-    """Float inputs are cast to bf16 at every fully sharded module (the body is
-    sharded on its own), and the root's output comes back in fp32 (the root's
-    policy has an output_dtype, the body's has none, so the head gets bf16)."""
+    """Float inputs are cast to bf16 by the fully sharded module that takes them
+    (the body, sharded on its own; the root's policy does not cast), and the
+    root's output comes back in fp32 (the root's policy has an output_dtype, the
+    body's has none, so the head gets bf16)."""
     inner = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
-    outer = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    # The root does not cast its inputs, so the body's fp32 input meets a bf16
+    # weight unless the body's own hook casts it.
+    outer = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float32,
+                                 cast_forward_inputs=False)
 
     def shard(model: nn.Module) -> None:
         fully_shard(model.body, mp_policy=inner)
@@ -160,6 +164,12 @@ def _bad_rank(rank: int, world: int) -> list[str]:
         fully_shard(nn.Linear(4, 4), mp_policy="bf16" if rank == 1 else None)
     except TypeError as exc:
         msgs.append(str(exc))
+    mixed = nn.Linear(4, 4)  # an integer parameter next to float ones: one bucket cannot carry both
+    mixed.register_parameter("count", nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False))
+    try:
+        fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+    except ValueError as exc:
+        msgs.append(str(exc))
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(model)
     for target in (model[0], nn.Linear(2, 2)):
@@ -172,9 +182,10 @@ def _bad_rank(rank: int, world: int) -> list[str]:
 
 def test_bad_input_is_a_clear_error_on_every_rank() -> None:
     for msgs in run_distributed(_bad_rank, 2, timeout=120):
-        assert len(msgs) == 4, msgs
+        assert len(msgs) == 5, msgs
         assert "param_dtype must be a floating-point torch.dtype" in msgs[0]
         assert "mp_policy must be a compiled_fsdp.MixedPrecisionPolicy" in msgs[1]
         assert "found on rank 1" in msgs[1]
-        assert "was not passed to fully_shard" in msgs[2]
-        assert "set_requires_gradient_sync" in msgs[3]  # a module nothing touched: Python's own
+        assert "communicated in several dtypes" in msgs[2] and "'count' (torch.int64)" in msgs[2]
+        assert "was not passed to fully_shard" in msgs[3]
+        assert "set_requires_gradient_sync" in msgs[4]  # a module nothing touched: Python's own

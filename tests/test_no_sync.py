@@ -18,9 +18,13 @@ from _models import gpt_case
 
 
 def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
-                     backend: Optional[str] = None, bf16: bool = False) -> dict:
+                     backend: Optional[str] = None, bf16: bool = False, variant: str = "") -> dict:
+    """``variant``: "frozen" freezes layers.0's MLP; "eval" runs a forward with
+    sync on and no backward before the last micro-batch."""
     build, make_batch, loss_fn = gpt_case(True)  # tied, uneven rows
     ref = build()
+    if variant == "frozen":
+        ref.layers[0].mlp.requires_grad_(False)
     model = copy.deepcopy(ref)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     for block in model.layers:
@@ -50,6 +54,8 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
             model.set_requires_gradient_sync(last)
             if keep_gathered:
                 model.set_reshard_after_backward(last)
+            if last and variant == "eval":  # a forward whose backward never runs
+                runner(make_batch(99)[0]).sum()
             (tokens,) = make_batch(10 * step + i)
             loss_fn(runner(tokens), tokens).backward()
             loss_fn(ref_forward(tokens), tokens).backward()
@@ -68,6 +74,11 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
         out["param"].append(max(max_diff(p, specs[id(p)].local(named_ref[n].detach(), rank))
                                 for n, p in model.named_parameters()))
     out["is_fsdp_module"] = [isinstance(m, FSDPModule) for m in (model, *model.layers, model.norm)]
+    fsdp_params = [(f"{st.param_group.fqn}.{fp.fqn}".lstrip("."), fp)
+                   for st in compiled_fsdp.iter_fsdp_states(model) if st.param_group
+                   for fp in st.param_group.fsdp_params]
+    out["sinks"] = sorted(name for name, fp in fsdp_params if fp.grad_sink is not None)
+    out["trainable"] = sorted(name for name, fp in fsdp_params if fp.sharded.requires_grad)
     return out
 
 
@@ -90,21 +101,50 @@ def test_accumulation_without_sync_matches_the_reference(keep_gathered: bool) ->
         assert res["is_fsdp_module"] == [True, True, True, False]
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_compiled_accumulation_without_sync(bf16: bool) -> None:
+@pytest.mark.parametrize("bf16,variant", [(False, ""), (True, ""), (False, "frozen"), (False, "eval")])
+def test_compiled_accumulation_without_sync(bf16: bool, variant: str) -> None:
     """The same under torch.compile(fullgraph=True) with aot_eager, in fp32 and
     with bf16 parameters reduced in fp32: bitwise equal to the reference; two
     graphs in all (one per flag value, both made in the first step, none
     after); per step the graphs run exactly one reduce-scatter per module (in
     the synced backward) and no eager collective. See [Note: Accumulation
-    without sync in graphs] in compiled_fsdp/_ops.py."""
-    for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", bf16, timeout=600):
+    without sync in graphs] in compiled_fsdp/_ops.py. Frozen parameters get no
+    gradient sink. A forward with sync on whose backward never runs (e.g. a
+    validation loss) leaves the kept gradients for the next synced backward."""
+    for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", bf16, variant, timeout=600):
         assert max(res["grad"]) == 0.0 and max(res["param"]) == 0.0, res
         assert res["grad_none_before_sync"]
         assert res["counts"] == [{}] * 3
         assert res["graphs"] == [2, 2, 2]
+        extra = 3 if variant == "eval" else 0  # the forward without backward gathers too
         for runs in res["graph_runs"]:
-            assert runs == {"fw_all_gather": 3 * 3, "bw_all_gather": 3 * 2, "bw_reduce_scatter": 3}
+            assert runs == {"fw_all_gather": 3 * 3 + extra, "bw_all_gather": 3 * 2, "bw_reduce_scatter": 3}
+        assert res["sinks"] == res["trainable"]
+        if variant == "frozen":
+            assert "layers.0.mlp.up.weight" not in res["sinks"] and "layers.1.mlp.up.weight" in res["sinks"]
+
+
+def _flag_between_rank(rank: int, world: int) -> str:
+    build, make_batch, loss_fn = gpt_case(False)
+    model = build()
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    runner = torch.compile(model, backend="aot_eager")
+    (tokens,) = make_batch(0)
+    model.set_requires_gradient_sync(False)
+    loss = loss_fn(runner(tokens), tokens)
+    model.set_requires_gradient_sync(True)  # after the forward: too late under compile
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_flag_changed_between_compiled_forward_and_backward_raises() -> None:
+    for msg in run_distributed(_flag_between_rank, 2, timeout=300):
+        assert "between a compiled forward and its backward" in msg and "before the forward" in msg, msg
 
 
 def test_compiled_accumulation_with_markers_unlowered() -> None:
