@@ -41,7 +41,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             if state.untraced:
                 reason = _UNTRACED
             elif state.is_root and group is not None and is_split(group.key):
-                reason = _SPLIT
+                brk = _break_reason(state.module)
+                reason = _SPLIT + (f"; the break: {brk}" if brk else "")
             else:
                 reason = _break_reason(state.module)
         reports.append(ModuleReport(fqns.get(state.module, "?"), getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason))
