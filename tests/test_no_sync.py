@@ -17,6 +17,10 @@ from _graphs import GraphCapture
 from _models import gpt_case
 
 
+def _local(spec, full: Optional[torch.Tensor], rank: int) -> Optional[torch.Tensor]:  # noqa: ANN001
+    return None if full is None else spec.local(full, rank)
+
+
 def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
                      backend: Optional[str] = None, bf16: bool = False, variant: str = "") -> dict:
     """``variant``: "frozen" freezes layers.0's MLP; "eval" runs a forward with
@@ -65,7 +69,7 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
         if capture is not None:
             out["graph_runs"].append(capture.take_runtime())
             out["graphs"].append(len(capture.forward))
-        out["grad"].append(max(max_diff(p.grad, specs[id(p)].local(named_ref[n].grad, rank))
+        out["grad"].append(max(max_diff(p.grad, _local(specs[id(p)], named_ref[n].grad, rank))
                                for n, p in model.named_parameters()))
         opt.step()
         ref_opt.step()
