@@ -39,7 +39,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
 
     ``fn`` must be importable (module level). A rank that raises fails the call with
     its traceback; ranks still running after ``timeout`` seconds are killed and the
-    call fails: a hang is a test failure, never a stuck CI job.
+    call fails: a hang is a test failure, never a stuck CI job. A rank that exits
+    with a non-zero code fails it too, even after returning its value (a job that
+    aborts at teardown is a failed job under torchrun).
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,10 +69,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 continue
             with open(path, "rb") as f:
                 res = pickle.load(f)
-            if res["ok"]:
-                results.append(res["value"])
-            else:
+            if not res["ok"]:
                 errors.append(f"rank {r} raised:\n{res['error']}")
+            elif procs[r].exitcode != 0 and r not in hung:
+                # a crash after the result was written, e.g. an abort at interpreter teardown
+                errors.append(f"rank {r} returned a result but exited with code {procs[r].exitcode}")
+            else:
+                results.append(res["value"])
         if hung:
             raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s (a hang); killed.\n" + "\n".join(errors))
         if errors:
