@@ -21,13 +21,16 @@ patched:
   each compile.
 
 ``COMPILED_FSDP_DUMP=<dir>`` starts a session at the first ``fully_shard``
-(nothing is registered at import). [Note: Dumps survive a reset]
+(nothing is registered at import).
+
+[Note: Dumps survive a reset]
 ``torch._dynamo.reset()`` clears every ``callback_handler`` registration and
 restarts Dynamo's frame counter, so compile ids repeat. The session notices at
 the next structured-trace record (its trace handler and bytecode hook are not
 touched by a reset): it registers its end callback again and, if it has
 recorded graphs already, starts a new generation, whose graph folders are
-prefixed ``r<n>_`` so they never overwrite the graphs from before the reset. Tested by tests/test_debug_dump.py.
+prefixed ``r<n>_`` so they never overwrite the graphs from before the reset.
+Tested by tests/test_debug_dump.py.
 
 The compile id (``CompileContext.current_compile_id()``, ``"frame/compile"``)
 ties the artifacts of one graph together. AOTAutograd's cache would skip the

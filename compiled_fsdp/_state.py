@@ -142,6 +142,7 @@ class _RootContext:
         traced = [(g, g.reduce_grads) for g in self.groups()]
 
         def pre_backward(grads: Any) -> None:
+            reduced = self._graph_reduced_groups()
             for g, flag in traced:
                 if g.reduce_grads != flag:
                     raise RuntimeError(
@@ -150,14 +151,16 @@ class _RootContext:
                         "flag takes effect when the forward runs: set it before the forward."
                     )
                 kept = any(p.kept_grad() is not None for p in g.fsdp_params)
-                if flag and kept and is_split(g.key) and g in self._graph_reduced_groups():
+                if flag and kept and is_split(g.key) and g in reduced:
                     raise RuntimeError(
                         f"compiled_fsdp: {g.fqn or '<root>'} has gradients kept without sync and its "
                         "parameters are read in more than one compiled frame (a graph break between "
                         "two of its uses), so each frame would add them. Remove the graph break, or "
                         "run the model without torch.compile while accumulating."
                     )
-            self.drop_kept_grads()
+            for g in reduced:  # the graph holds them now
+                for p in g.fsdp_params:
+                    p.drop_kept_grad()
 
         register_multi_grad_hook(outs, pre_backward, mode="any")
 
@@ -170,12 +173,6 @@ class _RootContext:
             and not (st.last_path == "fallback" and st.path_step == self.step)
         ]
 
-    def drop_kept_grads(self) -> None:
-        """A compiled backward has started: its graph holds the kept gradient of
-        every module it reduces."""
-        for g in self._graph_reduced_groups():
-            for p in g.fsdp_params:
-                p.drop_kept_grad()
 
     def end_iteration(self) -> None:
         """See [Note: Roots and iterations]."""

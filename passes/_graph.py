@@ -77,35 +77,35 @@ class MarkerArgs:
         return (self.group_name, self.world_size)
 
 
-def _schema_names(node: fx.Node) -> tuple[str, ...]:
-    """The marker's argument names, from its op's schema (compiled_fsdp/_ops.py)."""
-    return tuple(a.name for a in node.target._schema.arguments)
+def _bind(node: fx.Node) -> dict[str, Any]:
+    """The marker's arguments by name (defaults filled in), from its op's schema
+    (compiled_fsdp/_ops.py)."""
+    schema = node.target._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), node.args))
+    bound.update(node.kwargs)
+    return bound
 
 
 def marker_kept(node: fx.Node) -> fx.Node | None:
     """The marker's ``kept`` input: the gradient sink (``sync=False``) or the
     gradient kept from earlier micro-batches; see [Note: Accumulation without
     sync in graphs] in compiled_fsdp/_ops.py."""
-    bound = dict(zip(_schema_names(node), node.args))
-    bound.update(node.kwargs)
-    kept = bound.get("kept")
+    kept = _bind(node).get("kept")
     return kept if isinstance(kept, fx.Node) else None
 
 
 def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
     """Returns (tensor input node, static args). Raises ValueError when an
     argument is symbolic (the passes only bucket static shapes)."""
-    names = _schema_names(node)
-    bound = {a.name: a.default_value for a in node.target._schema.arguments if a.has_default_value()}
-    bound.update(zip(names, node.args))
-    bound.update(node.kwargs)
+    bound = _bind(node)
     shape = bound["full_shape"]
     if not all(isinstance(s, int) for s in shape):
         raise ValueError(f"symbolic full_shape {shape!r}")
     for key in ("world_size", "module_key", "param_index", "local_rows"):
         if not isinstance(bound[key], int):
             raise ValueError(f"symbolic {key} {bound[key]!r}")
-    inp = bound[names[0]]
+    inp = bound[node.target._schema.arguments[0].name]
     if not isinstance(inp, fx.Node):
         raise ValueError("marker input is not a graph node")
     return inp, MarkerArgs(

@@ -79,6 +79,16 @@ def _calls(gm: fx.GraphModule, target) -> list[fx.Node]:
     return [node for node in gm.graph.nodes if node.op == "call_function" and node.target is target]
 
 
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it (transitively) reads."""
+    seen, stack = set(), [node]
+    while stack:
+        cur = stack.pop()
+        seen.add(cur)
+        stack.extend(i for i in cur.all_input_nodes if i not in seen)
+    return seen
+
+
 def _markers(gm: fx.GraphModule) -> list[fx.Node]:
     return [
         node for node in gm.graph.nodes
@@ -146,13 +156,7 @@ def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:
     ]
     assert len(full_grad_adds) == 1
     assert len(_calls(gm, torch.ops.aten.add.Tensor)) == before  # one removed, one added
-    # that add feeds module 0's reduce-scatter
-    seen, stack = set(), [rs0]
-    while stack:
-        cur = stack.pop()
-        seen.add(cur)
-        stack.extend(i for i in cur.all_input_nodes if i not in seen)
-    assert full_grad_adds[0] in seen
+    assert full_grad_adds[0] in _ancestors(rs0)  # that add feeds module 0's reduce-scatter
 
 
 def test_recompute_tags() -> None:
@@ -421,12 +425,7 @@ def test_kept_gradients_without_sync() -> None:
     kept = [n for n in on.graph.nodes if n.op == "placeholder"][1]
     adds = [a for a in _calls(on, torch.ops.aten.add.Tensor) if a.args[0] is kept]
     assert len(adds) == 1 and adds[0].args[1].target is CAST
-    seen, stack = set(), [rs]
-    while stack:
-        cur = stack.pop()
-        seen.add(cur)
-        stack.extend(i for i in cur.all_input_nodes if i not in seen)
-    assert adds[0] in seen
+    assert adds[0] in _ancestors(rs)
 
 
 def test_mixed_precision_and_kept_lowering_matches_markers(single_rank_group: str) -> None:
