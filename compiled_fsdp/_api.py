@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import comm
+from ._divergence import Checker, checker_for
 from ._module import FSDPModule, ManagedByAncestor
 from ._param import FSDPParam, install_class
 from ._param_group import FSDPParamGroup
@@ -53,6 +54,9 @@ class ShardingOptions:
     # What the user passed as ``mp_policy``; checked (on every rank together) by
     # ``_shard_one``. See [Note: Mixed precision] in _policy.py.
     mp_policy: object = None
+    # Checks that the ranks' collectives pair up, or None (checks off). See
+    # [Note: Agreeing on collectives] in _divergence.py.
+    checker: Optional[Checker] = None
 
     def mesh_for(self, device_type: str) -> DeviceMesh:
         """The mesh the parameters' DTensors live on."""
@@ -96,7 +100,7 @@ def _resolve_options(
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
     return ShardingOptions(group, reshard_after_forward, reduce_group,
-                           mesh if isinstance(mesh, DeviceMesh) else None, mp_policy)
+                           mesh if isinstance(mesh, DeviceMesh) else None, mp_policy, checker_for(group))
 
 
 # Gather group name -> its reduce group, created once per gather group.
@@ -194,7 +198,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             fsdp_params.append(fp)
         group = FSDPParamGroup(
             fsdp_params, options.process_group, options.reduce_group, next(_KEYS),
-            options.reshard_after_forward, type(module).__name__,
+            options.reshard_after_forward, type(module).__name__, options.checker,
         )
         by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
         for fp in fsdp_params:

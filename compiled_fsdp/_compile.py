@@ -61,6 +61,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch._dynamo.callback
 import torch.fx as fx
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
@@ -68,6 +70,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 # Importing _ops registers the marker ops, so any graph the passes see runs.
 import compiled_fsdp._ops  # noqa: F401
+from compiled_fsdp import _fallback
 from compiled_fsdp.passes import JointPassReport, Observer, has_markers, lower_markers, run_joint_passes
 from compiled_fsdp import config as comm_config
 from compiled_fsdp.passes import config as passes_config
@@ -167,9 +170,23 @@ def _install_schedule_pass() -> None:
     inductor_config.post_grad_custom_post_pass = (*passes, _SchedulePass())
 
 
+def _install_compile_callbacks() -> None:
+    """Dynamo's compile callbacks check each new graph's collectives across
+    ranks (see [Note: Agreeing on collectives] in _divergence.py)."""
+    global _callbacks_installed
+    if not _callbacks_installed:
+        _callbacks_installed = True
+        torch._dynamo.callback.on_compile_start(_fallback.on_compile_start)
+        torch._dynamo.callback.on_compile_end(_fallback.on_compile_end)
+
+
+_callbacks_installed = False
+
+
 def install() -> None:
-    """Installs the joint pass (idempotent). Called by ``fully_shard``."""
+    """Installs the joint pass and the compile callbacks (idempotent). Called by ``fully_shard``."""
     with _lock:
+        _install_compile_callbacks()
         _install_schedule_pass()
         current = functorch_config.joint_custom_pass
         if isinstance(current, _CompiledFSDPJointPass):
@@ -182,7 +199,12 @@ def install() -> None:
 def uninstall() -> None:
     """Restores the passes that were set before ``install()`` (if ours is
     still the installed one)."""
+    global _callbacks_installed
     with _lock:
+        if _callbacks_installed:
+            _callbacks_installed = False
+            torch._dynamo.callback.callback_handler.remove_start_callback(_fallback.on_compile_start)
+            torch._dynamo.callback.callback_handler.remove_end_callback(_fallback.on_compile_end)
         current = functorch_config.joint_custom_pass
         if isinstance(current, _CompiledFSDPJointPass):
             functorch_config.joint_custom_pass = current.inner

@@ -32,10 +32,17 @@ each child is inlined whole into one fragment.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from ._divergence import set_compiling, stable_code
 
 # group key -> param index -> ids of the Dynamo frames whose graphs read it.
 _TRACED_FRAMES: dict[int, dict[int, set[int]]] = {}
+# Compile id -> (trace attempt, the markers traced in it, in order), until the
+# compile ends: see ``on_compile_end``.
+_COMPILE_MARKERS: dict[str, tuple[int, list[tuple[int, int]]]] = {}
 
 
 def record_marker_trace(key: int, param_index: int) -> None:
@@ -43,6 +50,40 @@ def record_marker_trace(key: int, param_index: int) -> None:
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame = compile_id.frame_id if compile_id is not None else -1
     _TRACED_FRAMES.setdefault(key, {}).setdefault(param_index, set()).add(frame)
+    trace = torch._guards.CompileContext.current_trace_id()
+    if compile_id is not None and trace is not None:
+        attempt, seq = _COMPILE_MARKERS.get(str(compile_id), (trace.attempt, []))
+        if trace.attempt != attempt:  # Dynamo restarted the analysis: keep the last attempt's
+            seq = []
+        seq.append((key, param_index))
+        _COMPILE_MARKERS[str(compile_id)] = (trace.attempt, seq)
+
+
+def on_compile_start(args: Any) -> None:
+    """Dynamo's compile-start callback: peers waiting at a check wait on."""
+    set_compiling(True)
+
+
+def on_compile_end(args: Any) -> None:
+    """Dynamo's compile-end callback: a frame that reads sharded parameters in
+    an order no earlier graph did is checked against the other ranks before it
+    runs. See [Note: Agreeing on collectives] in _divergence.py."""
+    set_compiling(False)
+    _, seq = _COMPILE_MARKERS.pop(str(args.compile_id), (0, []))
+    if not seq:
+        return
+    from ._param_group import _GROUPS
+
+    group = _GROUPS.get(seq[0][0])
+    if group is None or group.checker is None:
+        return
+    names: list[str] = []
+    for key, _ in seq:
+        other = _GROUPS.get(key)
+        name = "?" if other is None else other.fqn or "<root>"
+        if not names or names[-1] != name:
+            names.append(name)
+    group.checker.check_graph(stable_code(tuple(seq)), "a new compiled graph reading " + ", ".join(names))
 
 
 def is_split(key: int) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -30,6 +31,7 @@ from ._collectives import (
     copy_out_all_gather,
     reduce_scatter_bucket,
 )
+from ._divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from ._layout import EAGER, split_reduced
 from ._fallback import record_marker_trace
 from ._param import FSDPParam
@@ -37,6 +39,10 @@ from ._testing import skips_grad_reduction
 
 if TYPE_CHECKING:
     from ._state import _RootContext
+
+
+# Group key -> group (naming the modules of a compiled graph's markers).
+_GROUPS: "weakref.WeakValueDictionary[int, FSDPParamGroup]" = weakref.WeakValueDictionary()
 
 
 class ShardedState(enum.Enum):
@@ -73,6 +79,7 @@ class FSDPParamGroup:
         key: int,
         reshard_after_forward: bool,
         name: str,
+        checker: Optional[Checker] = None,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
@@ -96,8 +103,13 @@ class FSDPParamGroup:
             # object that exists before tracing, as comptime requires).
             p.record_trace = lambda ctx, i=i: record_marker_trace(key, i)
         self.state = ShardedState.SHARDED
+        # See [Note: Agreeing on collectives] in _divergence.py.
+        self.checker = checker
+        _GROUPS[key] = self
         self._pending_gather: Optional[PendingCollective] = None
+        self._gather_check: Optional[PendingCheck] = None
         self._pending_reduce: Optional[tuple[PendingCollective, list[FSDPParam]]] = None
+        self._reduce_check: Optional[PendingCheck] = None
         # Views handed to the module's code while it runs eagerly; see [Note: Parameter property].
         self.exposed_views: Optional[tuple[torch.Tensor, ...]] = None
         # Autograd outputs of this iteration's _UnshardFn, reused by later calls.
@@ -122,6 +134,7 @@ class FSDPParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Issue the group's all-gather (if sharded); with ``async_op=False`` also wait."""
         if self.state is ShardedState.SHARDED:
+            self._gather_check = self._issue_check("all-gather")
             self._pending_gather = all_gather_bucket(
                 [p.local_shard() for p in self.fsdp_params], self.specs, self.process_group,
                 [p.param_dtype for p in self.fsdp_params],
@@ -133,6 +146,9 @@ class FSDPParamGroup:
     def wait_for_unshard(self) -> None:
         if self.state is not ShardedState.GATHERING:
             return
+        if self._gather_check is not None:
+            check, self._gather_check = self._gather_check, None
+            check.wait()
         flat = self._pending_gather.wait()
         self._pending_gather = None
         dests = [p.alloc_unsharded() for p in self.fsdp_params]
@@ -183,6 +199,7 @@ class FSDPParamGroup:
         if not owned or skips_grad_reduction(self.fqn):
             return
         params = [p for p, _ in owned]
+        self._reduce_check = self._issue_check("reduce-scatter")
         # take_unsharded_grad cast them to the reduce dtype: see [Note: Mixed precision].
         pending = reduce_scatter_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group)
         self._pending_reduce = (pending, params)
@@ -191,6 +208,9 @@ class FSDPParamGroup:
 
     def finish_grad_sync(self) -> None:
         """Await the reduce-scatter and accumulate the averaged shards into ``.grad``."""
+        if self._reduce_check is not None:
+            check, self._reduce_check = self._reduce_check, None
+            check.wait()
         if self._pending_reduce is not None:
             pending, params = self._pending_reduce
             self._pending_reduce = None
@@ -200,6 +220,15 @@ class FSDPParamGroup:
             )
             for p, g in zip(params, grads):
                 p.add_grad(g)
+
+    def _issue_check(self, op: str) -> Optional[PendingCheck]:
+        """Announce this group's next eager collective; see [Note: Agreeing on collectives]."""
+        if self.checker is None:
+            return None
+        name = self.fqn or "<root>"
+        what = f"the eager {op} of {name} ({len(self.fsdp_params)} parameters)"
+        return self.checker.issue(
+            Checkpoint(COLLECTIVE, self.checker.step, stable_code(op, self.key), what))
 
     def end_iteration(self) -> None:
         """Reset per-iteration state: finish communication, free unsharded memory."""

@@ -46,6 +46,7 @@ skipping, it traces ``_wrapped_call_impl`` with the hooks inlined.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -56,6 +57,7 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from ._divergence import Checker, annotate_error
 from ._fallback import is_split
 from ._param_group import FSDPParamGroup, ShardedState
 from ._policy import MixedPrecisionPolicy, cast_floating
@@ -93,6 +95,8 @@ class _RootContext:
         # (phase, module fqn) of each prefetch this iteration, and the last iteration's.
         self.prefetched: list[tuple[str, str]] = []
         self.last_prefetched: list[tuple[str, str]] = []
+        # Checks the ranks' collectives (None: off); set at lazy init.
+        self.checker: Optional[Checker] = None
 
     def groups(self) -> list[FSDPParamGroup]:
         return [s.param_group for s in self.states if s.param_group is not None]
@@ -142,6 +146,8 @@ class _RootContext:
         traced = [(g, g.reduce_grads) for g in self.groups()]
 
         def pre_backward(grads: Any) -> None:
+            if self.checker is not None:  # see [Note: Agreeing on collectives] in _divergence.py
+                self.checker.check_backward()
             reduced = self._graph_reduced_groups()
             for g, flag in traced:
                 if g.reduce_grads != flag:
@@ -244,6 +250,7 @@ class FSDPState:
         _MODULE_STATE[module] = self
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
+        module.register_forward_hook(_annotate_failed_forward, always_call=True)
 
     @property
     def is_root(self) -> bool:
@@ -257,6 +264,8 @@ class FSDPState:
                 p.check_materialized()
         ctx = _RootContext(self)
         ctx.states = states
+        ctx.checker = next(
+            (st.param_group.checker for st in states if st.param_group is not None), None)
         fqns = {m: name for name, m in self.module.named_modules()}
         for st in ctx.states:
             st.ctx = ctx
@@ -290,6 +299,8 @@ class FSDPState:
         ctx = self.ctx
         if self.is_root:
             ctx.begin_iteration()
+            if ctx.checker is not None:  # see [Note: Agreeing on collectives] in _divergence.py
+                ctx.checker.check_step(ctx.step)
             group = self.param_group
             if in_compiled_call and (group is None or not is_split(group.key)):
                 ctx.compiled_forward = True  # Dynamo traces the forward: markers, no hooks
@@ -335,7 +346,17 @@ class FSDPState:
             ctx.prefetch(target, "backward")
 
 
+def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:
+    """Runs after every forward, also one that raised (``always_call``): a
+    collective error there (a peer exited after a failed check) gets that
+    peer's report as a note. See [Note: Agreeing on collectives] in _divergence.py."""
+    if not torch.compiler.is_compiling():
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            annotate_error(exc)
+
+
 # See [Note: Hooks under Dynamo]: skip these frames and every frame they call.
 _SKIP_RECURSIVELY = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-for _hook in (FSDPState._pre_forward, FSDPState._post_forward):
+for _hook in (FSDPState._pre_forward, FSDPState._post_forward, _annotate_failed_forward):
     set_code_exec_strategy(_hook.__code__, _SKIP_RECURSIVELY)

@@ -1,7 +1,7 @@
 """Settings the runtime reads: how gradients are communicated, on both paths.
 
-Set them before ``fully_shard`` (``separate_reduce_group``) or before the first
-step (``gloo_reduce_by_all_to_all``): ``compiled_fsdp.config.comm.<name> = ...``.
+Set them before ``fully_shard`` (``separate_reduce_group``, ``check_collectives``)
+or before the first step (``gloo_reduce_by_all_to_all``, ``check_timeout_s``): ``compiled_fsdp.config.comm.<name> = ...``.
 The compile integration puts them into Inductor's cache key (see
 ``compiled_fsdp._compile._SchedulePass``), since the lowering reads them too.
 The overlap passes' own knobs are in ``compiled_fsdp.passes.config``.
@@ -22,6 +22,13 @@ class CommConfig:
     # instead of gloo's all-reduce-based reduce-scatter (both runtimes). See
     # [Note: Reduce-scatter on gloo] in _reduce.py.
     gloo_reduce_by_all_to_all: bool = True
+    # Read by ``fully_shard``: check that every rank issues the same collectives
+    # in the same order (one small gloo group per set of ranks). See [Note:
+    # Agreeing on collectives] in _divergence.py.
+    check_collectives: bool = True
+    # How long a rank waits at a check for the others (time a peer spends
+    # compiling does not count) before raising CollectiveMismatchError.
+    check_timeout_s: float = 30.0
 
 
 comm = CommConfig()

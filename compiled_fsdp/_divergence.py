@@ -1,0 +1,302 @@
+"""Every rank issues the same collectives in the same order, or every rank raises.
+
+[Note: Agreeing on collectives]
+Collectives pair up across ranks by their order on a process group, nothing
+else. A rank that takes another path through the model (skips a block, calls
+one twice, compiled another graph) pairs one module's gather with another's:
+a silent wrong answer while the sizes match, a hang as soon as one rank waits
+for a collective the others never issue. Each rank therefore announces, on a
+*check group* of its own (gloo, the same ranks), what it is about to do, at
+these points:
+
+- ``STEP``: the root's forward starts (every step, both paths);
+- ``BACKWARD``: the backward of a compiled forward starts (every step);
+- ``COLLECTIVE``: each all-gather and reduce-scatter of the eager runtime
+  (issued with the collective, awaited before its result is used);
+- ``GRAPH``: Dynamo finished compiling a frame that reads sharded parameters
+  whose marker sequence no earlier graph had (so before its first run).
+
+A check is a tiny all-gather of a fixed-size message (kind, step, a code of
+what is compared, a readable description). The checks themselves pair in
+order, so whatever two ranks do instead of each other meets in one check and
+is compared there, on every rank at once: all ranks raise the same
+``CollectiveMismatchError``, naming what each rank was doing. A compiled
+graph's collectives are a function of its marker sequence (the passes never
+reorder two collectives of a group, and bucket by parameter bytes only), so
+a graph whose markers match an agreed graph's is harmless (a recompile for a
+new input shape on one rank) and is not checked again; a new one is checked
+before it runs. Its collectives then run unchecked: the hot path of a
+compiled step costs two tiny all-gathers (``STEP``, ``BACKWARD``).
+
+A check that does not complete within ``config.comm.check_timeout_s`` means
+a rank is stuck or took a path without checks: the waiting ranks raise,
+naming the check and the ranks that did not arrive, from each rank's last
+announcement in the store (``compiled_fsdp/last/<rank>``). Time a peer spends
+compiling (announced by Dynamo's compile callbacks) does not count. The
+failing rank records its error in the store, and a rank that arrives later
+raises it at its next check instead of running into a collective alone.
+
+Not covered: a rank-dependent choice between graphs that every rank has
+already compiled (both marker sequences were agreed, in earlier steps), and a
+rank stalling between two frames of a graph-broken forward. Their collectives
+wait as long as the process group's own timeout (``init_process_group``).
+Tested by tests/test_divergence.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .config import comm
+
+__all__ = ["CollectiveMismatchError"]
+
+STEP, BACKWARD, COLLECTIVE, GRAPH = 1, 2, 3, 4
+_MSG_BYTES = 256
+_HEADER = struct.Struct("<qqq")  # kind, step, code
+_PREFIX = "compiled_fsdp/"
+_POLL_S = 0.5
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks do not issue the same collectives in the same order, or one of
+    them did not reach a collective within ``config.comm.check_timeout_s``."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a rank is about to do; ``kind``, ``step`` and ``code`` must be equal
+    on every rank, ``what`` says it in words."""
+
+    kind: int
+    step: int
+    code: int
+    what: str
+
+    def encode(self) -> torch.Tensor:
+        text = self.what.encode()[: _MSG_BYTES - _HEADER.size]
+        buf = bytearray(_MSG_BYTES)
+        buf[: _HEADER.size] = _HEADER.pack(self.kind, self.step, self.code)
+        buf[_HEADER.size: _HEADER.size + len(text)] = text
+        return torch.frombuffer(buf, dtype=torch.uint8).clone()
+
+    @staticmethod
+    def decode(row: torch.Tensor) -> "Checkpoint":
+        raw = bytes(row.tolist())
+        kind, step, code = _HEADER.unpack(raw[: _HEADER.size])
+        return Checkpoint(kind, step, code, raw[_HEADER.size:].rstrip(b"\0").decode(errors="replace"))
+
+    def same(self, other: "Checkpoint") -> bool:
+        return (self.kind, self.step, self.code) == (other.kind, other.step, other.code)
+
+
+def stable_code(*parts: object) -> int:
+    """A code identical on every rank for equal ``parts`` (Python's hash of a
+    string is salted per process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def set_compiling(active: bool) -> None:
+    """Announce that this rank is (no longer) compiling: peers waiting at a
+    check do not count that time against the bound."""
+    if dist.is_initialized():
+        _store().set(f"{_PREFIX}compiling/{_rank()}", "1" if active else "0")
+
+
+class PendingCheck:
+    """An issued check, not yet compared."""
+
+    def __init__(self, checker: "Checker", cp: Checkpoint) -> None:
+        self.checker, self.cp = checker, cp
+        self.out = torch.empty(checker.world * _MSG_BYTES, dtype=torch.uint8)
+        self.work: Optional[dist.Work] = dist.all_gather_single(
+            self.out, cp.encode(), group=checker.group, async_op=True)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            work, self.work = self.work, None
+            self.checker._finish(self, work)
+
+
+class Checker:
+    """Issues and compares checks over one group's ranks (see [Note: Agreeing
+    on collectives])."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.world = group.size()
+        self.ranks = dist.get_process_group_ranks(group)
+        self.step = 0  # the current step of the root that checks with this group
+        # Codes of the marker sequences every rank has compiled and checked.
+        self.agreed_graphs: set[int] = set()
+
+    def check_step(self, step: int) -> None:
+        self.step = step
+        self.check(Checkpoint(STEP, step, 0, "the start of the forward"))
+
+    def check_backward(self) -> None:
+        self.check(Checkpoint(BACKWARD, self.step, 0, "the start of the compiled backward"))
+
+    def check_graph(self, code: int, what: str) -> None:
+        """A graph reading sharded parameters in a new order is about to run
+        its first time; see [Note: Agreeing on collectives]."""
+        if code not in self.agreed_graphs:
+            self.check(Checkpoint(GRAPH, self.step, code, what))
+            self.agreed_graphs.add(code)
+
+    def issue(self, cp: Checkpoint) -> PendingCheck:
+        _store().set(f"{_PREFIX}last/{_rank()}", f"{time.time():.3f}|{cp.step}|{cp.what}")
+        return PendingCheck(self, cp)
+
+    def check(self, cp: Checkpoint) -> None:
+        self.issue(cp).wait()
+
+    # -- waiting and comparing -----------------------------------------------
+    def _finish(self, pending: PendingCheck, work: dist.Work) -> None:
+        cp = pending.cp
+        deadline = time.monotonic() + comm.check_timeout_s
+        while True:
+            try:
+                work.wait(timedelta(seconds=_POLL_S))
+                break
+            except RuntimeError as e:
+                if "Operation timed out" not in str(e):  # not our poll: the group broke
+                    self._raise_failed_peer(cp)
+                    self._fail(f"compiled_fsdp: the check before {cp.what} in step {cp.step} failed: {e}. "
+                               "A peer process probably exited; see its error.")
+                self._raise_failed_peer(cp)
+                if time.monotonic() < deadline:
+                    continue
+                if self._peers_compiling():
+                    deadline = time.monotonic() + comm.check_timeout_s
+                    continue
+                self._fail(self._timeout_message(cp))
+        rows = pending.out.view(self.world, _MSG_BYTES)
+        got = [Checkpoint.decode(rows[i]) for i in range(self.world)]
+        if not all(cp.same(g) for g in got):  # every rank sees this: no need to record it
+            raise CollectiveMismatchError(_mismatch_message(self.ranks, got))
+        # A late rank's check can pair with one a failed rank left behind.
+        self._raise_failed_peer(cp)
+
+    def _fail(self, message: str) -> None:
+        """Raise ``message``, first telling the ranks that come later."""
+        _store().set(f"{_PREFIX}failed", f"{_rank()}|{message}")
+        raise CollectiveMismatchError(message)
+
+    def _raise_failed_peer(self, cp: Checkpoint) -> None:
+        store = _store()
+        key = f"{_PREFIX}failed"
+        if not store.check([key]):
+            return
+        rank, first = store.get(key).decode().split("|", 1)
+        raise CollectiveMismatchError(
+            f"compiled_fsdp: stopping before {cp.what} in step {cp.step}: rank {rank} already failed, "
+            f"so the ranks' collectives no longer pair up. Rank {rank} reported: {first}")
+
+    def _peers_compiling(self) -> bool:
+        store = _store()
+        keys = [f"{_PREFIX}compiling/{r}" for r in self.ranks if r != _rank()]
+        present = [k for k in keys if store.check([k])]
+        return any(store.get(k) == b"1" for k in present)
+
+    def _timeout_message(self, cp: Checkpoint) -> str:
+        store = _store()
+        lines, missing = [], []
+        for r in self.ranks:
+            if r == _rank():
+                continue
+            key = f"{_PREFIX}last/{r}"
+            if not store.check([key]):
+                missing.append(r)
+                lines.append(f"rank {r} has not checked anything yet")
+                continue
+            stamp, step, what = store.get(key).decode().split("|", 2)
+            if int(step) == cp.step and what == cp.what:
+                continue
+            missing.append(r)
+            ago = time.time() - float(stamp)
+            lines.append(f"rank {r}'s last check was {what} in step {step}, {ago:.0f} s ago")
+        who = ", ".join(map(str, missing)) or "unknown"
+        return (
+            f"compiled_fsdp: rank {_rank()} waited {comm.check_timeout_s:g} s at {cp.what} in step {cp.step}; "
+            f"rank(s) {who} did not arrive: {'; '.join(lines) or 'no record'}. A rank is stuck (in its data "
+            "loader, in a rank-only branch, in user code) or took another path through the model. Every "
+            "rank must reach the same collectives; the bound is compiled_fsdp.config.comm.check_timeout_s.")
+
+
+def annotate_error(exc: BaseException) -> None:
+    """Add the first failed rank's report as a note to ``exc``, an error that
+    left a forward (typically gloo's "Connection closed by peer" inside a
+    compiled graph, after that rank raised and exited)."""
+    if isinstance(exc, CollectiveMismatchError) or not hasattr(exc, "add_note") or not dist.is_initialized():
+        return
+    try:
+        store = _store()
+        if not store.check([f"{_PREFIX}failed"]):
+            return
+        rank, message = store.get(f"{_PREFIX}failed").decode().split("|", 1)
+    except Exception:  # noqa: BLE001 - the store may be gone with the group; keep the original error
+        return
+    note = f"Rank {rank} failed first and reported: {message}"
+    if int(rank) != _rank() and note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
+
+
+def _mismatch_message(ranks: Sequence[int], got: Sequence[Checkpoint]) -> str:
+    doing = "; ".join(f"rank {r}: {_describe(c)}" for r, c in zip(ranks, got))
+    kinds = {c.kind for c in got}
+    if kinds == {GRAPH}:
+        hint = ("The ranks compiled different graphs: the forward takes a rank-dependent path (a branch on "
+                "the rank or on rank-local data, a block skipped or called again on some ranks).")
+    else:
+        hint = ("The forward takes a rank-dependent path (a block skipped or called an extra time on some "
+                "ranks, a branch on the rank or on rank-local data), or the ranks run different numbers "
+                "of forward/backward passes.")
+    return (f"compiled_fsdp: the ranks' collectives differ: {doing}. {hint} Every rank must run the same "
+            "sharded modules in the same order; make that control flow identical on every rank.")
+
+
+def _describe(cp: Checkpoint) -> str:
+    return f"{cp.what} in step {cp.step}"
+
+
+# Ranks tuple -> its check group, created at fully_shard (see ``check_group_for``).
+_CHECKERS: dict[tuple[int, ...], Checker] = {}
+
+
+def existing_checker(group: dist.ProcessGroup) -> Optional[Checker]:
+    """The checker ``fully_shard`` created over ``group``'s ranks, if any."""
+    checker = _CHECKERS.get(tuple(dist.get_process_group_ranks(group))) if comm.check_collectives else None
+    return checker if checker is not None and checker.group in dist.distributed_c10d._world.pg_map else None
+
+
+def checker_for(group: dist.ProcessGroup) -> Optional[Checker]:
+    """The checker over ``group``'s ranks, created (collectively, at
+    ``fully_shard``) the first time; None when checks are off."""
+    if not comm.check_collectives:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    checker = existing_checker(group)
+    if checker is None:
+        local = len(ranks) != dist.get_world_size()
+        check_group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local,
+                                     group_desc="compiled_fsdp_check")
+        assert check_group is not None
+        checker = _CHECKERS[ranks] = Checker(check_group)
+    return checker
