@@ -1,7 +1,7 @@
 """The overlap benchmark: ours vs FSDP2 vs the physical limits, side by side.
 
     pip install -e ".[bench]" && python benchmarks/run.py [--rounds 2] [--steps 6] [--warmup 2]
-        [--paired-steps 10] [--out DIR]
+        [--paired-steps 10] [--paired-kinds KIND ...] [--only KIND ...] [--out DIR]
 
 Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
 4x256 per rank, AdamW) on 2 gloo ranks, 1 thread each, in fresh processes:
@@ -12,6 +12,9 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   ours_compiled_gloors   scheduling on, gradients reduced by gloo's own
                          reduce_scatter_tensor (see [Note: Reduce-scatter on gloo])
   ours_eager             compiled_fsdp's eager hook runtime
+  ..._nocheck            ours_compiled, ours_eager without the checks that
+                         the ranks' collectives agree (config.comm.check_collectives;
+                         see [Note: Agreeing on collectives])
   fsdp2_eager            torch.distributed.fsdp.fully_shard
   fsdp2_compiled         FSDP2 + torch.compile
   ..._bf16               ours_compiled, fsdp2_eager, fsdp2_compiled and
@@ -66,7 +69,7 @@ from workloads import comm_rank, overlap_limit_rank, paired_rank, train_rank  # 
 PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only", "overlap_limit",
                 "ours_compiled_nosched", "ours_compiled_gloors"]
 TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_onegroup", "ours_compiled_gloors",
-               "ours_eager", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
+               "ours_compiled_nocheck", "ours_eager", "ours_eager_nocheck", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
                "ours_compiled_bf16", "fsdp2_eager_bf16", "fsdp2_compiled_bf16", "compute_compiled_bf16"]
 
 
@@ -125,6 +128,8 @@ _RATIOS = [  # (name, numerator, denominator); "max(a, b)" means the larger of b
     ("ours_compiled / ours_compiled_onegroup", "ours_compiled", "ours_compiled_onegroup"),
     ("ours_compiled / ours_compiled_gloors", "ours_compiled", "ours_compiled_gloors"),
     ("ours_eager / fsdp2_eager", "ours_eager", "fsdp2_eager"),
+    ("ours_compiled / ours_compiled_nocheck", "ours_compiled", "ours_compiled_nocheck"),
+    ("ours_eager / ours_eager_nocheck", "ours_eager", "ours_eager_nocheck"),
     ("ours_compiled_bf16 / compute_compiled_bf16", "ours_compiled_bf16", "compute_compiled_bf16"),
     ("ours_compiled_bf16 / fsdp2_eager_bf16", "ours_compiled_bf16", "fsdp2_eager_bf16"),
     ("ours_compiled_bf16 / fsdp2_compiled_bf16", "ours_compiled_bf16", "fsdp2_compiled_bf16"),
@@ -147,14 +152,14 @@ def _ratios(c: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _paired(warmup: int, steps: int) -> dict:
+def _paired(kinds: list[str], warmup: int, steps: int) -> dict:
     """See [Note: Paired steps]."""
-    per_rank = run_distributed(paired_rank, 2, PAIRED_KINDS, warmup, steps, timeout=1800)
-    per_step = [{k: max(r["times_s"][k][i] for r in per_rank) for k in PAIRED_KINDS}
+    per_rank = run_distributed(paired_rank, 2, kinds, warmup, steps, timeout=1800)
+    per_step = [{k: max(r["times_s"][k][i] for r in per_rank) for k in kinds}
                 for i in range(steps)]
     ratios = [_ratios(step) for step in per_step]
-    out = {"kinds": PAIRED_KINDS, "per_step_s": per_step, "ratios": {}}
-    print(f"paired ({steps} steps, {', '.join(PAIRED_KINDS)} alternating): "
+    out = {"kinds": kinds, "per_step_s": per_step, "ratios": {}}
+    print(f"paired ({steps} steps, {', '.join(kinds)} alternating): "
           "median [min, max] of the per-step ratios", flush=True)
     for name in ratios[0]:
         vals = [r[name] for r in ratios]
@@ -172,6 +177,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="subset of configurations")
     ap.add_argument("--paired-steps", type=int, default=10,
                     help="steps of the paired run (0: skip); see [Note: Paired steps]")
+    ap.add_argument("--paired-kinds", nargs="*", default=PAIRED_KINDS,
+                    help="configurations of the paired run (default: the headline ones)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results: dict = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "configs": {}}
@@ -203,7 +210,7 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"{k:52s} {v:.3f}")
     if args.paired_steps:
-        results["paired"] = _paired(args.warmup, args.paired_steps)
+        results["paired"] = _paired(args.paired_kinds, args.warmup, args.paired_steps)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     plotted = bool(results["configs"]) and _plot(results, os.path.join(args.out, "results.png"))

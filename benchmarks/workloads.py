@@ -102,6 +102,7 @@ def _knobs(kind: str) -> Iterator[None]:
     config.overlap.schedule = kind != "ours_compiled_nosched"
     comm_config.comm.separate_reduce_group = kind != "ours_compiled_onegroup"
     comm_config.comm.gloo_reduce_by_all_to_all = kind != "ours_compiled_gloors"
+    comm_config.comm.check_collectives = not kind.endswith("_nocheck")
     try:
         yield
     finally:
