@@ -3,6 +3,7 @@
 See README.md for usage and DESIGN.md for how the pieces fit.
 """
 from ._api import ShardingOptions, fully_shard
+from ._divergence import CollectiveMismatchError
 from ._module import FSDPModule
 from ._policy import MixedPrecisionPolicy
 from ._explain import ModuleReport, explain
@@ -11,6 +12,7 @@ from ._debug import dump_graphs
 from ._state import get_fsdp_state, iter_fsdp_states
 
 __all__ = [
+    "CollectiveMismatchError",
     "ModuleReport",
     "explain",
     "FSDPModule",

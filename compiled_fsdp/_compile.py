@@ -61,8 +61,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch._dynamo.callback
 import torch.fx as fx
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
@@ -170,23 +168,10 @@ def _install_schedule_pass() -> None:
     inductor_config.post_grad_custom_post_pass = (*passes, _SchedulePass())
 
 
-def _install_compile_callbacks() -> None:
-    """Dynamo's compile callbacks check each new graph's collectives across
-    ranks (see [Note: Agreeing on collectives] in _divergence.py)."""
-    global _callbacks_installed
-    if not _callbacks_installed:
-        _callbacks_installed = True
-        torch._dynamo.callback.on_compile_start(_fallback.on_compile_start)
-        torch._dynamo.callback.on_compile_end(_fallback.on_compile_end)
-
-
-_callbacks_installed = False
-
-
 def install() -> None:
     """Installs the joint pass and the compile callbacks (idempotent). Called by ``fully_shard``."""
     with _lock:
-        _install_compile_callbacks()
+        _fallback.arm_compile_callbacks()  # see [Note: Agreeing on collectives] in _divergence.py
         _install_schedule_pass()
         current = functorch_config.joint_custom_pass
         if isinstance(current, _CompiledFSDPJointPass):
@@ -199,12 +184,8 @@ def install() -> None:
 def uninstall() -> None:
     """Restores the passes that were set before ``install()`` (if ours is
     still the installed one)."""
-    global _callbacks_installed
     with _lock:
-        if _callbacks_installed:
-            _callbacks_installed = False
-            torch._dynamo.callback.callback_handler.remove_start_callback(_fallback.on_compile_start)
-            torch._dynamo.callback.callback_handler.remove_end_callback(_fallback.on_compile_end)
+        _fallback.disarm_compile_callbacks()
         current = functorch_config.joint_custom_pass
         if isinstance(current, _CompiledFSDPJointPass):
             functorch_config.joint_custom_pass = current.inner

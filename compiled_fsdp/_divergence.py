@@ -49,7 +49,7 @@ import struct
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ STEP, BACKWARD, COLLECTIVE, GRAPH = 1, 2, 3, 4
 _MSG_BYTES = 256
 _HEADER = struct.Struct("<qqq")  # kind, step, code
 _PREFIX = "compiled_fsdp/"
+_FAILED = _PREFIX + "failed"  # "<rank>|<message>" of the first rank that raised
 _POLL_S = 0.5
 
 
@@ -124,6 +125,7 @@ class PendingCheck:
 
     def __init__(self, checker: "Checker", cp: Checkpoint) -> None:
         self.checker, self.cp = checker, cp
+        self.index = 0  # its number in the step, set by ``Checker.issue``
         self.out = torch.empty(checker.world * _MSG_BYTES, dtype=torch.uint8)
         self.work: Optional[dist.Work] = dist.all_gather_single(
             self.out, cp.encode(), group=checker.group, async_op=True)
@@ -143,11 +145,12 @@ class Checker:
         self.world = group.size()
         self.ranks = dist.get_process_group_ranks(group)
         self.step = 0  # the current step of the root that checks with this group
+        self.index = 0  # checks issued in this step (names a check in the records)
         # Codes of the marker sequences every rank has compiled and checked.
         self.agreed_graphs: set[int] = set()
 
     def check_step(self, step: int) -> None:
-        self.step = step
+        self.step, self.index = step, 0
         self.check(Checkpoint(STEP, step, 0, "the start of the forward"))
 
     def check_backward(self) -> None:
@@ -161,8 +164,11 @@ class Checker:
             self.agreed_graphs.add(code)
 
     def issue(self, cp: Checkpoint) -> PendingCheck:
-        _store().set(f"{_PREFIX}last/{_rank()}", f"{time.time():.3f}|{cp.step}|{cp.what}")
-        return PendingCheck(self, cp)
+        self.index += 1
+        _store().set(f"{_PREFIX}last/{_rank()}", f"{time.time():.3f}|{cp.step}|{self.index}|{cp.what}")
+        pending = PendingCheck(self, cp)
+        pending.index = self.index
+        return pending
 
     def check(self, cp: Checkpoint) -> None:
         self.issue(cp).wait()
@@ -186,25 +192,25 @@ class Checker:
                 if self._peers_compiling():
                     deadline = time.monotonic() + comm.check_timeout_s
                     continue
-                self._fail(self._timeout_message(cp))
-        rows = pending.out.view(self.world, _MSG_BYTES)
-        got = [Checkpoint.decode(rows[i]) for i in range(self.world)]
-        if not all(cp.same(g) for g in got):  # every rank sees this: no need to record it
+                self._fail(self._timeout_message(pending))
+        rows = pending.out.view(self.world, _MSG_BYTES)[:, : _HEADER.size]
+        if not torch.equal(rows, rows[_rank_in(self.ranks)].expand_as(rows)):
+            # Every rank sees this mismatch: no need to record it.
+            got = [Checkpoint.decode(r) for r in pending.out.view(self.world, _MSG_BYTES)]
             raise CollectiveMismatchError(_mismatch_message(self.ranks, got))
         # A late rank's check can pair with one a failed rank left behind.
         self._raise_failed_peer(cp)
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         """Raise ``message``, first telling the ranks that come later."""
-        _store().set(f"{_PREFIX}failed", f"{_rank()}|{message}")
+        _store().set(_FAILED, f"{_rank()}|{message}")
         raise CollectiveMismatchError(message)
 
     def _raise_failed_peer(self, cp: Checkpoint) -> None:
         store = _store()
-        key = f"{_PREFIX}failed"
-        if not store.check([key]):
+        if not store.check([_FAILED]):
             return
-        rank, first = store.get(key).decode().split("|", 1)
+        rank, first = store.get(_FAILED).decode().split("|", 1)
         raise CollectiveMismatchError(
             f"compiled_fsdp: stopping before {cp.what} in step {cp.step}: rank {rank} already failed, "
             f"so the ranks' collectives no longer pair up. Rank {rank} reported: {first}")
@@ -215,7 +221,8 @@ class Checker:
         present = [k for k in keys if store.check([k])]
         return any(store.get(k) == b"1" for k in present)
 
-    def _timeout_message(self, cp: Checkpoint) -> str:
+    def _timeout_message(self, pending: PendingCheck) -> str:
+        cp = pending.cp
         store = _store()
         lines, missing = [], []
         for r in self.ranks:
@@ -226,8 +233,8 @@ class Checker:
                 missing.append(r)
                 lines.append(f"rank {r} has not checked anything yet")
                 continue
-            stamp, step, what = store.get(key).decode().split("|", 2)
-            if int(step) == cp.step and what == cp.what:
+            stamp, step, index, what = store.get(key).decode().split("|", 3)
+            if (int(step), int(index)) >= (cp.step, pending.index):  # it got here (or further)
                 continue
             missing.append(r)
             ago = time.time() - float(stamp)
@@ -248,9 +255,9 @@ def annotate_error(exc: BaseException) -> None:
         return
     try:
         store = _store()
-        if not store.check([f"{_PREFIX}failed"]):
+        if not store.check([_FAILED]):
             return
-        rank, message = store.get(f"{_PREFIX}failed").decode().split("|", 1)
+        rank, message = store.get(_FAILED).decode().split("|", 1)
     except Exception:  # noqa: BLE001 - the store may be gone with the group; keep the original error
         return
     note = f"Rank {rank} failed first and reported: {message}"
@@ -272,6 +279,10 @@ def _mismatch_message(ranks: Sequence[int], got: Sequence[Checkpoint]) -> str:
             "sharded modules in the same order; make that control flow identical on every rank.")
 
 
+def _rank_in(ranks: Sequence[int]) -> int:
+    return list(ranks).index(_rank())
+
+
 def _describe(cp: Checkpoint) -> str:
     return f"{cp.what} in step {cp.step}"
 
@@ -280,20 +291,14 @@ def _describe(cp: Checkpoint) -> str:
 _CHECKERS: dict[tuple[int, ...], Checker] = {}
 
 
-def existing_checker(group: dist.ProcessGroup) -> Optional[Checker]:
-    """The checker ``fully_shard`` created over ``group``'s ranks, if any."""
-    checker = _CHECKERS.get(tuple(dist.get_process_group_ranks(group))) if comm.check_collectives else None
-    return checker if checker is not None and checker.group in dist.distributed_c10d._world.pg_map else None
-
-
 def checker_for(group: dist.ProcessGroup) -> Optional[Checker]:
     """The checker over ``group``'s ranks, created (collectively, at
     ``fully_shard``) the first time; None when checks are off."""
     if not comm.check_collectives:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
-    checker = existing_checker(group)
-    if checker is None:
+    checker = _CHECKERS.get(ranks)
+    if checker is None or checker.group not in dist.distributed_c10d._world.pg_map:
         local = len(ranks) != dist.get_world_size()
         check_group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local,
                                      group_desc="compiled_fsdp_check")

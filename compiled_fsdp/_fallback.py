@@ -32,11 +32,10 @@ each child is inlined whole into one fragment.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch._dynamo.callback import CallbackArgs, callback_handler
 
-from ._divergence import set_compiling, stable_code
+from ._divergence import CollectiveMismatchError, set_compiling, stable_code
 
 # group key -> param index -> ids of the Dynamo frames whose graphs read it.
 _TRACED_FRAMES: dict[int, dict[int, set[int]]] = {}
@@ -59,12 +58,29 @@ def record_marker_trace(key: int, param_index: int) -> None:
         _COMPILE_MARKERS[str(compile_id)] = (trace.attempt, seq)
 
 
-def on_compile_start(args: Any) -> None:
+def arm_compile_callbacks() -> None:
+    """Register the two callbacks below with Dynamo unless they are (again
+    after ``torch._dynamo.reset()``, which clears every registration). Called
+    by ``fully_shard`` and at each root forward, before Dynamo compiles it."""
+    if on_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(on_compile_start)
+    if on_compile_end not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(on_compile_end)
+
+
+def disarm_compile_callbacks() -> None:
+    if on_compile_start in callback_handler.start_callbacks:
+        callback_handler.remove_start_callback(on_compile_start)
+    if on_compile_end in callback_handler.end_callbacks:
+        callback_handler.remove_end_callback(on_compile_end)
+
+
+def on_compile_start(args: CallbackArgs) -> None:
     """Dynamo's compile-start callback: peers waiting at a check wait on."""
     set_compiling(True)
 
 
-def on_compile_end(args: Any) -> None:
+def on_compile_end(args: CallbackArgs) -> None:
     """Dynamo's compile-end callback: a frame that reads sharded parameters in
     an order no earlier graph did is checked against the other ranks before it
     runs. See [Note: Agreeing on collectives] in _divergence.py."""
@@ -74,16 +90,21 @@ def on_compile_end(args: Any) -> None:
         return
     from ._param_group import _GROUPS
 
-    group = _GROUPS.get(seq[0][0])
-    if group is None or group.checker is None:
+    groups = [_GROUPS.get(key) for key, _ in seq]
+    if groups[0] is None or groups[0].checker is None:
         return
-    names: list[str] = []
-    for key, _ in seq:
-        other = _GROUPS.get(key)
-        name = "?" if other is None else other.fqn or "<root>"
-        if not names or names[-1] != name:
-            names.append(name)
-    group.checker.check_graph(stable_code(tuple(seq)), "a new compiled graph reading " + ", ".join(names))
+    named = [("?" if g is None else g.label, index) for g, (_, index) in zip(groups, seq)]
+    modules = [name for i, (name, _) in enumerate(named) if i == 0 or named[i - 1][0] != name]
+    try:
+        groups[0].checker.check_graph(stable_code(tuple(named)), "a new compiled graph reading " + ", ".join(modules))
+    except CollectiveMismatchError:
+        # torch 2.13 runs end callbacks before it decrements its count of
+        # pending compiles, so an error here would leave the count at 1: no
+        # callback would run again and torch._dynamo.reset() would fail.
+        counter = "_CompilationCallbackHandler__pending_callbacks_counter"
+        if getattr(callback_handler, counter, 0) > 0:
+            setattr(callback_handler, counter, getattr(callback_handler, counter) - 1)
+        raise
 
 
 def is_split(key: int) -> bool:

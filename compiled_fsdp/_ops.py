@@ -67,7 +67,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._collectives import count_collective, reduce_scatter_flat
-from ._divergence import COLLECTIVE, Checkpoint, existing_checker, stable_code
+from ._divergence import COLLECTIVE, Checkpoint, stable_code
 from ._layout import (
     EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, unpack_gathered,
 )
@@ -101,17 +101,16 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def _check(op: str, group: dist.ProcessGroup, module_key: int, param_index: int) -> None:
+def _check(op: str, module_key: int, param_index: int) -> None:
     """Agree on an unlowered marker's collective before issuing it; see [Note:
     Agreeing on collectives] in _divergence.py."""
-    checker = existing_checker(group)
-    if checker is not None:
-        from ._param_group import _GROUPS
+    from ._param_group import _GROUPS
 
-        owner = _GROUPS.get(module_key)
-        name = "?" if owner is None else owner.fqn or "<root>"
-        checker.check(Checkpoint(COLLECTIVE, checker.step, stable_code(op, module_key, param_index),
-                                 f"the per-parameter {op} of {name}'s parameter {param_index}"))
+    owner = _GROUPS.get(module_key)
+    if owner is not None and owner.checker is not None:
+        owner.checker.check(Checkpoint(
+            COLLECTIVE, owner.checker.step, stable_code(op, owner.fqn, param_index),
+            f"the per-parameter {op} of {owner.label}'s parameter {param_index}"))
 
 
 # ---------------------------------------------------------------------------
@@ -142,9 +141,8 @@ def unshard(
     else:
         gathered = flat.new_empty(world_size * flat.numel())
         count_collective("unbucketed_all_gather")
-        group = _group(group_name)
-        _check("all-gather", group, module_key, param_index)
-        dist.all_gather_single(gathered, flat, group=group)
+        _check("all-gather", module_key, param_index)
+        dist.all_gather_single(gathered, flat, group=_group(group_name))
     # custom ops must not return an alias of an input; `gathered` is fresh.
     return unpack_gathered(EAGER, gathered, specs)[0]
 
@@ -226,9 +224,8 @@ def reduce_grad(
         summed = flat.clone()
     else:
         count_collective("unbucketed_reduce_scatter")
-        group = _group(group_name)
-        _check("reduce-scatter", group, module_key, param_index)
-        summed = reduce_scatter_flat(flat, group, async_op=False).wait()
+        _check("reduce-scatter", module_key, param_index)
+        summed = reduce_scatter_flat(flat, _group(group_name), async_op=False).wait()
     # Sum then divide, cut to the local rows: the bucketed path's steps.
     return split_reduced(EAGER, summed, specs, [local_rows], [grad_dtype])[0]
 

@@ -126,6 +126,11 @@ class FSDPParamGroup:
         root's hooks never run as Python."""
         return self.reshard_after_forward and not self.outermost
 
+    @property
+    def label(self) -> str:
+        """The module's name under its root, for messages ("<root>" for the root)."""
+        return self.fqn or "<root>"
+
     def forward_active(self) -> bool:
         """Whether the eager runtime is inside a forward of this group's root."""
         return self.ctx is not None and self.ctx.in_forward
@@ -225,10 +230,8 @@ class FSDPParamGroup:
         """Announce this group's next eager collective; see [Note: Agreeing on collectives]."""
         if self.checker is None:
             return None
-        name = self.fqn or "<root>"
-        what = f"the eager {op} of {name} ({len(self.fsdp_params)} parameters)"
-        return self.checker.issue(
-            Checkpoint(COLLECTIVE, self.checker.step, stable_code(op, self.key), what))
+        what = f"the eager {op} of {self.label} ({len(self.fsdp_params)} parameters)"
+        return self.checker.issue(Checkpoint(COLLECTIVE, self.checker.step, stable_code(op, self.fqn), what))
 
     def end_iteration(self) -> None:
         """Reset per-iteration state: finish communication, free unsharded memory."""

@@ -58,7 +58,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from ._divergence import Checker, annotate_error
-from ._fallback import is_split
+from ._fallback import arm_compile_callbacks, is_split
 from ._param_group import FSDPParamGroup, ShardedState
 from ._policy import MixedPrecisionPolicy, cast_floating
 
@@ -300,6 +300,7 @@ class FSDPState:
         if self.is_root:
             ctx.begin_iteration()
             if ctx.checker is not None:  # see [Note: Agreeing on collectives] in _divergence.py
+                arm_compile_callbacks()
                 ctx.checker.check_step(ctx.step)
             group = self.param_group
             if in_compiled_call and (group is None or not is_split(group.key)):
@@ -350,7 +351,7 @@ def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:
     """Runs after every forward, also one that raised (``always_call``): a
     collective error there (a peer exited after a failed check) gets that
     peer's report as a note. See [Note: Agreeing on collectives] in _divergence.py."""
-    if not torch.compiler.is_compiling():
+    if output is None and not torch.compiler.is_compiling():  # (None: the forward raised)
         exc = sys.exc_info()[1]
         if exc is not None:
             annotate_error(exc)

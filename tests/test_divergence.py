@@ -52,12 +52,16 @@ def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
 
 def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]]],
-             sleep_before: Optional[int] = None) -> dict:
+             sleep_before: Optional[int] = None, reset: bool = False) -> dict:
     """Train 3 steps with ``routes[rank][step]``; ``sleep_before``: rank 1 sleeps
-    past the bound before that step. Returns what was raised, where and when."""
+    past the bound before that step; ``reset``: ``torch._dynamo.reset()`` after
+    sharding. Returns what was raised, where and when, and whether Dynamo
+    could be reset afterwards."""
     compiled_fsdp.config.comm.check_timeout_s = BOUND_S
     model = _build()
     _shard(model)
+    if reset:
+        torch._dynamo.reset()
     runner = _wrap(model, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = 0
@@ -73,9 +77,10 @@ def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]
             opt.step()
             opt.zero_grad()
     except Exception as e:  # noqa: BLE001 - the test inspects it
+        elapsed = time.monotonic() - start
         notes = "\n".join(getattr(e, "__notes__", ()))  # see annotate_error
-        return {"type": type(e).__name__, "message": f"{e}\n{notes}", "step": step,
-                "elapsed": time.monotonic() - start}
+        torch._dynamo.reset()  # must still work after an error in Dynamo's compile callback
+        return {"type": type(e).__name__, "message": f"{e}\n{notes}", "step": step, "elapsed": elapsed}
     return {"type": None, "step": step}
 
 
@@ -93,6 +98,14 @@ def test_rank_skips_a_block(mode: str) -> None:
         assert "layers.1" in msg and "rank-dependent path" in msg, msg
         if mode == "eager":  # found by comparing, not by waiting (compiled: the time includes compiling)
             assert res["elapsed"] < 1, res
+
+
+def test_checks_survive_dynamo_reset() -> None:
+    """``torch._dynamo.reset()`` after ``fully_shard`` clears Dynamo's callbacks;
+    the root's forward registers them again, so the new graphs are still checked."""
+    for res in run_distributed(_diverge, 2, "aot_eager", [[FULL] * 3, [(0,)] * 3], None, True, timeout=300):
+        assert res["step"] == 0 and "collectives differ" in res["message"], res
+        assert "a new compiled graph reading <root>, layers.0, <root>" in res["message"], res
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager"])
