@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, Optional, Sequence
@@ -141,13 +142,27 @@ class Checker:
     on collectives])."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+        # Weak: c10d holds the group until destroy_process_group; this module's
+        # cache of checkers must not keep it alive past that (to interpreter exit).
+        self._group = weakref.ref(group)
         self.world = group.size()
         self.ranks = dist.get_process_group_ranks(group)
         self.step = 0  # the current step of the root that checks with this group
         self.index = 0  # checks issued in this step (names a check in the records)
         # Codes of the marker sequences every rank has compiled and checked.
         self.agreed_graphs: set[int] = set()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError("compiled_fsdp: the process group was destroyed (destroy_process_group); "
+                               "a model sharded before that cannot run any more.")
+        return group
+
+    def alive(self) -> bool:
+        group = self._group()
+        return group is not None and group in dist.distributed_c10d._world.pg_map
 
     def check_step(self, step: int) -> None:
         self.step, self.index = step, 0
@@ -298,7 +313,7 @@ def checker_for(group: dist.ProcessGroup) -> Optional[Checker]:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
     checker = _CHECKERS.get(ranks)
-    if checker is None or checker.group not in dist.distributed_c10d._world.pg_map:
+    if checker is None or not checker.alive():
         local = len(ranks) != dist.get_world_size()
         check_group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local,
                                      group_desc="compiled_fsdp_check")
