@@ -93,10 +93,11 @@ def on_compile_end(args: CallbackArgs) -> None:
     groups = [_GROUPS.get(key) for key, _ in seq]
     if groups[0] is None or groups[0].checker is None:
         return
-    named = [("?" if g is None else g.label, index) for g, (_, index) in zip(groups, seq)]
-    modules = [name for i, (name, _) in enumerate(named) if i == 0 or named[i - 1][0] != name]
+    names = ["?" if g is None else g.label for g in groups]
+    modules = [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
+    code = stable_code(tuple((None if g is None else g.identity, index) for g, (_, index) in zip(groups, seq)))
     try:
-        groups[0].checker.check_graph(stable_code(tuple(named)), "a new compiled graph reading " + ", ".join(modules))
+        groups[0].checker.check_graph(code, "a new compiled graph reading " + ", ".join(modules))
     except CollectiveMismatchError:
         # torch 2.13 runs end callbacks before it decrements its count of
         # pending compiles, so an error here would leave the count at 1: no

@@ -109,7 +109,7 @@ def _check(op: str, module_key: int, param_index: int) -> None:
     owner = _GROUPS.get(module_key)
     if owner is not None and owner.checker is not None:
         owner.checker.check(Checkpoint(
-            COLLECTIVE, owner.checker.step, stable_code(op, owner.fqn, param_index),
+            COLLECTIVE, owner.checker.step, stable_code(op, owner.identity, param_index),
             f"the per-parameter {op} of {owner.label}'s parameter {param_index}"))
 
 

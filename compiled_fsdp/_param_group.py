@@ -131,6 +131,16 @@ class FSDPParamGroup:
         """The module's name under its root, for messages ("<root>" for the root)."""
         return self.fqn or "<root>"
 
+    @property
+    def identity(self) -> tuple:
+        """What names this group the same on every rank, for the checks of
+        [Note: Agreeing on collectives]: its root's class, its FQN under that
+        root and its parameters' full shapes (not its key, which counts
+        ``fully_shard`` calls and so differs between ranks that shard other
+        models on their own subgroups)."""
+        root = type(self.ctx.root.module).__name__ if self.ctx is not None else ""
+        return (root, self.fqn, tuple(s.full_shape for s in self.specs))
+
     def forward_active(self) -> bool:
         """Whether the eager runtime is inside a forward of this group's root."""
         return self.ctx is not None and self.ctx.in_forward
@@ -231,7 +241,7 @@ class FSDPParamGroup:
         if self.checker is None:
             return None
         what = f"the eager {op} of {self.label} ({len(self.fsdp_params)} parameters)"
-        return self.checker.issue(Checkpoint(COLLECTIVE, self.checker.step, stable_code(op, self.fqn), what))
+        return self.checker.issue(Checkpoint(COLLECTIVE, self.checker.step, stable_code(op, self.identity), what))
 
     def end_iteration(self) -> None:
         """Reset per-iteration state: finish communication, free unsharded memory."""
