@@ -12,7 +12,6 @@ cannot be gathered by one of them alone and is rejected.
 from __future__ import annotations
 
 import itertools
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Union
 
@@ -104,9 +103,8 @@ def _resolve_options(
                            mesh if isinstance(mesh, DeviceMesh) else None, mp_policy, checker_for(group))
 
 
-# Gather group name -> its reduce group, created once per gather group. Weak:
-# c10d holds it until destroy_process_group, this cache never past that.
-_REDUCE_GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
+# Gather group name -> its reduce group, created once per gather group.
+_REDUCE_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
 def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:

@@ -31,7 +31,7 @@ compiled step costs two tiny all-gathers (``STEP``, ``BACKWARD``).
 A check that does not complete within ``config.comm.check_timeout_s`` means
 a rank is stuck or took a path without checks: the waiting ranks raise,
 naming the check and the ranks that did not arrive, from each rank's last
-announcement in the store (``compiled_fsdp/last/<rank>``). Time a peer spends
+announcement in the store (``compiled_fsdp/last/<ranks>/<rank>``). Time a peer spends
 compiling (announced by Dynamo's compile callbacks) does not count. The
 failing rank records its error in the store, and a rank that arrives later
 raises it at its next check instead of running into a collective alone.
@@ -47,7 +47,6 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, Optional, Sequence
@@ -142,27 +141,25 @@ class Checker:
     on collectives])."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        # Weak: c10d holds the group until destroy_process_group; this module's
-        # cache of checkers must not keep it alive past that (to interpreter exit).
-        self._group = weakref.ref(group)
+        self.group = group
         self.world = group.size()
         self.ranks = dist.get_process_group_ranks(group)
         self.step = 0  # the current step of the root that checks with this group
+        self.groups = 0  # parameter groups registered (see ``register``)
+        self._record = f"{_PREFIX}last/{'-'.join(map(str, self.ranks))}/"  # + rank
         self.index = 0  # checks issued in this step (names a check in the records)
         # Codes of the marker sequences every rank has compiled and checked.
         self.agreed_graphs: set[int] = set()
 
-    @property
-    def group(self) -> dist.ProcessGroup:
-        group = self._group()
-        if group is None:
-            raise RuntimeError("compiled_fsdp: the process group was destroyed (destroy_process_group); "
-                               "a model sharded before that cannot run any more.")
-        return group
+    def register(self) -> int:
+        """A number for a new parameter group over these ranks: ``fully_shard``
+        runs in the same order on every member rank, so the numbers agree."""
+        self.groups += 1
+        return self.groups
 
     def alive(self) -> bool:
-        group = self._group()
-        return group is not None and group in dist.distributed_c10d._world.pg_map
+        """False once ``destroy_process_group`` destroyed the check group."""
+        return self.group in dist.distributed_c10d._world.pg_map
 
     def check_step(self, step: int) -> None:
         self.step, self.index = step, 0
@@ -180,7 +177,7 @@ class Checker:
 
     def issue(self, cp: Checkpoint) -> PendingCheck:
         self.index += 1
-        _store().set(f"{_PREFIX}last/{_rank()}", f"{time.time():.3f}|{cp.step}|{self.index}|{cp.what}")
+        _store().set(f"{self._record}{_rank()}", f"{time.time():.3f}|{cp.step}|{self.index}|{cp.what}")
         pending = PendingCheck(self, cp)
         pending.index = self.index
         return pending
@@ -243,7 +240,7 @@ class Checker:
         for r in self.ranks:
             if r == _rank():
                 continue
-            key = f"{_PREFIX}last/{r}"
+            key = f"{self._record}{r}"
             if not store.check([key]):
                 missing.append(r)
                 lines.append(f"rank {r} has not checked anything yet")

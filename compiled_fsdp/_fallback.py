@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
-from ._divergence import CollectiveMismatchError, set_compiling, stable_code
+from ._divergence import set_compiling, stable_code
 
 # group key -> param index -> ids of the Dynamo frames whose graphs read it.
 _TRACED_FRAMES: dict[int, dict[int, set[int]]] = {}
@@ -84,8 +84,21 @@ def on_compile_end(args: CallbackArgs) -> None:
     """Dynamo's compile-end callback: a frame that reads sharded parameters in
     an order no earlier graph did is checked against the other ranks before it
     runs. See [Note: Agreeing on collectives] in _divergence.py."""
+    try:
+        _check_new_graph(str(args.compile_id))
+    except BaseException:
+        # torch 2.13 runs end callbacks before it decrements its count of
+        # pending compiles, so an error here would leave the count at 1: no
+        # callback would run again and torch._dynamo.reset() would fail.
+        counter = "_CompilationCallbackHandler__pending_callbacks_counter"
+        if getattr(callback_handler, counter, 0) > 0:
+            setattr(callback_handler, counter, getattr(callback_handler, counter) - 1)
+        raise
+
+
+def _check_new_graph(compile_id: str) -> None:
     set_compiling(False)
-    _, seq = _COMPILE_MARKERS.pop(str(args.compile_id), (0, []))
+    _, seq = _COMPILE_MARKERS.pop(compile_id, (0, []))
     if not seq:
         return
     from ._param_group import _GROUPS
@@ -96,16 +109,7 @@ def on_compile_end(args: CallbackArgs) -> None:
     names = ["?" if g is None else g.label for g in groups]
     modules = [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
     code = stable_code(tuple((None if g is None else g.identity, index) for g, (_, index) in zip(groups, seq)))
-    try:
-        groups[0].checker.check_graph(code, "a new compiled graph reading " + ", ".join(modules))
-    except CollectiveMismatchError:
-        # torch 2.13 runs end callbacks before it decrements its count of
-        # pending compiles, so an error here would leave the count at 1: no
-        # callback would run again and torch._dynamo.reset() would fail.
-        counter = "_CompilationCallbackHandler__pending_callbacks_counter"
-        if getattr(callback_handler, counter, 0) > 0:
-            setattr(callback_handler, counter, getattr(callback_handler, counter) - 1)
-        raise
+    groups[0].checker.check_graph(code, "a new compiled graph reading " + ", ".join(modules))
 
 
 def is_split(key: int) -> bool:

@@ -3,7 +3,6 @@ that fails instead of hanging, and each rank's exception re-raised in the caller
 Used by the numerics checker and by the tests."""
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import tempfile
@@ -29,9 +28,6 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
             result = {"ok": True, "value": fn(rank, world_size, *args)}
         finally:
             dist.destroy_process_group()
-            # Free what fn left in reference cycles (sharded models hold their
-            # process groups) now, not during interpreter teardown.
-            gc.collect()
     except BaseException:  # noqa: BLE001 - everything goes back to the test process
         result = {"ok": False, "error": traceback.format_exc()}
     with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:

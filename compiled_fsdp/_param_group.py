@@ -105,6 +105,7 @@ class FSDPParamGroup:
         self.state = ShardedState.SHARDED
         # See [Note: Agreeing on collectives] in _divergence.py.
         self.checker = checker
+        self.check_number = checker.register() if checker is not None else -1
         _GROUPS[key] = self
         self._pending_gather: Optional[PendingCollective] = None
         self._gather_check: Optional[PendingCheck] = None
@@ -134,12 +135,12 @@ class FSDPParamGroup:
     @property
     def identity(self) -> tuple:
         """What names this group the same on every rank, for the checks of
-        [Note: Agreeing on collectives]: its root's class, its FQN under that
-        root and its parameters' full shapes (not its key, which counts
-        ``fully_shard`` calls and so differs between ranks that shard other
-        models on their own subgroups)."""
-        root = type(self.ctx.root.module).__name__ if self.ctx is not None else ""
-        return (root, self.fqn, tuple(s.full_shape for s in self.specs))
+        [Note: Agreeing on collectives]: its number among the groups of its
+        checker (``fully_shard`` order on the checker's ranks; not the key,
+        which counts every ``fully_shard`` call in the process and so differs
+        between ranks that also shard models on subgroups of their own) and
+        its parameters' full shapes."""
+        return (self.check_number, tuple(s.full_shape for s in self.specs))
 
     def forward_active(self) -> bool:
         """Whether the eager runtime is inside a forward of this group's root."""

@@ -26,11 +26,14 @@ class RoutedGPT(GPT):
     forward when ranks set different routes)."""
 
     route: tuple[int, ...] = FULL
+    graph_break = False  # break the root's graph after its first block
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for i in self.route:
+        for n, i in enumerate(self.route):
             x = self.layers[i](x)
+            if n == 0 and self.graph_break:
+                torch._dynamo.graph_break()
         return self.head(self.norm(x))
 
 
@@ -59,6 +62,8 @@ def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]
     could be reset afterwards."""
     compiled_fsdp.config.comm.check_timeout_s = BOUND_S
     model = _build()
+    model.graph_break = mode == "aot_eager_break"
+    mode = mode.removesuffix("_break")
     _shard(model)
     if reset:
         torch._dynamo.reset()
@@ -84,12 +89,13 @@ def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]
     return {"type": None, "step": step}
 
 
-MODES = ["eager", "aot_eager", "inductor"]
+MODES = ["eager", "aot_eager", "inductor", "aot_eager_break"]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rank_skips_a_block(mode: str) -> None:
-    """Rank 1 skips layers.1 from the first step: both ranks raise, naming it."""
+    """Rank 1 skips layers.1 from the first step: both ranks raise, naming it;
+    also with a graph break in the root's forward (two frames, each checked)."""
     routes = [[FULL] * 3, [(0,)] * 3]
     for rank, res in enumerate(run_distributed(_diverge, 2, mode, routes, timeout=300)):
         assert res["step"] == 0 and "CollectiveMismatchError" in res["type"] + res["message"], res
@@ -166,6 +172,8 @@ def _uneven(rank: int, world: int, mode: str, how: str) -> dict:
     diffs = []
     for step in range(3):
         mine = tokens(rank, step)
+        with torch.no_grad():  # an evaluation forward: checked, no backward
+            runner(mine)
         loss_fn(runner(mine), mine).backward()
         ref_loss = sum(loss_fn(ref(tokens(r, step)), tokens(r, step)) for r in range(world)) / world
         ref_loss.backward()
@@ -184,6 +192,8 @@ def _uneven(rank: int, world: int, mode: str, how: str) -> dict:
 def test_no_false_alarm(mode: str, how: str) -> None:
     """Different per-rank batch sizes, and one rank recompiling for a new shape
     (its graph reads the same parameters in the same order: harmless), train
-    as the reference does and raise nothing."""
+    as the reference does and raise nothing; so do the no_grad forwards
+    before each step (under aot_eager their markers run unlowered, each
+    parameter's collective checked)."""
     for res in run_distributed(_uneven, 2, mode, how, timeout=400):
         assert max(res["param_diff"]) < 1e-5, res
