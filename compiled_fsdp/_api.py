@@ -12,6 +12,7 @@ cannot be gathered by one of them alone and is rejected.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Union
 
@@ -103,8 +104,9 @@ def _resolve_options(
                            mesh if isinstance(mesh, DeviceMesh) else None, mp_policy, checker_for(group))
 
 
-# Gather group name -> its reduce group, created once per gather group.
-_REDUCE_GROUPS: dict[str, dist.ProcessGroup] = {}
+# Gather group name -> its reduce group, created once per gather group. Weakly:
+# see [Note: Process groups at exit] in _launch.py.
+_REDUCE_GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
 
 
 def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, Optional, Sequence
@@ -141,7 +142,8 @@ class Checker:
     on collectives])."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+        # Weakly: see [Note: Process groups at exit] in _launch.py.
+        self._group = weakref.ref(group)
         self.world = group.size()
         self.ranks = dist.get_process_group_ranks(group)
         self.step = 0  # the current step of the root that checks with this group
@@ -157,9 +159,18 @@ class Checker:
         self.groups += 1
         return self.groups
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError("compiled_fsdp: the process group was destroyed (destroy_process_group); "
+                               "a model sharded before that cannot run any more.")
+        return group
+
     def alive(self) -> bool:
         """False once ``destroy_process_group`` destroyed the check group."""
-        return self.group in dist.distributed_c10d._world.pg_map
+        group = self._group()
+        return group is not None and group in dist.distributed_c10d._world.pg_map
 
     def check_step(self, step: int) -> None:
         self.step, self.index = step, 0
@@ -214,7 +225,10 @@ class Checker:
         self._raise_failed_peer(cp)
 
     def _fail(self, message: str) -> NoReturn:
-        """Raise ``message``, first telling the ranks that come later."""
+        """Raise ``message``, first telling the ranks that come later. The check
+        stays issued: its group must outlive the process (see [Note: Process
+        groups at exit] in _launch.py)."""
+        _ABANDONED.append(self.group)
         _store().set(_FAILED, f"{_rank()}|{message}")
         raise CollectiveMismatchError(message)
 
@@ -299,6 +313,8 @@ def _describe(cp: Checkpoint) -> str:
     return f"{cp.what} in step {cp.step}"
 
 
+# Check groups with a collective left waiting; never destroyed before exit.
+_ABANDONED: list[dist.ProcessGroup] = []
 # Ranks tuple -> its check group, created at fully_shard (see ``check_group_for``).
 _CHECKERS: dict[tuple[int, ...], Checker] = {}
 

@@ -3,6 +3,8 @@ that fails instead of hanging, and each rank's exception re-raised in the caller
 Used by the numerics checker and by the tests."""
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import pickle
 import tempfile
@@ -18,6 +20,19 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable, args: tuple) -> None:
+    """[Note: Process groups at exit]
+    A gloo process group that outlives ``destroy_process_group`` is destroyed
+    during interpreter finalization, which can abort the process
+    (``terminate called without an active exception``; pytorch/pytorch#179291).
+    Sharded models keep their groups alive through reference cycles, and the
+    project's caches hold its own groups only weakly, so collecting right after
+    ``destroy_process_group`` destroys every group while the interpreter is
+    alive. A check group with a collective left waiting (a check that raised)
+    is the exception: destroying it blocks until gloo's own timeout, so
+    ``_divergence`` keeps it referenced to the end. See DESIGN.md, Results:
+    clean exit. ``faulthandler`` prints every thread's Python stack if a rank
+    aborts anyway."""
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     result: dict[str, Any]
@@ -28,6 +43,7 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
             result = {"ok": True, "value": fn(rank, world_size, *args)}
         finally:
             dist.destroy_process_group()
+            gc.collect()  # see the Note above
     except BaseException:  # noqa: BLE001 - everything goes back to the test process
         result = {"ok": False, "error": traceback.format_exc()}
     with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:

@@ -13,6 +13,7 @@ the last (``set_requires_gradient_sync``).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -114,6 +115,10 @@ def main() -> None:
     if not same:
         raise SystemExit("the reloaded checkpoint differs from the saved parameters")
     dist.destroy_process_group()
+    # Free the model's process groups now, not at interpreter exit (see
+    # [Note: Process groups at exit] in compiled_fsdp/_launch.py).
+    del model, step_fn, opt, model_sd, optim_sd, state
+    gc.collect()
 
 
 if __name__ == "__main__":
