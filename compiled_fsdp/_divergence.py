@@ -95,9 +95,6 @@ class Checkpoint:
         kind, step, code = _HEADER.unpack(raw[: _HEADER.size])
         return Checkpoint(kind, step, code, raw[_HEADER.size:].rstrip(b"\0").decode(errors="replace"))
 
-    def same(self, other: "Checkpoint") -> bool:
-        return (self.kind, self.step, self.code) == (other.kind, other.step, other.code)
-
 
 def stable_code(*parts: object) -> int:
     """A code identical on every rank for equal ``parts`` (Python's hash of a
@@ -124,9 +121,9 @@ def set_compiling(active: bool) -> None:
 class PendingCheck:
     """An issued check, not yet compared."""
 
-    def __init__(self, checker: "Checker", cp: Checkpoint) -> None:
+    def __init__(self, checker: "Checker", cp: Checkpoint, index: int) -> None:
         self.checker, self.cp = checker, cp
-        self.index = 0  # its number in the step, set by ``Checker.issue``
+        self.index = index  # its number in the step (see ``Checker.issue``)
         self.out = torch.empty(checker.world * _MSG_BYTES, dtype=torch.uint8)
         self.work: Optional[dist.Work] = dist.all_gather_single(
             self.out, cp.encode(), group=checker.group, async_op=True)
@@ -189,9 +186,7 @@ class Checker:
     def issue(self, cp: Checkpoint) -> PendingCheck:
         self.index += 1
         _store().set(f"{self._record}{_rank()}", f"{time.time():.3f}|{cp.step}|{self.index}|{cp.what}")
-        pending = PendingCheck(self, cp)
-        pending.index = self.index
-        return pending
+        return PendingCheck(self, cp, self.index)
 
     def check(self, cp: Checkpoint) -> None:
         self.issue(cp).wait()
@@ -233,10 +228,10 @@ class Checker:
         raise CollectiveMismatchError(message)
 
     def _raise_failed_peer(self, cp: Checkpoint) -> None:
-        store = _store()
-        if not store.check([_FAILED]):
+        report = _failed_report()
+        if report is None:
             return
-        rank, first = store.get(_FAILED).decode().split("|", 1)
+        rank, first = report
         raise CollectiveMismatchError(
             f"compiled_fsdp: stopping before {cp.what} in step {cp.step}: rank {rank} already failed, "
             f"so the ranks' collectives no longer pair up. Rank {rank} reported: {first}")
@@ -273,6 +268,15 @@ class Checker:
             "rank must reach the same collectives; the bound is compiled_fsdp.config.comm.check_timeout_s.")
 
 
+def _failed_report() -> Optional[tuple[int, str]]:
+    """(rank, message) of the first rank that failed a check, if any did."""
+    store = _store()
+    if not store.check([_FAILED]):
+        return None
+    rank, message = store.get(_FAILED).decode().split("|", 1)
+    return int(rank), message
+
+
 def annotate_error(exc: BaseException) -> None:
     """Add the first failed rank's report as a note to ``exc``, an error that
     left a forward (typically gloo's "Connection closed by peer" inside a
@@ -280,14 +284,14 @@ def annotate_error(exc: BaseException) -> None:
     if isinstance(exc, CollectiveMismatchError) or not hasattr(exc, "add_note") or not dist.is_initialized():
         return
     try:
-        store = _store()
-        if not store.check([_FAILED]):
-            return
-        rank, message = store.get(_FAILED).decode().split("|", 1)
+        report = _failed_report()
     except Exception:  # noqa: BLE001 - the store may be gone with the group; keep the original error
         return
+    if report is None:
+        return
+    rank, message = report
     note = f"Rank {rank} failed first and reported: {message}"
-    if int(rank) != _rank() and note not in getattr(exc, "__notes__", ()):
+    if rank != _rank() and note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
 
 
@@ -315,7 +319,7 @@ def _describe(cp: Checkpoint) -> str:
 
 # Check groups with a collective left waiting; never destroyed before exit.
 _ABANDONED: list[dist.ProcessGroup] = []
-# Ranks tuple -> its check group, created at fully_shard (see ``check_group_for``).
+# Ranks tuple -> its checker, created at fully_shard (see ``checker_for``).
 _CHECKERS: dict[tuple[int, ...], Checker] = {}
 
 
