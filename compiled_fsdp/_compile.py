@@ -69,6 +69,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 # Importing _ops registers the marker ops, so any graph the passes see runs.
 import compiled_fsdp._ops  # noqa: F401
 from compiled_fsdp import _fallback
+from compiled_fsdp._explain import record_units
 from compiled_fsdp.passes import JointPassReport, Observer, has_markers, lower_markers, run_joint_passes
 from compiled_fsdp import config as comm_config
 from compiled_fsdp.passes import config as passes_config
@@ -107,12 +108,23 @@ class _CompiledFSDPJointPass:
         if report.has_markers:
             with _lock:
                 _reports.append(report)
+            _record_units(report)
         if self.inner is not None:
             gm = self.inner(gm, joint_inputs)
         return gm
 
     def __repr__(self) -> str:
         return f"compiled_fsdp joint pass (then {self.inner!r})"
+
+
+def _record_units(report: JointPassReport) -> None:
+    """Hands the units to ``explain()`` ([Note: Units] in passes/units.py)."""
+    units = report.lowering.units if report.lowering is not None else []
+    for key in sorted({u.module_key for u in units}):
+        record_units(key, tuple(
+            f"{u.index}: {', '.join(u.modules) or '-'}, {u.nbytes / 1024:.1f} KiB"
+            f"{'' if u.reshard_after_forward else ', kept for backward'} ({u.reason})"
+            for u in units if u.module_key == key))
 
 
 def _source_files() -> tuple[str, ...]:

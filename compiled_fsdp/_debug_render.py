@@ -13,6 +13,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from compiled_fsdp import _compile
 from compiled_fsdp._state import _MODULE_STATE
 
+from compiled_fsdp.passes._graph import chain_tag
+
 from ._debug_timeline import collective_bytes, collective_label, is_collective
 
 __all__ = ["GraphRecord", "graph_stats", "module_names", "render_graph", "write_index", "write_readme"]
@@ -59,9 +61,9 @@ def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
         runs = 2 if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE else 1
         kinds[kind] = kinds.get(kind, 0) + runs
         total_bytes += runs * collective_bytes(n)
-        info = n.meta.get("compiled_fsdp")
-        if isinstance(info, dict) and "module_key" in info:
-            modules.add(names.get(info["module_key"], str(info["module_key"])))
+        tag = chain_tag(n)
+        if tag is not None:
+            modules.add(f"{names.get(tag.module_key, str(tag.module_key))} unit {tag.unit}")
     return {"kinds": kinds, "bytes": total_bytes, "buckets": sorted(modules)}
 
 
@@ -79,7 +81,7 @@ def render_graph(what: str, rec: GraphRecord, rank: int, body: str) -> str:
         "param_index, local_rows, reshard_after_forward, reduce_group)\n"
         "#   marks a read of a sharded parameter, reduce_grad(...) its gradient; our passes replace them with one\n"
         "#   bucketed _c10d_functional.all_gather_into_tensor / reduce_scatter_tensor (on gloo:\n"
-        "#   all_to_all_single + sum) (+ wait_tensor) per module.\n"
+        "#   all_to_all_single + sum) (+ wait_tensor) per unit (a layer: see the index).\n"
         f"# module_key -> fully sharded module: {_legend(module_names())}\n\n"
         + body
     )
@@ -125,9 +127,22 @@ def _index_line(rec: GraphRecord) -> str:
     else:
         kinds = ", ".join(f"{v} {k}" for k, v in st["kinds"].items()) or "none"
         coll = (f"collectives per step: {sum(st['kinds'].values())} ({kinds}); "
-                f"{st['bytes'] / 1024:.1f} KiB of unsharded data; buckets (one per fully sharded module): {', '.join(st['buckets']) or '-'}")
+                f"{st['bytes'] / 1024:.1f} KiB of unsharded data; buckets: {', '.join(st['buckets']) or '-'}")
     breaks = f"{len(rec.graph_breaks)} graph break(s) (see 00_graph_breaks.txt)" if rec.graph_breaks else "0 graph breaks"
     return f"- **graph {rec.compile_id}** `{rec.frame}` — {coll}; {breaks}"
+
+
+def _unit_lines(rec: GraphRecord, names: dict[int, str]) -> list[str]:
+    """The units the lowering cut each application into ([Note: Units] in
+    passes/units.py); why each is what it is is in 50_pass_reports.txt."""
+    joint = _joint_report(rec)
+    units = joint.lowering.units if joint is not None and joint.lowering is not None else []
+    lines = []
+    for u in units:
+        kept = "" if u.reshard_after_forward else ", kept from forward to backward"
+        lines.append(f"  - unit {names.get(u.module_key, u.module_key)} unit {u.index}: "
+                     f"{', '.join(u.modules) or '-'} ({u.nbytes / 1024:.1f} KiB unsharded{kept})")
+    return lines
 
 
 def write_index(rank_dir: str, rank: int, records: list[GraphRecord]) -> None:
@@ -140,6 +155,7 @@ def write_index(rank_dir: str, rank: int, records: list[GraphRecord]) -> None:
             continue
         _write_reports(rec, names)
         lines.append(_index_line(rec))
+        lines.extend(_unit_lines(rec, names))
         if not rec.inductor_outputs and rec.dynamo_graphs:
             lines.append("  - (no Inductor output code: the backend was not Inductor)")
         for name in sorted(rec.files):
@@ -155,8 +171,10 @@ _README = """# A compiled_fsdp graph dump
 
 compiled_fsdp shards every parameter across ranks (FSDP / ZeRO-3). Under
 torch.compile, a read of a sharded parameter becomes a marker op, and our FX
-passes replace the markers with one bucketed all-gather per fully sharded module
-(forward) and one bucketed reduce-scatter of its gradients (backward).
+passes replace the markers with one bucketed all-gather per unit (forward) and
+one bucketed reduce-scatter of its gradients (backward). A unit is a layer the
+passes chose from the graph (see [Note: Units] in passes/units.py): one
+`fully_shard(model)` is gathered layer by layer. The index lists the units.
 
 Layout: `rank<r>/index.md` lists, per compiled graph, what was compiled and
 how many collectives it runs; `rank<r>/graph_<frame>_<compile>/` holds:

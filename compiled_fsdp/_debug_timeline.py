@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compiled_fsdp.passes._graph import META_KEY, is_reduce_grad, is_unshard
+from compiled_fsdp.passes._graph import ChainTag, chain_tag, is_reduce_grad, is_unshard
 from compiled_fsdp.passes.cost_model import A2A, CostModel, tensor_bytes
 
 __all__ = ["Slice", "chrome_trace", "collective_bytes", "estimate_timeline", "is_collective"]
@@ -70,7 +70,7 @@ def _is_reduce(node: fx.Node) -> bool:
     """A reduce-scatter, a reduce marker, or our all-to-all reduce (gloo; see
     [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py)."""
     return ("reduce_scatter" in str(node.target) or is_reduce_grad(node)
-            or (node.target is A2A and META_KEY in node.meta))
+            or (node.target is A2A and chain_tag(node) is not None))
 
 
 def collective_bytes(node: fx.Node) -> int:
@@ -109,9 +109,9 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 def _label(node: fx.Node, module_names: dict[int, str]) -> dict[str, Any]:
     args: dict[str, Any] = {"node": node.name, "op": str(node.target)}
-    info = node.meta.get(META_KEY)
-    if isinstance(info, dict) and "module_key" in info:
-        args["module"] = module_names.get(int(info["module_key"]), f"module_key {info['module_key']}")
+    tag = chain_tag(node)
+    if tag is not None:
+        args["module"] = _bucket_name(tag, module_names)
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack and "module" not in args:
         args["module"] = list(stack.values())[-1][0]
@@ -131,7 +131,7 @@ def estimate_timeline(
     slices: list[Slice] = []
     t_compute = t_comm = 0.0
     done_at: dict[fx.Node, float] = {}  # collective -> when its data is there
-    regathered: set[int] = set()
+    regathered: set[ChainTag] = set()
     phase_start, phase = 0.0, "forward"
 
     def issue(node: fx.Node, name: str) -> None:
@@ -151,16 +151,15 @@ def estimate_timeline(
             phase_start, phase = t_compute, "backward"
         if node in backward:
             for inp in node.all_input_nodes:
-                info = inp.meta.get(META_KEY)
+                tag = chain_tag(inp)
                 if (
                     inp.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
-                    and isinstance(info, dict) and info.get("module_key") not in regathered
+                    and tag is not None and tag not in regathered
                 ):
-                    key = info.get("module_key")
-                    regathered.add(key)
+                    regathered.add(tag)
                     for c in graph.nodes:  # the chain's collective
-                        if is_collective(c) and (c.meta.get(META_KEY) or {}).get("module_key") == key:
-                            issue(c, f"re-gather {module_names.get(key, key)} (reshard after forward)")
+                        if is_collective(c) and chain_tag(c) == tag:
+                            issue(c, f"re-gather {_bucket_name(tag, module_names)} (reshard after forward)")
                             t_compute = max(t_compute, done_at[c])
                             break
         if is_collective(node):
@@ -192,12 +191,19 @@ def collective_label(node: fx.Node) -> str:
 
 def _collective_name(node: fx.Node, module_names: dict[int, str]) -> str:
     kind = collective_label(node)
-    info = node.meta.get(META_KEY) or {}
-    key = info.get("module_key") if isinstance(info, dict) else None
+    tag = chain_tag(node)
+    if tag is not None:
+        return f"{kind} {_bucket_name(tag, module_names)}"
     if is_unshard(node) or is_reduce_grad(node):
-        key = node.args[4]
-        kind += " (unbucketed marker)"
-    return f"{kind} {module_names.get(key, '')}".strip() if key is not None else kind
+        return f"{kind} (unbucketed marker) {module_names.get(node.args[4], '')}".strip()
+    return kind
+
+
+def _bucket_name(tag: ChainTag, module_names: dict[int, str]) -> str:
+    """``fqn (Class) unit u`` (``+ k more`` when the bucketing merged applications)."""
+    name = module_names.get(tag.module_key, f"module_key {tag.module_key}")
+    more = len(tag.module_keys) - 1
+    return f"{name} unit {tag.unit}" + (f" + {more} more" if more else "")
 
 
 def chrome_trace(slices: list[Slice], process_name: str, pid: int = 0) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """``compiled_fsdp.explain``: after a step, which fully sharded modules ran
-compiled and which fell back to the eager runtime, and why. See
-[Note: Fallback decision rule] in _fallback.py."""
+compiled and which fell back to the eager runtime, and why, and the units
+each one communicates in. See [Note: Fallback decision rule] in _fallback.py
+and [Note: Units] in passes/units.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,11 +20,28 @@ class ModuleReport:
     module_type: str
     path: str  # "compiled", "fallback" (eager under compile), "eager", or "not run"
     reason: Optional[str]  # the graph break that sent it to the eager runtime
+    # What is gathered and reduced together: compiled, the units the passes
+    # chose (one line each); eager, the whole module as one bucket.
+    units: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         name = self.fqn or "<root>"
         line = f"{name:<24} {self.module_type:<16} {self.path}"
-        return line + (f"\n{'':<24} reason: {self.reason}" if self.reason else "")
+        line += f"\n{'':<24} reason: {self.reason}" if self.reason else ""
+        return line + "".join(f"\n{'':<24} unit {u}" for u in self.units)
+
+
+# module_key -> the unit lines of its last lowering, recorded by _compile.py
+# after each joint pass (plain strings: the runtime does not import the passes).
+_UNITS: dict[int, tuple[str, ...]] = {}
+
+
+def record_units(module_key: int, lines: tuple[str, ...]) -> None:
+    _UNITS[module_key] = lines
+
+
+_EAGER_UNIT = ("0: the whole module, one bucket (the eager runtime communicates each fully_shard "
+               "application at once; nest fully_shard per layer for layer-by-layer eager communication)",)
 
 
 def explain(model: nn.Module) -> list[ModuleReport]:
@@ -45,7 +63,14 @@ def explain(model: nn.Module) -> list[ModuleReport]:
                 reason = _SPLIT + (f"; the break: {brk}" if brk else "")
             else:
                 reason = _break_reason(state.module)
-        reports.append(ModuleReport(fqns.get(state.module, "?"), getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason))
+        group = state.param_group
+        if path == "compiled" and group is not None and group.key in _UNITS:
+            units = _UNITS[group.key]
+        else:
+            units = _EAGER_UNIT if path in ("fallback", "eager") else ()
+        reports.append(ModuleReport(
+            fqns.get(state.module, "?"),
+            getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason, units))
     return reports
 
 

@@ -82,7 +82,7 @@ UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
     "int module_key, int param_index, int local_rows, bool reshard_after_forward, "
     "str? reduce_group_name=None, ScalarType? param_dtype=None, ScalarType? reduce_dtype=None, "
-    "Tensor? kept=None, bool sync=True) -> Tensor"
+    "Tensor? kept=None, bool sync=True, bool outermost=False) -> Tensor"
 )
 REDUCE_GRAD_SCHEMA = (
     "(Tensor grad, SymInt[] full_shape, str group_name, int world_size, "
@@ -133,6 +133,7 @@ def unshard(
     reduce_dtype: Optional[torch.dtype] = None,
     kept: Optional[torch.Tensor] = None,
     sync: bool = True,
+    outermost: bool = False,
 ) -> torch.Tensor:
     specs = [_spec(full_shape, world_size)]
     flat = pack_shards(EAGER, [shard], specs, [param_dtype])
@@ -162,6 +163,7 @@ def _unshard_fake(
     reduce_dtype: Optional[torch.dtype] = None,
     kept: Optional[torch.Tensor] = None,
     sync: bool = True,
+    outermost: bool = False,
 ) -> torch.Tensor:
     return shard.new_empty(list(full_shape), dtype=param_dtype or shard.dtype)
 

@@ -232,12 +232,16 @@ class FSDPParam:
                 group.key,
                 self.index,
                 self.local_rows,  # see [Note: Local rows in the marker]
-                group.reshards_after_forward,
+                # The user's policy, and whether the root's rule applies: the
+                # passes split the outermost application into units and reshard
+                # all but the last (see [Note: Units] in passes/units.py).
+                group.reshard_after_forward,
                 group.reduce_group_name,
                 self.param_dtype,
                 self.reduce_dtype,
                 kept,
                 sync,
+                group.outermost,
             )
         ctx = group.ctx if group is not None else None
         if ctx is not None and ctx.compiled_forward and ctx.root.param_group is group:

@@ -67,6 +67,15 @@ class MarkerArgs:
     # False: the gradient is kept, not reduced (see [Note: Accumulation without
     # sync in graphs] in compiled_fsdp/_ops.py).
     sync: bool = True
+    # unshard only: no fully sharded module contains the parameter's (the root's
+    # parameters); the passes split such an application into units (units.py).
+    outermost: bool = False
+
+    @property
+    def reshards(self) -> bool:
+        """Whether the whole application reshards after forward (the eager
+        runtime's rule: the outermost one does not)."""
+        return bool(self.reshard_after_forward) and not self.outermost
 
     @property
     def spec(self) -> ShardSpec:
@@ -123,7 +132,32 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
         reduce_dtype=bound.get("reduce_dtype"),
         grad_dtype=bound.get("grad_dtype"),
         sync=bool(bound["sync"]),
+        outermost=bool(bound.get("outermost", False)),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainTag:
+    """What the lowering records on each node it adds, under
+    ``node.meta[META_KEY]``: the contract between the lowering and the passes
+    and tools that read its output (recompute tags, scheduling, timelines, dumps)."""
+
+    role: str  # "gather_chain" | "reduce_chain" | "keep_chain"
+    module_key: int  # the bucket's first application (the n-th ``fully_shard``)
+    unit: int  # that application's unit, in forward use order (see units.py)
+    module_keys: tuple[int, ...]  # every application in the bucket
+    reshard_after_forward: bool | None  # gather chains: recompute in backward
+
+    @property
+    def bucket(self) -> str:
+        """The bucket's name in reports: ``<module_key>.<unit>``."""
+        return f"{self.module_key}.{self.unit}"
+
+
+def chain_tag(node: fx.Node) -> ChainTag | None:
+    """The lowering's tag on ``node``, if it made it."""
+    tag = node.meta.get(META_KEY)
+    return tag if isinstance(tag, ChainTag) else None
 
 
 class NodeBuilder:

@@ -27,11 +27,38 @@ DESIGN.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch.fx as fx
 
 from ._graph import node_order
+
+T = TypeVar("T")
+
+
+def group_small(items: Sequence[T], size: Callable[[T], int], threshold: int,
+                compatible: Callable[[T, T], bool] = lambda a, b: True) -> list[list[T]]:
+    """Groups ``items`` (in execution order) as [Note: Bucket threshold] says:
+    an item joins the open group when either is small (below ``threshold``
+    and at most 1/8 of the largest item) and they are ``compatible``.
+    ``threshold <= 0`` groups nothing."""
+    if not items:
+        return []
+    largest = max(size(x) for x in items)
+
+    def small(nbytes: int) -> bool:
+        return nbytes < threshold and nbytes * 8 <= largest
+
+    groups: list[list[T]] = []
+    for x in items:
+        if groups:
+            last = groups[-1]
+            if (small(sum(size(y) for y in last)) or small(size(x))) and compatible(last[0], x):
+                last.append(x)
+                continue
+        groups.append([x])
+    return groups
 
 
 def _bytes(bucket) -> int:  # noqa: ANN001 - lowering.BucketPlan (import cycle)
@@ -56,21 +83,10 @@ def merge_small_buckets(graph: fx.Graph, buckets: list, threshold: int,
         return list(buckets)
     order = node_order(graph)
     pick = min if buckets[0].kind == "gather" else max
-    largest = max(_bytes(b) for b in buckets)
 
-    def small(nbytes: int) -> bool:
-        return nbytes < threshold and nbytes * 8 <= largest
-
-    def position(b) -> int:  # noqa: ANN001
+    def position(b: Any) -> int:
         return pick(order[m] for s in b.slots for m in s.markers)
 
-    groups: list[list] = []
-    for b in sorted(buckets, key=position):
-        if groups:
-            last = groups[-1]
-            if (small(sum(_bytes(x) for x in last)) or small(_bytes(b))) and _compatible(last[0], b):
-                last.append(b)
-                continue
-        groups.append([b])
+    groups = group_small(sorted(buckets, key=position), _bytes, threshold, _compatible)
     merged = [g[0] if len(g) == 1 else combine(g) for g in groups]
-    return sorted(merged, key=lambda b: b.module_key)
+    return sorted(merged, key=lambda b: (b.module_key, b.unit))

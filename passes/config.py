@@ -28,6 +28,13 @@ class OverlapConfig:
     # Gather/reduce buckets smaller than this many bytes (unsharded) are merged
     # with their neighbour. See [Note: Bucket threshold] in bucketing.py.
     bucket_bytes: int = 256 * 1024
+    # Cut each application into units chosen from the graph (False: one bucket
+    # per application, as the eager runtime communicates). See [Note: Units] in
+    # units.py.
+    units: bool = True
+    # Units larger than this many bytes (unsharded) split at the modules they
+    # call. None: no ceiling but the root's (half of its bytes).
+    unit_max_bytes: int | None = None
 
 
 overlap = OverlapConfig()

@@ -1,4 +1,8 @@
-"""Lowering: marker ops -> one bucketed functional collective per module.
+"""Lowering: marker ops -> one bucketed functional collective per unit.
+
+Each application's parameters are cut into units first ([Note: Units] in
+units.py); a unit is one gather bucket and one reduce bucket, before the
+bucketing merges small ones across applications ([Note: Bucket threshold]).
 
 The bucket layout is [Note: Bucket layout] in compiled_fsdp/_layout.py: the
 lowering calls the same layout functions as the eager runtime, with its
@@ -39,8 +43,10 @@ from compiled_fsdp._reduce import reduce_by_all_to_all
 
 from .bucketing import merge_small_buckets
 from .config import overlap
+from .units import Unit, choose_units, slot_uses
 from ._graph import (
     META_KEY,
+    ChainTag,
     MarkerArgs,
     NodeBuilder,
     erase_nodes,
@@ -91,6 +97,9 @@ class BucketPlan:
     slots: list[Slot]  # sorted by (module order in the bucket, param_index)
     # Every module in the bucket; more than one after bucketing merged small ones.
     module_keys: list[int] = dataclasses.field(default_factory=list)
+    unit: int = 0  # module_key's unit (see units.py)
+    # Every (module_key, unit) in the bucket.
+    units: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def total_numel(self) -> int:
@@ -113,6 +122,7 @@ def _comm_dtype(kind: str, slot: Slot) -> torch.dtype:
 class LoweringPlan:
     buckets: list[BucketPlan]
     skipped: list[tuple[str, int, str]]  # (kind, module_key, reason)
+    units: list[Unit] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -123,6 +133,8 @@ class BucketReport:
     world_size: int
     param_indices: list[int]
     module_keys: list[int]
+    unit: int
+    units: list[tuple[int, int]]
     markers_replaced: int
     numel: int
     reshard_after_forward: bool | None
@@ -132,6 +144,7 @@ class BucketReport:
 class LoweringReport:
     buckets: list[BucketReport] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
+    units: list[Unit] = dataclasses.field(default_factory=list)
     nodes_moved: int = 0
 
     @property
@@ -236,32 +249,75 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         module_key=module_key,
         group_name=first.group_name,
         world_size=first.world_size,
-        reshard_after_forward=first.reshard_after_forward,
+        reshard_after_forward=first.reshards if kind == "gather" else None,
         slots=ordered,
         module_keys=[module_key],
+        units=[(module_key, 0)],
     )
 
 
 def _combine(group: list[BucketPlan]) -> BucketPlan:
     """One bucket for several modules' slots (see [Note: Bucket threshold])."""
     head = group[0]
+    key, unit = min(u for b in group for u in b.units)
     return dataclasses.replace(
         head,
-        module_key=min(b.module_key for b in group),
+        module_key=key,
+        unit=unit,
         slots=[s for b in group for s in b.slots],
-        module_keys=[k for b in group for k in b.module_keys],
+        module_keys=sorted({k for b in group for k in b.module_keys}),
+        units=[u for b in group for u in b.units],
     )
 
 
+def _plan_units(graph: fx.Graph, gathers: list[BucketPlan]) -> list[Unit]:
+    """The units of each application with a gather bucket; see [Note: Units]."""
+    order = node_order(graph)
+    units: list[Unit] = []
+    for plan in gathers:
+        first = plan.slots[0].args
+        if not overlap.units:
+            units.append(Unit(plan.module_key, 0, tuple(s.args.param_index for s in plan.slots), (),
+                              plan.total_numel * plan.world_size * plan.comm_dtype.itemsize,
+                              first.reshards, "one unit: config.overlap.units is off"))
+            continue
+        size = {s.args.param_index: s.args.spec.shard_numel * plan.world_size * plan.comm_dtype.itemsize
+                for s in plan.slots}
+        uses = slot_uses({s.args.param_index: s.markers for s in plan.slots}, size.__getitem__, order)
+        units.extend(choose_units(plan.module_key, uses, first.outermost,
+                                  bool(first.reshard_after_forward), overlap.unit_max_bytes))
+    return units
+
+
+def _by_unit(plan: BucketPlan, units: list[Unit]) -> list[BucketPlan]:
+    """``plan`` cut into one bucket per unit of its application (a parameter
+    no unit holds stays in unit 0)."""
+    mine = [u for u in units if u.module_key == plan.module_key]
+    if len(mine) < 2:
+        if mine and plan.kind == "gather":
+            return [dataclasses.replace(plan, reshard_after_forward=mine[0].reshard_after_forward)]
+        return [plan]
+    where = {i: u for u in mine for i in u.param_indices}
+    out = []
+    for u in mine:
+        slots = [s for s in plan.slots if where.get(s.args.param_index, mine[0]) is u]
+        if slots:
+            out.append(dataclasses.replace(
+                plan, slots=slots, unit=u.index, units=[(plan.module_key, u.index)],
+                reshard_after_forward=u.reshard_after_forward if plan.kind == "gather" else None))
+    return out
+
+
 def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> LoweringPlan:
-    """Groups the markers of ``gm`` into one gather bucket and one reduce
-    bucket per module_key, then merges buckets smaller than ``bucket_bytes``
-    (default ``config.overlap.bucket_bytes``) with a neighbour. Reads the
-    graph only."""
+    """Groups the markers of ``gm`` by module_key, cuts each application into
+    units ([Note: Units]), makes one gather bucket and one reduce bucket per
+    unit, then merges buckets smaller than ``bucket_bytes`` (default
+    ``config.overlap.bucket_bytes``) with a neighbour. Reads the graph only."""
     if bucket_bytes is None:
         bucket_bytes = overlap.bucket_bytes
     buckets: list[BucketPlan] = []
     skipped: list[tuple[str, int, str]] = []
+    units: list[Unit] = []
     for kind in ("gather", "reduce", "keep"):
         groups, bad = _group_markers(gm.graph, kind)
         skipped.extend(bad)
@@ -271,20 +327,21 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
                 planned.append(_plan_bucket(kind, key, groups[key]))
             except _Skip as e:
                 skipped.append((kind, key, str(e)))
+        if kind == "gather":
+            units = _plan_units(gm.graph, planned)
+        planned = [b for p in planned for b in _by_unit(p, units)]
         # (a kept gradient is not communicated: nothing to merge)
         buckets.extend(planned if kind == "keep" else
                        merge_small_buckets(gm.graph, planned, bucket_bytes, _combine))
-    return LoweringPlan(buckets=buckets, skipped=skipped)
+    return LoweringPlan(buckets=buckets, skipped=skipped, units=units)
 
 
 def _copied_meta(src: fx.Node, plan: BucketPlan) -> dict:
     meta = {k: src.meta[k] for k in _COPIED_META if k in src.meta}
-    meta[META_KEY] = {
-        "role": f"{plan.kind}_chain",
-        "module_key": plan.module_key,
-        "module_keys": list(plan.module_keys),
-        "reshard_after_forward": plan.reshard_after_forward,
-    }
+    meta[META_KEY] = ChainTag(
+        role=f"{plan.kind}_chain", module_key=plan.module_key, unit=plan.unit,
+        module_keys=tuple(plan.module_keys), reshard_after_forward=plan.reshard_after_forward,
+    )
     return meta
 
 
@@ -354,7 +411,7 @@ def _replace_roots(graph: fx.Graph, plan: BucketPlan, results: list[fx.Node]) ->
 
 def apply_lowering(gm: fx.GraphModule, plan: LoweringPlan) -> LoweringReport:
     """Rewrites ``gm`` in place following ``plan``."""
-    report = LoweringReport(skipped=list(plan.skipped))
+    report = LoweringReport(skipped=list(plan.skipped), units=list(plan.units))
     if not plan.buckets:
         return report
     for bucket in plan.buckets:
@@ -370,6 +427,8 @@ def apply_lowering(gm: fx.GraphModule, plan: LoweringPlan) -> LoweringReport:
                 world_size=bucket.world_size,
                 param_indices=[s.args.param_index for s in bucket.slots],
                 module_keys=list(bucket.module_keys),
+                unit=bucket.unit,
+                units=list(bucket.units),
                 markers_replaced=sum(len(s.markers) for s in bucket.slots),
                 numel=bucket.total_numel,
                 reshard_after_forward=bucket.reshard_after_forward,

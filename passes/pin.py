@@ -24,7 +24,7 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch.utils._ordered_set import OrderedSet
 
 from .cost_model import ISSUES, WAIT
-from .timeline import owned_info
+from ._graph import chain_tag
 
 
 def pin_order(graph: fx.Graph) -> int:
@@ -33,18 +33,18 @@ def pin_order(graph: fx.Graph) -> int:
     nodes = [n for n in graph.nodes if n.op == "call_function"]
 
     def is_compute(n: fx.Node) -> bool:
-        return owned_info(n) is None
+        return chain_tag(n) is None
 
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for i, n in enumerate(nodes):
-        if owned_info(n) is None or n.target not in (*ISSUES, WAIT):
+        if chain_tag(n) is None or n.target not in (*ISSUES, WAIT):
             continue
         if n.target is WAIT:
             prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)
             if prev is not None and prev not in n.all_input_nodes:
                 deps.setdefault(n, OrderedSet()).add(prev)
             issued = next((p for p in reversed(nodes[:i]) if p.target in ISSUES
-                           and owned_info(p) is not None), None)
+                           and chain_tag(p) is not None), None)
             if issued is not None and issued not in n.all_input_nodes:
                 deps.setdefault(n, OrderedSet()).add(issued)
         else:

@@ -4,8 +4,8 @@
 After lowering, each module's forward gather is a chain
 ``view(shard) -> cat -> all_gather_into_tensor -> wait_tensor -> view ->
 slice -> clone -> view -> slice``, recorded in
-``node.meta["compiled_fsdp"]["role"] == "gather_chain"``. We tag *every* node
-of the chain:
+``ChainTag.role == "gather_chain"`` (passes/_graph.py), one chain per unit
+(passes/units.py). We tag *every* node of the chain:
 
 * ``reshard_after_forward=True``: ``CheckpointPolicy.MUST_RECOMPUTE``. The
   min-cut partitioner then saves only the chain's inputs (the shards, which
@@ -40,7 +40,7 @@ import dataclasses
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._graph import META_KEY, is_unshard, parse_marker
+from ._graph import chain_tag, is_unshard, parse_marker
 
 FSDP_AC_GRAPH_ID = 2**31 - 1
 
@@ -64,15 +64,15 @@ class RecomputeReport:
 
 
 def _chain_info(node: fx.Node) -> tuple[int, bool] | None:
-    info = node.meta.get(META_KEY)
-    if isinstance(info, dict) and info.get("role") == "gather_chain":
-        return int(info["module_key"]), bool(info["reshard_after_forward"])
+    tag = chain_tag(node)
+    if tag is not None and tag.role == "gather_chain":
+        return tag.module_key, bool(tag.reshard_after_forward)
     if is_unshard(node):
         try:
             _, a = parse_marker(node)
         except ValueError:
             return None
-        return a.module_key, bool(a.reshard_after_forward)
+        return a.module_key, a.reshards
     return None
 
 

@@ -68,7 +68,8 @@ import torch.fx as fx
 
 from .config import OverlapConfig
 from .cost_model import AG, ISSUES, WAIT, CostModel, node_bytes
-from .timeline import Timeline, estimate_peak, owned_info, simulate
+from ._graph import ChainTag, chain_tag
+from .timeline import Timeline, estimate_peak, simulate
 
 _FOREIGN_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "compiled_fsdp")
 
@@ -77,7 +78,7 @@ _FOREIGN_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", 
 class _Coll:
     node: fx.Node
     kind: str
-    module_key: int
+    tag: ChainTag
     nbytes: int
     group: str  # process group name
     cone: list[fx.Node]  # issue chain, graph order
@@ -91,7 +92,7 @@ class _Coll:
 class Move:
     node: str
     kind: str  # "issue" | "wait"
-    module_key: int
+    bucket: str  # ChainTag.bucket
     from_index: int
     to_index: int
 
@@ -113,8 +114,8 @@ class ScheduleReport:
     max_in_flight_bytes: int = 0
     collectives: int = 0
     moves: list[Move] = dataclasses.field(default_factory=list)
-    # The owned collectives and waits in final order: "all_gather:<module_key>",
-    # "reduce_scatter:<module_key>", "wait:<module_key>".
+    # The owned collectives and waits in final order: "all_gather:<bucket>",
+    # "reduce_scatter:<bucket>", "wait:<bucket>" (ChainTag.bucket: "<module_key>.<unit>").
     sequence: list[str] = dataclasses.field(default_factory=list)
     peak_before_bytes: int = 0
     peak_after_bytes: int = 0
@@ -126,7 +127,7 @@ class ScheduleReport:
 
 
 def _is_foreign_collective(n: fx.Node) -> bool:
-    if n.op != "call_function" or owned_info(n) is not None:
+    if n.op != "call_function" or chain_tag(n) is not None:
         return False
     target = n.target
     if not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -134,18 +135,14 @@ def _is_foreign_collective(n: fx.Node) -> bool:
     return target.namespace in _FOREIGN_NAMESPACES
 
 
-def _same_chain(a: fx.Node, info: dict) -> bool:
-    other = owned_info(a)
-    return (
-        other is not None and a.op == "call_function"
-        and other["role"] == info["role"] and other["module_key"] == info["module_key"]
-    )
+def _same_chain(a: fx.Node, tag: ChainTag) -> bool:
+    return a.op == "call_function" and chain_tag(a) == tag
 
 
 def _find_colls(graph: fx.Graph) -> list[_Coll]:
     colls = []
     for n in graph.nodes:
-        info = owned_info(n)
+        info = chain_tag(n)
         if info is None or n.target not in ISSUES:
             continue
         cone: list[fx.Node] = []
@@ -161,7 +158,7 @@ def _find_colls(graph: fx.Graph) -> list[_Coll]:
         waits = [u for u in n.users if u.target is WAIT]
         colls.append(_Coll(
             node=n, kind="gather" if n.target is AG else "reduce",
-            module_key=int(info["module_key"]), nbytes=_held_bytes(n, cone), group=str(n.args[-1]), cone=cone,
+            tag=info, nbytes=_held_bytes(n, cone), group=str(n.args[-1]), cone=cone,
             wait=waits[0] if len(waits) == 1 else None, barrier=-1,
         ))
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -184,7 +181,7 @@ def _lazy_tail(c: _Coll) -> list[fx.Node]:
     copy-out, the local sum of a gloo reduce)."""
     if c.wait is None:
         return []
-    info = owned_info(c.node)
+    info = chain_tag(c.node)
     assert info is not None
     tail, stack = {c.wait: None}, list(c.wait.users)
     while stack:
@@ -336,11 +333,11 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
 def _sequence(order: list[fx.Node]) -> list[str]:
     seq = []
     for n in order:
-        info = owned_info(n)
+        info = chain_tag(n)
         if info is None or n.target not in (*ISSUES, WAIT):
             continue
         what = "wait" if n.target is WAIT else "all_gather" if n.target is AG else "reduce_scatter"
-        seq.append(f"{what}:{info['module_key']}")
+        seq.append(f"{what}:{info.bucket}")
     return seq
 
 
@@ -371,11 +368,11 @@ def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None =
         assert c.wait is not None
         for n, what in ((c.node, "issue"), (c.wait, "wait")):
             if old[n] != new[n]:
-                report.moves.append(Move(n.name, what, c.module_key, old[n], new[n]))
+                report.moves.append(Move(n.name, what, c.tag.bucket, old[n], new[n]))
     in_flight, peak_flight = 0, 0
     live: dict[fx.Node, int] = {}
     for n in plan.order:
-        if n.target in ISSUES and owned_info(n) is not None:
+        if n.target in ISSUES and chain_tag(n) is not None:
             c = next(x for x in colls if x.node is n)
             live[n] = c.nbytes
             in_flight += c.nbytes

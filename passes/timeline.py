@@ -22,7 +22,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from ._graph import META_KEY
+from ._graph import chain_tag
 from .cost_model import AG, ISSUES, WAIT, CostModel, node_bytes
 
 
@@ -30,6 +30,7 @@ from .cost_model import AG, ISSUES, WAIT, CostModel, node_bytes
 class CommEvent:
     kind: str  # "all_gather" | "reduce_scatter"
     module_key: int
+    unit: int  # see passes/units.py
     bytes: int
     issue_s: float
     start_s: float
@@ -40,7 +41,11 @@ class CommEvent:
 
 @dataclasses.dataclass
 class ModuleSpan:
+    """Compute between one unit's gather wait and the next's (in forward), and
+    that unit's communication."""
+
     module_key: int
+    unit: int
     compute_start_s: float
     compute_end_s: float
     compute_s: float
@@ -62,20 +67,15 @@ class Timeline:
         return dataclasses.asdict(self)
 
 
-def owned_info(node: fx.Node) -> dict | None:
-    info = node.meta.get(META_KEY)
-    return info if isinstance(info, dict) and "role" in info else None
-
-
 def simulate(order: list[fx.Node], cost: CostModel) -> Timeline:
     """Predicts the timeline of running ``order`` (see [Note: Timeline model])."""
     tl = Timeline()
     t, queue_end = 0.0, 0.0
     events: dict[fx.Node, CommEvent] = {}
-    spans: dict[int, ModuleSpan] = {}
-    current = -1
+    spans: dict[tuple[int, int], ModuleSpan] = {}
+    current = (-1, 0)
     for n in order:
-        info = owned_info(n)
+        info = chain_tag(n)
         if n.target in ISSUES and info is not None:
             dur = cost.collective_time(n)
             start = max(t, queue_end)
@@ -84,7 +84,7 @@ def simulate(order: list[fx.Node], cost: CostModel) -> Timeline:
             assert isinstance(buf, fx.Node)
             events[n] = CommEvent(
                 kind="all_gather" if n.target is AG else "reduce_scatter",
-                module_key=int(info["module_key"]), bytes=node_bytes(buf),
+                module_key=info.module_key, unit=info.unit, bytes=node_bytes(buf),
                 issue_s=t, start_s=start, end_s=queue_end, wait_s=-1.0, exposed_s=0.0,
             )
             tl.comm_s += dur
@@ -96,14 +96,14 @@ def simulate(order: list[fx.Node], cost: CostModel) -> Timeline:
             t += ev.exposed_s
             tl.exposed_s += ev.exposed_s
             if ev.kind == "all_gather":
-                current = ev.module_key
+                current = (ev.module_key, ev.unit)
             continue
         dt = cost.compute_time(n)
         if dt <= 0.0:
             continue
         span = spans.get(current)
         if span is None:
-            span = spans[current] = ModuleSpan(current, t, t, 0.0, None, None, 0.0)
+            span = spans[current] = ModuleSpan(*current, t, t, 0.0, None, None, 0.0)
         span.compute_end_s = t + dt
         span.compute_s += dt
         t += dt
@@ -111,10 +111,10 @@ def simulate(order: list[fx.Node], cost: CostModel) -> Timeline:
     tl.makespan_s = max(t, queue_end)
     tl.comms = list(events.values())
     for ev in tl.comms:
-        span = spans.get(ev.module_key)
+        key = (ev.module_key, ev.unit)
+        span = spans.get(key)
         if span is None:
-            span = spans[ev.module_key] = ModuleSpan(ev.module_key, ev.start_s, ev.start_s, 0.0,
-                                                     None, None, 0.0)
+            span = spans[key] = ModuleSpan(*key, ev.start_s, ev.start_s, 0.0, None, None, 0.0)
         span.comm_start_s = ev.start_s if span.comm_start_s is None else min(span.comm_start_s, ev.start_s)
         span.comm_end_s = ev.end_s if span.comm_end_s is None else max(span.comm_end_s, ev.end_s)
         span.exposed_s += ev.exposed_s
@@ -141,7 +141,7 @@ def estimate_peak(order: list[fx.Node], graph: fx.Graph) -> int:
         size = node_bytes(n)
         delta[pos[n]] += size
         delta[last + 1 if last < end else end] -= size if last < end else 0
-        if n.target in ISSUES and owned_info(n) is not None:
+        if n.target in ISSUES and chain_tag(n) is not None:
             src = n.args[0]
             waits = [pos[u] for u in n.users if u.target is WAIT and u in pos]
             if isinstance(src, fx.Node) and src in pos and waits:

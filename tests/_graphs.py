@@ -11,6 +11,8 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from compiled_fsdp.passes._graph import chain_tag
+
 AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 A2A = torch.ops._c10d_functional.all_to_all_single.default  # the gloo reduce (see compiled_fsdp/_reduce.py)
@@ -69,7 +71,7 @@ def resharded_gathers(gm: fx.GraphModule) -> list[fx.Node]:
     return [
         n for n in gm.graph.nodes
         if n.op == "call_function" and n.target is AG
-        and n.meta.get("compiled_fsdp", {}).get("reshard_after_forward")
+        and (tag := chain_tag(n)) is not None and tag.reshard_after_forward
     ]
 
 

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import compiled_fsdp._ops  # noqa: F401  (registers the marker ops)
 from compiled_fsdp import _compile
+from compiled_fsdp.passes._graph import chain_tag
 from compiled_fsdp.passes import (
     FSDP_AC_GRAPH_ID,
     apply_lowering,
@@ -73,6 +74,11 @@ def _two_module_graph(n: int = 2, tied: bool = True, raf1: bool = False) -> fx.G
         return torch.nn.functional.linear(h, w2).sum()
 
     return _joint(fn, [[5, 4], [5], [3, 5]], n, [torch.randn(7, 4)])
+
+
+def _role(n: fx.Node) -> str | None:
+    tag = chain_tag(n)
+    return tag.role if tag is not None else None
 
 
 def _calls(gm: fx.GraphModule, target) -> list[fx.Node]:
@@ -165,12 +171,12 @@ def test_recompute_tags() -> None:
     assert report.recompute.modules_recompute == [0]
     assert report.recompute.modules_save == [1]
     for node in gm.graph.nodes:
-        info = node.meta.get("compiled_fsdp")
-        if info and info["role"] == "gather_chain":
-            want = CheckpointPolicy.MUST_RECOMPUTE if info["module_key"] == 0 else CheckpointPolicy.MUST_SAVE
+        info = chain_tag(node)
+        if info and info.role == "gather_chain":
+            want = CheckpointPolicy.MUST_RECOMPUTE if info.module_key == 0 else CheckpointPolicy.MUST_SAVE
             assert node.meta["recompute"] == want, node.format_node()
             assert node.meta["ac_graph_id"] == FSDP_AC_GRAPH_ID
-        elif info and info["role"] == "reduce_chain":
+        elif info and info.role == "reduce_chain":
             assert "recompute" not in node.meta
     # the whole chain is tagged: cat, gather, wait and every view/slice/clone
     ag = _calls(gm, c10d.all_gather_into_tensor.default)[0]
@@ -179,7 +185,7 @@ def test_recompute_tags() -> None:
     chain, frontier = [], list(ag.users)
     while frontier:
         cur = frontier.pop()
-        if cur.meta.get("compiled_fsdp", {}).get("role") == "gather_chain":
+        if _role(cur) == "gather_chain":
             chain.append(cur)
             frontier.extend(cur.users)
     assert len(chain) >= 8 and all(c.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE for c in chain)
@@ -369,17 +375,17 @@ def test_mixed_precision_casts_sit_in_the_chains() -> None:
     report = apply_lowering(gm, plan_lowering(gm, bucket_bytes=1 << 30))
     tag_recompute(gm)
     gathers = sorted(_calls(gm, c10d.all_gather_into_tensor.default),
-                     key=lambda n: n.meta["compiled_fsdp"]["module_key"])
+                     key=lambda n: chain_tag(n).module_key)
     assert [g.args[0].meta["val"].dtype for g in gathers] == [BF16, torch.float32]
     assert report.count("gather") == 2
-    casts = [c for c in _calls(gm, CAST) if c.meta.get("compiled_fsdp", {}).get("role") == "gather_chain"]
+    casts = [c for c in _calls(gm, CAST) if _role(c) == "gather_chain"]
     assert len(casts) == 1 and casts[0].args[1] == BF16
     assert casts[0].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
     assert casts[0].args[0].op == "placeholder"  # the fp32 shard itself
     reduces = sorted(_calls(gm, c10d.reduce_scatter_tensor.default),
-                     key=lambda n: n.meta["compiled_fsdp"]["module_key"])
+                     key=lambda n: chain_tag(n).module_key)
     assert [r.args[0].meta["val"].dtype for r in reduces] == [torch.float32, torch.float32]
-    grad_casts = [c for c in _calls(gm, CAST) if c.meta.get("compiled_fsdp", {}).get("role") == "reduce_chain"]
+    grad_casts = [c for c in _calls(gm, CAST) if _role(c) == "reduce_chain"]
     assert len(grad_casts) == 1 and grad_casts[0].args[0].target is torch.ops.aten.add.Tensor
     assert grad_casts[0].args[0].meta["val"].dtype == BF16  # summed in bf16, then cast
     out = gm.graph.output_node().args[0]

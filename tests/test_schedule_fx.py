@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from compiled_fsdp.passes._graph import ChainTag, chain_tag
 from compiled_fsdp.passes.config import OverlapConfig
 from compiled_fsdp.passes.schedule import schedule_graph
 
@@ -39,7 +40,7 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
             n.meta["val"] = target(*[vals.get(a, a) if isinstance(a, fx.Node) else a for a in args])
         vals[n] = n.meta["val"]
         if meta:
-            n.meta["compiled_fsdp"] = dict(meta)
+            n.meta["compiled_fsdp"] = meta
         return n
 
     def ph(name, shape):
@@ -50,7 +51,7 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
         return n
 
     def reduce_scatter(i: int, out: fx.Node) -> fx.Node:
-        meta = {"role": "reduce_chain", "module_key": i, "reshard_after_forward": None}
+        meta = ChainTag("reduce_chain", i, 0, (i,), None)
         gr = node(aten.mul.Tensor, out, 2.0)
         flat = node(aten.view.default, gr, [D * D], meta=meta)
         if all_to_all:
@@ -68,7 +69,7 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
         if foreign_at == i:
             ar = node(c10d.all_reduce.default, x, "sum", GROUP)
             x = node(WAIT, ar)
-        meta = {"role": "gather_chain", "module_key": i, "reshard_after_forward": True}
+        meta = ChainTag("gather_chain", i, 0, (i,), True)
         ag = node(AG, s, 2, GROUP, meta=meta)
         w = node(aten.view.default, node(WAIT, ag, meta=meta), [D, D], meta=meta)
         x = node(aten.relu.default, node(aten.mm.default, x, w))
@@ -87,7 +88,7 @@ def _pos(g: fx.Graph) -> dict[fx.Node, int]:
 
 
 def _collectives(g: fx.Graph) -> list[tuple[str, int]]:
-    return [(str(n.target), n.meta.get("compiled_fsdp", {}).get("module_key", -1))
+    return [(str(n.target), chain_tag(n).module_key if chain_tag(n) else -1)
             for n in g.nodes if n.op == "call_function" and n.target in (AG, RS, c10d.all_reduce.default)]
 
 
@@ -111,7 +112,7 @@ def test_prefetch_moves_gathers_early_and_waits_late() -> None:
     assert _collectives(g) == before  # collective order unchanged
     seq = rep.sequence
     # gathers 0 and 1 issued before wait 0 (prefetch), wait i right before module i's matmul
-    assert seq[:3] == ["all_gather:0", "all_gather:1", "wait:0"]
+    assert seq[:3] == ["all_gather:0.0", "all_gather:1.0", "wait:0.0"]
     pos = _pos(g)
     for n in g.nodes:
         if n.target is WAIT:
@@ -152,14 +153,14 @@ def test_reduce_scatter_issued_early_waited_late_order_kept() -> None:
             assert all(b is n.args[0] or b.target is WAIT for b in between), between
     # the first reduce-scatter's wait is deferred past the second's issue
     seq = rep.sequence
-    assert seq.index("reduce_scatter:1") < seq.index("wait:2", seq.index("reduce_scatter:2"))
+    assert seq.index("reduce_scatter:1.0") < seq.index("wait:2.0", seq.index("reduce_scatter:2.0"))
 
 
 def _per_group(g: fx.Graph) -> dict[str, list[tuple[str, int]]]:
     out: dict[str, list[tuple[str, int]]] = {}
     for n in g.nodes:
         if n.op == "call_function" and n.target in (AG, RS, A2A):
-            out.setdefault(n.args[-1], []).append((str(n.target), n.meta["compiled_fsdp"]["module_key"]))
+            out.setdefault(n.args[-1], []).append((str(n.target), chain_tag(n).module_key))
     return out
 
 
@@ -181,7 +182,7 @@ def test_gather_passes_reduce_scatter_only_on_another_group() -> None:
     assert _per_group(two) == before
     seq = rep.sequence
     for i in range(3):
-        assert seq.index(f"all_gather:{i + 1}") < seq.index(f"reduce_scatter:{i}"), seq
+        assert seq.index(f"all_gather:{i + 1}.0") < seq.index(f"reduce_scatter:{i}.0"), seq
 
 
 def test_reduce_tail_follows_its_wait() -> None:
@@ -205,7 +206,7 @@ def test_reduce_tail_follows_its_wait() -> None:
                 aten.view.default, aten.sum.dim_IntList, aten.div.Tensor], nodes[i:i + 4]
     seq = rep.sequence
     for i in range(5):  # and the overlap it is for: the next gather passes the reduce
-        assert seq.index(f"all_gather:{i + 1}") < seq.index(f"reduce_scatter:{i}"), seq
+        assert seq.index(f"all_gather:{i + 1}.0") < seq.index(f"reduce_scatter:{i}.0"), seq
 
 
 def test_foreign_collective_is_a_barrier() -> None:
@@ -218,7 +219,7 @@ def test_foreign_collective_is_a_barrier() -> None:
     (ar,) = [n for n in g.nodes if n.target is c10d.all_reduce.default]
     for n in g.nodes:
         if n.target is AG:
-            key = n.meta["compiled_fsdp"]["module_key"]
+            key = chain_tag(n).module_key
             (wait,) = n.users
             if key < 2:  # issued and waited before the barrier
                 assert pos[wait] < pos[ar]

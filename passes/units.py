@@ -1,0 +1,199 @@
+"""Units: which of an application's parameters are gathered and reduced together.
+
+[Note: Units]
+``fully_shard(module)`` makes one *application*: the parameters it owns. The
+eager runtime communicates an application as one bucket. The lowering instead
+cuts each application of a graph into *units* chosen from the graph, so that a
+single ``fully_shard(model)`` gathers and reduces layer by layer:
+
+1. Each parameter is placed where it is first read: the ``nn_module_stack`` of
+   its first marker (graph order), a path of module calls from the compiled
+   frame. Stack entries are compared by their keys only (never by parsing a
+   name); the names appear in reports. The application's node is the longest
+   path all its parameters share.
+2. An application no other fully sharded module contains (the root: a single
+   call, or the root's leftovers when the user nested) starts as one piece per
+   module its node calls, in first-use order, plus one piece for the
+   parameters the node reads itself (``GPT.pos``). An application the user
+   nested inside another starts whole: their nesting is their choice of units.
+3. A piece larger than the ceiling splits the same way at the modules its node
+   calls, recursively (a piece read by one module only cannot split). The
+   ceiling is ``config.overlap.unit_max_bytes`` (None: none), and for the root also
+   half the application's bytes: with about two units in flight (the
+   scheduler's budget), a unit of more than half would hold as much as the
+   unsharded model. That is what splits a container called as one module (an
+   ``nn.Sequential`` of blocks) into its blocks.
+4. Every unit reshards after forward as the user asked, except the root's unit
+   whose last forward use comes last: backward needs it first, so re-gathering
+   it would be a wasted gather. This is the eager runtime's rule for the root
+   (``FSDPParamGroup.reshards_after_forward``), applied to the unit it is for.
+   A tied embedding and head land in one unit (the embedding's), used first and
+   last, so it stays gathered through forward as the root's bucket did before.
+5. Small units then merge with their neighbours in execution order, across
+   applications, by the bucketing rule ([Note: Bucket threshold] in
+   bucketing.py: below ``config.overlap.bucket_bytes`` and at most 1/8 of the
+   largest bucket), so a norm or a bias-only module does not pay a
+   collective's latency alone. Neighbours in execution order, not within the
+   application: the root's positional embedding (read first) and its final
+   norm (read last) are not neighbours.
+
+Reduce buckets use the same units (the gradient of a parameter is reduced with
+its unit's). Everything above depends on graph structure and agreed sizes only,
+so every rank decides the same. A graph without module stacks (hand-built
+graphs) keeps one unit per application. Tested by tests/test_units_fx.py and
+tests/test_units_dist.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch.fx as fx
+
+# A path of module calls: ((stack key, display name), ...), outermost first.
+Path = tuple[tuple[str, str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One unit of one application (what a gather bucket carries before the
+    bucketing may merge it with another application's)."""
+
+    module_key: int
+    index: int  # in forward use order within the application
+    param_indices: tuple[int, ...]
+    modules: tuple[str, ...]  # the module calls whose reads it holds (display)
+    nbytes: int  # unsharded, in the gathered dtype
+    reshard_after_forward: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotUse:
+    """What the unit choice needs of one parameter of an application."""
+
+    param_index: int
+    path: Path  # where it is first read
+    first: int  # graph position of its first read
+    last: int  # graph position of its last read
+    nbytes: int
+
+
+@dataclasses.dataclass
+class _Piece:
+    path: Path
+    slots: list[SlotUse]
+    reason: str
+    own: bool = False  # the parameters ``path``'s module reads itself
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    @property
+    def first(self) -> int:
+        return min(s.first for s in self.slots)
+
+
+def module_path(node: fx.Node) -> Path:
+    """The module calls ``node`` was traced in, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return tuple((str(k), _display(v)) for k, v in stack.items())
+
+
+def _display(entry: object) -> str:
+    name = entry[0] if isinstance(entry, tuple) and entry else str(entry)
+    return str(name).replace("L['self'].", "").replace("L['self']", "<compiled module>")
+
+
+def _common(paths: Sequence[Path]) -> Path:
+    out: list[tuple[str, str]] = []
+    for level in zip(*paths):
+        if any(p[0] != level[0][0] for p in level):
+            break
+        out.append(level[0])
+    return tuple(out)
+
+
+def _children(piece: _Piece) -> list[_Piece]:
+    """The piece cut at the modules its node calls (first-use order); the
+    node's own reads form one more piece."""
+    depth = len(piece.path)
+    by_key: dict[str, list[SlotUse]] = {}
+    for s in sorted(piece.slots, key=lambda s: s.first):
+        key = s.path[depth][0] if len(s.path) > depth else ""
+        by_key.setdefault(key, []).append(s)
+    out = []
+    for key, slots in by_key.items():
+        path = piece.path if key == "" else piece.path + (next(
+            s.path[depth] for s in slots),)
+        out.append(_Piece(path, slots, "", own=key == ""))
+    return sorted(out, key=lambda p: p.first)
+
+
+def _name(path: Path, own: bool = False) -> str:
+    name = path[-1][1] if path else "<compiled module>"
+    return f"{name} (own reads)" if own else name
+
+
+def _split(piece: _Piece, ceiling: Optional[float]) -> list[_Piece]:
+    if ceiling is None or piece.nbytes <= ceiling:
+        return [piece]
+    kids = _children(piece)
+    if len(kids) < 2:
+        piece.reason += f"; above the ceiling ({int(ceiling)} B) but read by one module"
+        return [piece]
+    out = []
+    for kid in kids:
+        kid.reason = (f"{_name(kid.path, kid.own)}: split from {_name(piece.path)} "
+                      f"({piece.nbytes} B > ceiling {int(ceiling)} B)")
+        out.extend([kid] if kid.own else _split(kid, ceiling))
+    return out
+
+
+def choose_units(
+    module_key: int, uses: Sequence[SlotUse], outermost: bool, reshard: bool,
+    max_bytes: Optional[int],
+) -> list[Unit]:
+    """The units of one application, in forward use order. See [Note: Units]."""
+    ordered = sorted(uses, key=lambda s: s.first)
+    whole = _Piece(_common([s.path for s in ordered]), ordered, "")
+    if not any(s.path for s in ordered):
+        whole.reason = "one unit: the graph records no module calls"
+        pieces = [whole]
+    elif not outermost:
+        whole.reason = "one unit: the user's fully_shard nesting"
+        pieces = _split(whole, max_bytes)
+    else:
+        ceiling = whole.nbytes / 2 if max_bytes is None else min(max_bytes, whole.nbytes / 2)
+        pieces = []
+        for kid in _children(whole):
+            kid.reason = (f"{_name(kid.path, True)}: the root's own reads" if kid.own
+                          else f"{_name(kid.path)}: a module the root calls")
+            pieces.extend([kid] if kid.own else _split(kid, ceiling))
+    last_use = [max(s.last for s in p.slots) for p in pieces]
+    units = []
+    for i, p in enumerate(pieces):
+        keep = outermost and last_use[i] == max(last_use)
+        reason = p.reason
+        if keep and reshard and len(pieces) > 1:
+            reason += "; not resharded: used last in forward, first in backward"
+        units.append(Unit(
+            module_key=module_key, index=i,
+            param_indices=tuple(sorted(s.param_index for s in p.slots)),
+            modules=(_name(p.path, p.own),), nbytes=p.nbytes,
+            reshard_after_forward=reshard and not keep, reason=reason,
+        ))
+    return units
+
+
+def slot_uses(markers_by_param: dict[int, list[fx.Node]], nbytes: Callable[[int], int],
+              order: dict[fx.Node, int]) -> list[SlotUse]:
+    """One ``SlotUse`` per parameter from its markers (any order)."""
+    out = []
+    for index, markers in markers_by_param.items():
+        ms = sorted(markers, key=order.__getitem__)
+        out.append(SlotUse(index, module_path(ms[0]), order[ms[0]], order[ms[-1]], nbytes(index)))
+    return out
