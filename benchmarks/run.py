@@ -11,7 +11,12 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   ours_compiled_onegroup scheduling on, reduce-scatters on the gather group
   ours_compiled_gloors   scheduling on, gradients reduced by gloo's own
                          reduce_scatter_tensor (see [Note: Reduce-scatter on gloo])
+  ours_compiled_single   one fully_shard(model), no nesting: the passes choose
+                         the units (see [Note: Units] in passes/units.py)
+  ..._nounits            config.overlap.units off: one bucket per fully_shard
+                         call (ours_compiled_single_nounits: the whole model)
   ours_eager             compiled_fsdp's eager hook runtime
+  ours_eager_single      the eager runtime on one fully_shard(model)
   ..._nocheck            ours_compiled, ours_eager without the checks that
                          the ranks' collectives agree (config.comm.check_collectives;
                          see [Note: Agreeing on collectives])
@@ -69,7 +74,8 @@ from workloads import comm_rank, overlap_limit_rank, paired_rank, train_rank  # 
 PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only", "overlap_limit",
                 "ours_compiled_nosched", "ours_compiled_gloors"]
 TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_onegroup", "ours_compiled_gloors",
-               "ours_compiled_nocheck", "ours_eager", "ours_eager_nocheck", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
+               "ours_compiled_nocheck", "ours_compiled_single", "ours_compiled_single_nounits",
+               "ours_compiled_nounits", "ours_eager", "ours_eager_single", "ours_eager_nocheck", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
                "ours_compiled_bf16", "fsdp2_eager_bf16", "fsdp2_compiled_bf16", "compute_compiled_bf16"]
 
 
@@ -128,6 +134,10 @@ _RATIOS = [  # (name, numerator, denominator); "max(a, b)" means the larger of b
     ("ours_compiled / ours_compiled_onegroup", "ours_compiled", "ours_compiled_onegroup"),
     ("ours_compiled / ours_compiled_gloors", "ours_compiled", "ours_compiled_gloors"),
     ("ours_eager / fsdp2_eager", "ours_eager", "fsdp2_eager"),
+    ("ours_compiled_single / ours_compiled", "ours_compiled_single", "ours_compiled"),
+    ("ours_compiled_single_nounits / ours_compiled", "ours_compiled_single_nounits", "ours_compiled"),
+    ("ours_compiled / ours_compiled_nounits", "ours_compiled", "ours_compiled_nounits"),
+    ("ours_eager_single / ours_eager", "ours_eager_single", "ours_eager"),
     ("ours_compiled / ours_compiled_nocheck", "ours_compiled", "ours_compiled_nocheck"),
     ("ours_eager / ours_eager_nocheck", "ours_eager", "ours_eager_nocheck"),
     ("ours_compiled_bf16 / compute_compiled_bf16", "ours_compiled_bf16", "compute_compiled_bf16"),
@@ -203,9 +213,11 @@ def main() -> None:
               f"rss {res.get('rss_peak_mb', float('nan')):7.1f} MiB", flush=True)
     ratios = _ratios({k: v["step_s"] for k, v in results["configs"].items()})
     cfg = results["configs"]
-    if {"ours_compiled", "fsdp2_eager"} <= cfg.keys():
-        ratios["step_peak ours_compiled / fsdp2_eager"] = (
-            cfg["ours_compiled"]["step_peak_mb"] / cfg["fsdp2_eager"]["step_peak_mb"])
+    for num, den in (("ours_compiled", "fsdp2_eager"), ("ours_compiled_single", "ours_compiled"),
+                     ("ours_compiled_single_nounits", "ours_compiled"),
+                     ("ours_compiled", "ours_compiled_nounits"), ("ours_eager_single", "ours_eager")):
+        if {num, den} <= cfg.keys():
+            ratios[f"step_peak {num} / {den}"] = cfg[num]["step_peak_mb"] / cfg[den]["step_peak_mb"]
     results["ratios"] = ratios
     for k, v in ratios.items():
         print(f"{k:52s} {v:.3f}")

@@ -121,10 +121,9 @@ def _record_units(report: JointPassReport) -> None:
     """Hands the units to ``explain()`` ([Note: Units] in passes/units.py)."""
     units = report.lowering.units if report.lowering is not None else []
     for key in sorted({u.module_key for u in units}):
-        record_units(key, tuple(
-            f"{u.index}: {', '.join(u.modules) or '-'}, {u.nbytes / 1024:.1f} KiB"
-            f"{'' if u.reshard_after_forward else ', kept for backward'} ({u.reason})"
-            for u in units if u.module_key == key))
+        mine = [u for u in units if u.module_key == key]
+        record_units(key, frozenset(i for u in mine for i in u.param_indices),
+                     tuple(u.describe() for u in mine))
 
 
 def _source_files() -> tuple[str, ...]:

@@ -15,7 +15,7 @@ from compiled_fsdp._state import _MODULE_STATE
 
 from compiled_fsdp.passes._graph import chain_tag
 
-from ._debug_timeline import collective_bytes, collective_label, is_collective
+from ._debug_timeline import bucket_name, collective_bytes, collective_label, is_collective
 
 __all__ = ["GraphRecord", "graph_stats", "module_names", "render_graph", "write_index", "write_readme"]
 
@@ -63,7 +63,7 @@ def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
         total_bytes += runs * collective_bytes(n)
         tag = chain_tag(n)
         if tag is not None:
-            modules.add(f"{names.get(tag.module_key, str(tag.module_key))} unit {tag.unit}")
+            modules.add(bucket_name(tag, names))
     return {"kinds": kinds, "bytes": total_bytes, "buckets": sorted(modules)}
 
 
@@ -137,12 +137,7 @@ def _unit_lines(rec: GraphRecord, names: dict[int, str]) -> list[str]:
     passes/units.py); why each is what it is is in 50_pass_reports.txt."""
     joint = _joint_report(rec)
     units = joint.lowering.units if joint is not None and joint.lowering is not None else []
-    lines = []
-    for u in units:
-        kept = "" if u.reshard_after_forward else ", kept from forward to backward"
-        lines.append(f"  - unit {names.get(u.module_key, u.module_key)} unit {u.index}: "
-                     f"{', '.join(u.modules) or '-'} ({u.nbytes / 1024:.1f} KiB unsharded{kept})")
-    return lines
+    return [f"  - {names.get(u.module_key, u.module_key)} {u.describe()}" for u in units]
 
 
 def write_index(rank_dir: str, rank: int, records: list[GraphRecord]) -> None:

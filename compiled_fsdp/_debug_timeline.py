@@ -111,7 +111,7 @@ def _label(node: fx.Node, module_names: dict[int, str]) -> dict[str, Any]:
     args: dict[str, Any] = {"node": node.name, "op": str(node.target)}
     tag = chain_tag(node)
     if tag is not None:
-        args["module"] = _bucket_name(tag, module_names)
+        args["module"] = bucket_name(tag, module_names)
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack and "module" not in args:
         args["module"] = list(stack.values())[-1][0]
@@ -159,7 +159,7 @@ def estimate_timeline(
                     regathered.add(tag)
                     for c in graph.nodes:  # the chain's collective
                         if is_collective(c) and chain_tag(c) == tag:
-                            issue(c, f"re-gather {_bucket_name(tag, module_names)} (reshard after forward)")
+                            issue(c, f"re-gather {bucket_name(tag, module_names)} (reshard after forward)")
                             t_compute = max(t_compute, done_at[c])
                             break
         if is_collective(node):
@@ -193,16 +193,16 @@ def _collective_name(node: fx.Node, module_names: dict[int, str]) -> str:
     kind = collective_label(node)
     tag = chain_tag(node)
     if tag is not None:
-        return f"{kind} {_bucket_name(tag, module_names)}"
+        return f"{kind} {bucket_name(tag, module_names)}"
     if is_unshard(node) or is_reduce_grad(node):
         return f"{kind} (unbucketed marker) {module_names.get(node.args[4], '')}".strip()
     return kind
 
 
-def _bucket_name(tag: ChainTag, module_names: dict[int, str]) -> str:
-    """``fqn (Class) unit u`` (``+ k more`` when the bucketing merged applications)."""
+def bucket_name(tag: ChainTag, module_names: dict[int, str]) -> str:
+    """``fqn (Class) unit u`` (``+ k more`` when the bucketing merged units)."""
     name = module_names.get(tag.module_key, f"module_key {tag.module_key}")
-    more = len(tag.module_keys) - 1
+    more = len(tag.units) - 1
     return f"{name} unit {tag.unit}" + (f" + {more} more" if more else "")
 
 

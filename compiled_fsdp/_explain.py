@@ -28,19 +28,21 @@ class ModuleReport:
         name = self.fqn or "<root>"
         line = f"{name:<24} {self.module_type:<16} {self.path}"
         line += f"\n{'':<24} reason: {self.reason}" if self.reason else ""
-        return line + "".join(f"\n{'':<24} unit {u}" for u in self.units)
+        return line + "".join(f"\n{'':<24} {u}" for u in self.units)
 
 
-# module_key -> the unit lines of its last lowering, recorded by _compile.py
-# after each joint pass (plain strings: the runtime does not import the passes).
-_UNITS: dict[int, tuple[str, ...]] = {}
+# module_key -> {the parameters one graph read: that graph's unit lines},
+# recorded by _compile.py after each joint pass (plain strings: the runtime
+# does not import the passes). A graph break splits a root's parameters over
+# several graphs; a recompile of a graph replaces its entry.
+_UNITS: dict[int, dict[frozenset[int], tuple[str, ...]]] = {}
 
 
-def record_units(module_key: int, lines: tuple[str, ...]) -> None:
-    _UNITS[module_key] = lines
+def record_units(module_key: int, params: frozenset[int], lines: tuple[str, ...]) -> None:
+    _UNITS.setdefault(module_key, {})[params] = lines
 
 
-_EAGER_UNIT = ("0: the whole module, one bucket (the eager runtime communicates each fully_shard "
+_EAGER_UNIT = ("unit 0: the whole module, one bucket (the eager runtime communicates each fully_shard "
                "application at once; nest fully_shard per layer for layer-by-layer eager communication)",)
 
 
@@ -65,7 +67,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
                 reason = _break_reason(state.module)
         group = state.param_group
         if path == "compiled" and group is not None and group.key in _UNITS:
-            units = _UNITS[group.key]
+            graphs = _UNITS[group.key]
+            units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params])
         else:
             units = _EAGER_UNIT if path in ("fallback", "eager") else ()
         reports.append(ModuleReport(

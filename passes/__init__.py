@@ -90,8 +90,8 @@ class JointPassReport:
         rec = self.recompute or RecomputeReport()
         return (
             f"{low.count('gather')} all-gather buckets, {low.count('reduce')} reduce-scatter "
-            f"buckets, {len(low.skipped)} skipped; recompute on modules {rec.modules_recompute}, "
-            f"save on modules {rec.modules_save}"
+            f"buckets, {len(low.skipped)} skipped; recompute buckets {rec.buckets_recompute}, "
+            f"saved buckets {rec.buckets_save}"
         )
 
 

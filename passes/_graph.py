@@ -53,7 +53,9 @@ class MarkerArgs:
     world_size: int
     module_key: int
     param_index: int
-    reshard_after_forward: bool | None  # None for reduce_grad
+    # The user's policy (None for reduce_grad); ``reshards`` is the eager
+    # runtime's, which the passes apply per unit (see units.py).
+    reshard_after_forward: bool | None
     # unshard only: the group its gradient is reduced on (None: ``group_name``).
     reduce_group_name: str | None = None
     # How many rows of the parameter this rank holds (the shard's dim 0).
@@ -143,9 +145,11 @@ class ChainTag:
     and tools that read its output (recompute tags, scheduling, timelines, dumps)."""
 
     role: str  # "gather_chain" | "reduce_chain" | "keep_chain"
-    module_key: int  # the bucket's first application (the n-th ``fully_shard``)
-    unit: int  # that application's unit, in forward use order (see units.py)
-    module_keys: tuple[int, ...]  # every application in the bucket
+    # The bucket's smallest (module_key, unit): its name. module_key is the n-th
+    # ``fully_shard`` call, unit its index in forward use order (see units.py).
+    module_key: int
+    unit: int
+    units: tuple[tuple[int, int], ...]  # every (module_key, unit) in the bucket
     reshard_after_forward: bool | None  # gather chains: recompute in backward
 
     @property

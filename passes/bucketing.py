@@ -1,4 +1,4 @@
-"""Bucketing: merge small per-module buckets with their neighbours.
+"""Bucketing: merge small per-unit buckets with their neighbours.
 
 [Note: Bucket threshold]
 A collective costs a fixed latency plus a per-byte time (see cost_model.py).
@@ -38,14 +38,17 @@ T = TypeVar("T")
 
 
 def group_small(items: Sequence[T], size: Callable[[T], int], threshold: int,
-                compatible: Callable[[T, T], bool] = lambda a, b: True) -> list[list[T]]:
+                compatible: Callable[[list[T], T], bool],
+                largest: int | None = None) -> list[list[T]]:
     """Groups ``items`` (in execution order) as [Note: Bucket threshold] says:
     an item joins the open group when either is small (below ``threshold``
-    and at most 1/8 of the largest item) and they are ``compatible``.
-    ``threshold <= 0`` groups nothing."""
+    and at most 1/8 of ``largest``, by default the largest item) and
+    ``compatible(group, item)``. ``threshold <= 0`` groups nothing. Used for
+    units (units.py) and buckets."""
     if not items:
         return []
-    largest = max(size(x) for x in items)
+    if largest is None:
+        largest = max(size(x) for x in items)
 
     def small(nbytes: int) -> bool:
         return nbytes < threshold and nbytes * 8 <= largest
@@ -54,15 +57,11 @@ def group_small(items: Sequence[T], size: Callable[[T], int], threshold: int,
     for x in items:
         if groups:
             last = groups[-1]
-            if (small(sum(size(y) for y in last)) or small(size(x))) and compatible(last[0], x):
+            if (small(sum(size(y) for y in last)) or small(size(x))) and compatible(last, x):
                 last.append(x)
                 continue
         groups.append([x])
     return groups
-
-
-def _bytes(bucket) -> int:  # noqa: ANN001 - lowering.BucketPlan (import cycle)
-    return bucket.total_numel * bucket.world_size * bucket.comm_dtype.itemsize
 
 
 def _compatible(a, b) -> bool:  # noqa: ANN001
@@ -87,6 +86,7 @@ def merge_small_buckets(graph: fx.Graph, buckets: list, threshold: int,
     def position(b: Any) -> int:
         return pick(order[m] for s in b.slots for m in s.markers)
 
-    groups = group_small(sorted(buckets, key=position), _bytes, threshold, _compatible)
+    groups = group_small(sorted(buckets, key=position), lambda b: b.nbytes, threshold,
+                         lambda group, b: _compatible(group[0], b))
     merged = [g[0] if len(g) == 1 else combine(g) for g in groups]
     return sorted(merged, key=lambda b: (b.module_key, b.unit))

@@ -95,11 +95,15 @@ class BucketPlan:
     world_size: int
     reshard_after_forward: bool | None
     slots: list[Slot]  # sorted by (module order in the bucket, param_index)
-    # Every module in the bucket; more than one after bucketing merged small ones.
-    module_keys: list[int] = dataclasses.field(default_factory=list)
     unit: int = 0  # module_key's unit (see units.py)
-    # Every (module_key, unit) in the bucket.
+    # Every (module_key, unit) in the bucket; more than one after bucketing
+    # merged small ones.
     units: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def module_keys(self) -> list[int]:
+        """Every application in the bucket."""
+        return sorted({k for k, _ in self.units})
 
     @property
     def total_numel(self) -> int:
@@ -109,6 +113,14 @@ class BucketPlan:
     def comm_dtype(self) -> torch.dtype:
         """The dtype the bucket's collective moves (one per bucket)."""
         return _comm_dtype(self.kind, self.slots[0])
+
+    def slot_bytes(self, slot: Slot) -> int:
+        """Unsharded bytes of one slot in this bucket's collective."""
+        return slot.args.spec.shard_numel * self.world_size * self.comm_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.slot_bytes(s) for s in self.slots)
 
 
 def _comm_dtype(kind: str, slot: Slot) -> torch.dtype:
@@ -249,9 +261,8 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         module_key=module_key,
         group_name=first.group_name,
         world_size=first.world_size,
-        reshard_after_forward=first.reshards if kind == "gather" else None,
+        reshard_after_forward=None,  # gathers: set per unit by _by_unit
         slots=ordered,
-        module_keys=[module_key],
         units=[(module_key, 0)],
     )
 
@@ -265,37 +276,37 @@ def _combine(group: list[BucketPlan]) -> BucketPlan:
         module_key=key,
         unit=unit,
         slots=[s for b in group for s in b.slots],
-        module_keys=sorted({k for b in group for k in b.module_keys}),
         units=[u for b in group for u in b.units],
     )
 
 
-def _plan_units(graph: fx.Graph, gathers: list[BucketPlan]) -> list[Unit]:
+def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -> list[Unit]:
     """The units of each application with a gather bucket; see [Note: Units]."""
     order = node_order(graph)
-    units: list[Unit] = []
-    for plan in gathers:
+    first_reads = {p.module_key: [min(order[m] for m in s.markers) for s in p.slots] for p in gathers}
+    if not overlap.units:
+        return [Unit(p.module_key, 0, tuple(s.args.param_index for s in p.slots), (), p.nbytes,
+                     p.slots[0].args.reshards, "one unit: config.overlap.units is off")
+                for p in gathers]
+
+    def choose(plan: BucketPlan, merge_below: int, largest: int | None) -> list[Unit]:
         first = plan.slots[0].args
-        if not overlap.units:
-            units.append(Unit(plan.module_key, 0, tuple(s.args.param_index for s in plan.slots), (),
-                              plan.total_numel * plan.world_size * plan.comm_dtype.itemsize,
-                              first.reshards, "one unit: config.overlap.units is off"))
-            continue
-        size = {s.args.param_index: s.args.spec.shard_numel * plan.world_size * plan.comm_dtype.itemsize
-                for s in plan.slots}
+        size = {s.args.param_index: plan.slot_bytes(s) for s in plan.slots}
         uses = slot_uses({s.args.param_index: s.markers for s in plan.slots}, size.__getitem__, order)
-        units.extend(choose_units(plan.module_key, uses, first.outermost,
-                                  bool(first.reshard_after_forward), overlap.unit_max_bytes))
-    return units
+        others = sorted(at for key, ats in first_reads.items() if key != plan.module_key for at in ats)
+        return choose_units(plan.module_key, uses, first.outermost, bool(first.reshard_after_forward),
+                            merge_below, overlap.unit_max_bytes, others, largest)
+
+    # "Small" is relative to the graph's largest unmerged piece (see [Note: Units]).
+    largest = max((u.nbytes for p in gathers for u in choose(p, 0, None)), default=0)
+    return [u for p in gathers for u in choose(p, bucket_bytes, largest)]
 
 
 def _by_unit(plan: BucketPlan, units: list[Unit]) -> list[BucketPlan]:
     """``plan`` cut into one bucket per unit of its application (a parameter
     no unit holds stays in unit 0)."""
     mine = [u for u in units if u.module_key == plan.module_key]
-    if len(mine) < 2:
-        if mine and plan.kind == "gather":
-            return [dataclasses.replace(plan, reshard_after_forward=mine[0].reshard_after_forward)]
+    if not mine:
         return [plan]
     where = {i: u for u in mine for i in u.param_indices}
     out = []
@@ -328,7 +339,7 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
             except _Skip as e:
                 skipped.append((kind, key, str(e)))
         if kind == "gather":
-            units = _plan_units(gm.graph, planned)
+            units = _plan_units(gm.graph, planned, bucket_bytes)
         planned = [b for p in planned for b in _by_unit(p, units)]
         # (a kept gradient is not communicated: nothing to merge)
         buckets.extend(planned if kind == "keep" else
@@ -340,7 +351,7 @@ def _copied_meta(src: fx.Node, plan: BucketPlan) -> dict:
     meta = {k: src.meta[k] for k in _COPIED_META if k in src.meta}
     meta[META_KEY] = ChainTag(
         role=f"{plan.kind}_chain", module_key=plan.module_key, unit=plan.unit,
-        module_keys=tuple(plan.module_keys), reshard_after_forward=plan.reshard_after_forward,
+        units=tuple(plan.units), reshard_after_forward=plan.reshard_after_forward,
     )
     return meta
 

@@ -1,4 +1,4 @@
-"""Recompute tagging: reshard-after-forward under compile.
+"""Recompute tagging: reshard-after-forward under compile, per unit.
 
 [Note: Reshard after forward through recompute tags]
 After lowering, each module's forward gather is a chain
@@ -55,24 +55,26 @@ class TagPlan:
 class RecomputeReport:
     must_recompute: int = 0
     must_save: int = 0
-    modules_recompute: list[int] = dataclasses.field(default_factory=list)
-    modules_save: list[int] = dataclasses.field(default_factory=list)
+    # The gather buckets tagged (ChainTag.bucket, "<module_key>.<unit>"), or
+    # "<module_key>" for markers the lowering left in place.
+    buckets_recompute: list[str] = dataclasses.field(default_factory=list)
+    buckets_save: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def changed(self) -> bool:
         return bool(self.must_recompute or self.must_save)
 
 
-def _chain_info(node: fx.Node) -> tuple[int, bool] | None:
+def _chain_info(node: fx.Node) -> tuple[str, bool] | None:
     tag = chain_tag(node)
     if tag is not None and tag.role == "gather_chain":
-        return tag.module_key, bool(tag.reshard_after_forward)
+        return tag.bucket, bool(tag.reshard_after_forward)
     if is_unshard(node):
         try:
             _, a = parse_marker(node)
         except ValueError:
             return None
-        return a.module_key, a.reshards
+        return str(a.module_key), a.reshards
     return None
 
 
@@ -90,8 +92,8 @@ def plan_recompute_tags(gm: fx.GraphModule) -> TagPlan:
 
 def apply_recompute_tags(gm: fx.GraphModule, plan: TagPlan) -> RecomputeReport:
     report = RecomputeReport()
-    recompute_keys: set[int] = set()
-    save_keys: set[int] = set()
+    recompute_keys: set[str] = set()
+    save_keys: set[str] = set()
     for n, policy in plan.tags:
         n.meta["recompute"] = policy
         n.meta["ac_graph_id"] = FSDP_AC_GRAPH_ID
@@ -103,8 +105,8 @@ def apply_recompute_tags(gm: fx.GraphModule, plan: TagPlan) -> RecomputeReport:
         else:
             report.must_save += 1
             save_keys.add(info[0])
-    report.modules_recompute = sorted(recompute_keys)
-    report.modules_save = sorted(save_keys)
+    report.buckets_recompute = sorted(recompute_keys)
+    report.buckets_save = sorted(save_keys)
     return report
 
 

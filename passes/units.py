@@ -23,19 +23,28 @@ single ``fully_shard(model)`` gathers and reduces layer by layer:
    scheduler's budget), a unit of more than half would hold as much as the
    unsharded model. That is what splits a container called as one module (an
    ``nn.Sequential`` of blocks) into its blocks.
-4. Every unit reshards after forward as the user asked, except the root's unit
+4. Small pieces merge with their neighbours by the bucketing rule
+   (``group_small`` in bucketing.py: below ``config.overlap.bucket_bytes`` and
+   at most 1/8 of the largest piece of any application in the graph), so a norm or a positional embedding does
+   not pay a collective's latency alone. Neighbours in the graph's use order:
+   two pieces between whose first reads no other application's parameter is
+   first read (the root's ``pos``, read first, and its final norm, read last,
+   are not neighbours when the user nested the blocks in between).
+5. Every unit reshards after forward as the user asked, except the root's unit
    whose last forward use comes last: backward needs it first, so re-gathering
    it would be a wasted gather. This is the eager runtime's rule for the root
    (``FSDPParamGroup.reshards_after_forward``), applied to the unit it is for.
    A tied embedding and head land in one unit (the embedding's), used first and
    last, so it stays gathered through forward as the root's bucket did before.
-5. Small units then merge with their neighbours in execution order, across
-   applications, by the bucketing rule ([Note: Bucket threshold] in
-   bucketing.py: below ``config.overlap.bucket_bytes`` and at most 1/8 of the
-   largest bucket), so a norm or a bias-only module does not pay a
-   collective's latency alone. Neighbours in execution order, not within the
-   application: the root's positional embedding (read first) and its final
-   norm (read last) are not neighbours.
+   In a graph that holds only part of the root's forward (a graph break in
+   it), "last" is the last in that graph: kept until that graph's backward,
+   as the whole root was before units.
+6. The bucketing then merges small units across applications the same way
+   ([Note: Bucket threshold]), among units of equal resharding.
+
+Blocks sharded with ``fully_shard`` but no ``fully_shard`` on the root are each
+outermost, so each is cut at the modules it calls; applying ``fully_shard`` to
+the root as well (the usual form) keeps them whole.
 
 Reduce buckets use the same units (the gradient of a parameter is reduced with
 its unit's). Everything above depends on graph structure and agreed sizes only,
@@ -51,6 +60,8 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch.fx as fx
+
+from .bucketing import group_small
 
 # A path of module calls: ((stack key, display name), ...), outermost first.
 Path = tuple[tuple[str, str], ...]
@@ -68,6 +79,12 @@ class Unit:
     nbytes: int  # unsharded, in the gathered dtype
     reshard_after_forward: bool
     reason: str
+
+    def describe(self) -> str:
+        """One line for ``explain()`` and the dump's index."""
+        kept = "" if self.reshard_after_forward else ", kept from forward to backward"
+        return (f"unit {self.index}: {', '.join(self.modules) or '-'}, "
+                f"{self.nbytes / 1024:.1f} KiB unsharded{kept} ({self.reason})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +159,9 @@ def _split(piece: _Piece, ceiling: Optional[float]) -> list[_Piece]:
     if ceiling is None or piece.nbytes <= ceiling:
         return [piece]
     kids = _children(piece)
+    if len(kids) == 1 and not kids[0].own:  # a wrapper: look through it
+        kids[0].reason = piece.reason
+        return _split(kids[0], ceiling)
     if len(kids) < 2:
         piece.reason += f"; above the ceiling ({int(ceiling)} B) but read by one module"
         return [piece]
@@ -155,9 +175,13 @@ def _split(piece: _Piece, ceiling: Optional[float]) -> list[_Piece]:
 
 def choose_units(
     module_key: int, uses: Sequence[SlotUse], outermost: bool, reshard: bool,
-    max_bytes: Optional[int],
+    bucket_bytes: int, max_bytes: Optional[int], others: Sequence[int] = (),
+    largest: Optional[int] = None,
 ) -> list[Unit]:
-    """The units of one application, in forward use order. See [Note: Units]."""
+    """The units of one application, in forward use order. ``others``: the
+    graph positions where other applications' parameters are first read;
+    ``largest``: the largest piece of the graph's applications (default: of
+    this one). ``bucket_bytes=0`` merges nothing. See [Note: Units]."""
     ordered = sorted(uses, key=lambda s: s.first)
     whole = _Piece(_common([s.path for s in ordered]), ordered, "")
     if not any(s.path for s in ordered):
@@ -173,17 +197,23 @@ def choose_units(
             kid.reason = (f"{_name(kid.path, True)}: the root's own reads" if kid.own
                           else f"{_name(kid.path)}: a module the root calls")
             pieces.extend([kid] if kid.own else _split(kid, ceiling))
-    last_use = [max(s.last for s in p.slots) for p in pieces]
+    def adjacent(group: list[_Piece], nxt: _Piece) -> bool:
+        return not any(group[-1].first < at < nxt.first for at in others)
+
+    groups = group_small(pieces, lambda p: p.nbytes, bucket_bytes, adjacent, largest)
+    last_use = [max(s.last for p in g for s in p.slots) for g in groups]
     units = []
-    for i, p in enumerate(pieces):
+    for i, g in enumerate(groups):
         keep = outermost and last_use[i] == max(last_use)
-        reason = p.reason
-        if keep and reshard and len(pieces) > 1:
+        reason = "; ".join(p.reason for p in g)
+        if len(g) > 1:
+            reason = f"small neighbours merged (< {bucket_bytes} B): {reason}"
+        if keep and reshard and len(groups) > 1:
             reason += "; not resharded: used last in forward, first in backward"
         units.append(Unit(
             module_key=module_key, index=i,
-            param_indices=tuple(sorted(s.param_index for s in p.slots)),
-            modules=(_name(p.path, p.own),), nbytes=p.nbytes,
+            param_indices=tuple(sorted(s.param_index for p in g for s in p.slots)),
+            modules=tuple(_name(p.path, p.own) for p in g), nbytes=sum(p.nbytes for p in g),
             reshard_after_forward=reshard and not keep, reason=reason,
         ))
     return units

@@ -145,7 +145,8 @@ def test_no_grad_inference(backend: str) -> None:
                 assert diff <= 1e-5 and counts == {}
             else:
                 assert diff == 0.0 and counts == {"unbucketed_all_gather": res["params"]}
-        assert res["gather_buckets"] == ([3] if backend == "inductor" else [])
+        # 2 blocks, and the root's units: embed + pos, head (norm joins layers.1)
+        assert res["gather_buckets"] == ([4] if backend == "inductor" else [])
 
 
 def _structure_rank(rank: int, world: int, reshard: bool) -> dict:
@@ -181,14 +182,17 @@ def test_fullgraph_structure(reshard: bool) -> None:
     for res in run_distributed(_structure_rank, 2, reshard):
         # One forward and one backward graph over 5 steps: no break, no recompile.
         assert res["graphs"] == (1, 1) and res["breaks"] == 0 and res["unique_graphs"] == 1
-        # One bucketed all-gather per fully sharded module (2 blocks + root) ...
-        assert res["fw_gathers"] == 3 and res["fw_reduces"] == 0
-        # ... re-gathered in backward iff resharding (the root is never resharded) ...
+        # One bucketed all-gather per unit: the 2 blocks the user nested, and the
+        # root's leftovers cut into units (see [Note: Units]): embed + pos, and
+        # head (norm is small and joins layers.1's bucket) ...
+        assert res["fw_gathers"] == 4 and res["fw_reduces"] == 0
+        # ... resharded but the head's (used last), re-gathered in backward
+        # where backward reads the weights (not the embedding's) ...
+        assert res["resharded_gathers"] == (3 if reshard else 0)
         assert res["bw_gathers"] == (2 if reshard else 0)
-        # ... and one reduce-scatter per module.
-        assert res["bw_reduces"] == 3
-        # No unsharded parameter of a resharding module is saved for backward.
-        assert res["resharded_gathers"] == (2 if reshard else 0)
+        # ... and one reduce-scatter per unit.
+        assert res["bw_reduces"] == 4
+        # No unsharded parameter of a resharding unit is saved for backward.
         assert res["saved_gathered"] == []
         assert not res["marker_left"]
         assert res["counts"] == [{}] * 5

@@ -51,13 +51,13 @@ def _rank(rank: int, world: int, by_all_to_all: bool) -> dict:
 def test_gloo_reduce(by_all_to_all: bool) -> None:
     """3 ranks with different batches, so the order of the sum shows: the eager
     runtime and aot_eager reduce the same way and give bitwise equal gradients,
-    both within 1e-6 of the reference trained on the global batch; the backward graphs hold one all-to-all per module (the
-    knob turned off: one reduce_scatter_tensor) and no other reduce."""
+    both within 1e-6 of the reference trained on the global batch; the backward graphs hold one all-to-all per reduce
+    bucket (the knob turned off: one reduce_scatter_tensor) and no other reduce."""
     for res in run_distributed(_rank, 3, by_all_to_all):
         for key in ("eager", "compiled"):
             for what in ("loss", "grad", "param"):
                 assert max(res[key][what]) <= 1e-6, (key, what, res[key][what])
         assert res["compiled"]["counts"] == [{}] * 3
         assert res["same_grads"]
-        n_modules = 3  # two blocks and the root
-        assert (res["a2a"], res["rs"]) == ((n_modules, 0) if by_all_to_all else (0, n_modules))
+        n_buckets = 4  # two blocks and the root's two units (see [Note: Units])
+        assert (res["a2a"], res["rs"]) == ((n_buckets, 0) if by_all_to_all else (0, n_buckets))

@@ -49,7 +49,8 @@ def _steps(counts: dict, graph: dict) -> list:
 
 
 # Per case: (eager collectives, in-graph collectives) per step, and the modules
-# that fall back. The root is "" and reshards never; blocks reshard iff `reshard`.
+# that fall back. The root is "", cut into units per fragment graph (each
+# fragment keeps its last-used unit); blocks reshard iff `reshard`.
 CASES = {
     # layers.1 breaks inside: it falls back (gathered eagerly in forward and again in
     # backward, reduced eagerly once). The root's forward is split into two frames
@@ -81,8 +82,11 @@ CASES = {
     ),
     # layers.0 breaks inside and is called twice: two eager gathers in forward (it
     # reshards between the calls), one in backward, one reduce-scatter for both uses.
+    # The first fragment reads only the root's embed and pos, which are the
+    # graph's largest pieces there, so the 1/8 rule keeps them apart: two units
+    # (see [Note: Units]); norm and head merge in the last fragment.
     ("twice", False, True): (
-        _steps({"all_gather": 3, "reduce_scatter": 1}, {"fw_all_gather": 3, "bw_all_gather": 1, "bw_reduce_scatter": 3}),
+        _steps({"all_gather": 3, "reduce_scatter": 1}, {"fw_all_gather": 4, "bw_all_gather": 1, "bw_reduce_scatter": 4}),
         {"layers.0"},
     ),
 }

@@ -168,8 +168,8 @@ def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:
 def test_recompute_tags() -> None:
     gm = _two_module_graph(raf1=False)
     report = run_joint_passes(gm)
-    assert report.recompute.modules_recompute == [0]
-    assert report.recompute.modules_save == [1]
+    assert report.recompute.buckets_recompute == ["0.0"]
+    assert report.recompute.buckets_save == ["1.0"]
     for node in gm.graph.nodes:
         info = chain_tag(node)
         if info and info.role == "gather_chain":

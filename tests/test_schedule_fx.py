@@ -51,7 +51,7 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
         return n
 
     def reduce_scatter(i: int, out: fx.Node) -> fx.Node:
-        meta = ChainTag("reduce_chain", i, 0, (i,), None)
+        meta = ChainTag("reduce_chain", i, 0, ((i, 0),), None)
         gr = node(aten.mul.Tensor, out, 2.0)
         flat = node(aten.view.default, gr, [D * D], meta=meta)
         if all_to_all:
@@ -69,7 +69,7 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
         if foreign_at == i:
             ar = node(c10d.all_reduce.default, x, "sum", GROUP)
             x = node(WAIT, ar)
-        meta = ChainTag("gather_chain", i, 0, (i,), True)
+        meta = ChainTag("gather_chain", i, 0, ((i, 0),), True)
         ag = node(AG, s, 2, GROUP, meta=meta)
         w = node(aten.view.default, node(WAIT, ag, meta=meta), [D, D], meta=meta)
         x = node(aten.relu.default, node(aten.mm.default, x, w))

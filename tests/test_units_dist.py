@@ -51,8 +51,8 @@ def _single_rank(rank: int, world: int, case: str, backend: str) -> dict:
     return res
 
 
-GPT_UNITS = [("embed",), ("<compiled module> (own reads)",), ("layers.0",), ("layers.1",),
-             ("norm",), ("head",)]
+# pos (the root's own read) is small and joins embed; norm joins layers.1.
+GPT_UNITS = [("embed", "<compiled module> (own reads)"), ("layers.0",), ("layers.1", "norm"), ("head",)]
 
 
 @pytest.mark.parametrize("case", ["gpt", "tied", "twice"])
@@ -81,12 +81,12 @@ def test_single_call_aot_eager(case: str) -> None:
         assert root[:2] == ("", "compiled") and len(root[2]) == len(res["units"])
         if case == "gpt":
             assert [m for m, _ in res["units"]] == GPT_UNITS
-            assert [r for _, r in res["units"]] == [True] * 5 + [False]
-            # norm joins layers.1, the root's own pos joins embed: 4 gathers,
-            # and the two blocks are gathered again in backward.
+            assert [r for _, r in res["units"]] == [True] * 3 + [False]
+            # 4 gathers; the two blocks are gathered again in backward (the
+            # embeddings' backward reads no weight).
             assert len(gathers) == 4 and resharded == 3 and bw_gathers == 2
         if case == "tied":  # the tied embedding's unit is used last: kept
-            assert res["units"][0] == (("embed",), False)
+            assert res["units"][0] == (("embed", "<compiled module> (own reads)"), False)
             assert all(r for _, r in res["units"][1:])
         if case == "twice":  # ``shared`` is called twice: one unit, gathered once
             assert [m for m, _ in res["units"]] == [("pre",), ("shared",), ("frozen",), ("out",)]

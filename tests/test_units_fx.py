@@ -14,11 +14,12 @@ from compiled_fsdp.passes.config import overlap
 from compiled_fsdp.passes.units import SlotUse, choose_units
 
 KB = 1024
+BUCKET = 256 * KB  # the default threshold: merges pieces below it and below 1/8 of the largest
 
 
 def _path(*names: str) -> tuple:
     # Stack keys are opaque ids (Dynamo uses id(module)); the name is for display.
-    return tuple((f"id{hash(n) % 997}", n) for n in names)
+    return tuple((f"key:{n}", n) for n in names)
 
 
 def _gpt_uses() -> list[SlotUse]:
@@ -42,41 +43,58 @@ def _layout(units) -> list[tuple]:
 
 
 def test_root_splits_into_the_modules_it_calls() -> None:
-    units = choose_units(0, _gpt_uses(), outermost=True, reshard=True, max_bytes=None)
+    units = choose_units(0, _gpt_uses(), outermost=True, reshard=True, bucket_bytes=BUCKET, max_bytes=None)
     assert _layout(units) == [
-        (("embed",), (1,), True),
-        (("<compiled module> (own reads)",), (0,), True),
+        (("embed", "<compiled module> (own reads)"), (0, 1), True),  # pos is small: merged
         (("layers.0",), (2, 3), True),
-        (("layers.1",), (4, 5), True),
-        (("norm",), (6,), True),
+        (("layers.1", "norm"), (4, 5, 6), True),  # so is the norm
         (("head",), (7,), False),  # used last in forward: kept for backward
     ]
-    assert [u.index for u in units] == list(range(6))
-    assert units[2].nbytes == 300 * KB
-    assert "a module the root calls" in units[2].reason
+    assert [u.index for u in units] == list(range(4))
+    assert units[1].nbytes == 300 * KB
+    assert "a module the root calls" in units[1].reason
+    assert "small neighbours merged" in units[0].reason
     assert "not resharded" in units[-1].reason
+    # Without merging (threshold 0) every module the root calls is a unit.
+    units = choose_units(0, _gpt_uses(), outermost=True, reshard=True, bucket_bytes=0, max_bytes=None)
+    assert [u.modules for u in units] == [
+        ("embed",), ("<compiled module> (own reads)",), ("layers.0",), ("layers.1",), ("norm",),
+        ("head",)]
+
+
+def test_small_pieces_merge_only_with_neighbours_in_use_order() -> None:
+    """The root's leftovers when the user nested the blocks: pos (read first)
+    and norm (read last) are not neighbours; each joins its adjacent piece."""
+    uses = [u for u in _gpt_uses() if u.param_index in (0, 1, 6, 7)]
+    others = [2, 3, 4, 5]  # the nested blocks' parameters are read in between
+    units = choose_units(9, uses, outermost=True, reshard=True, bucket_bytes=BUCKET,
+                         max_bytes=None, others=others)
+    assert _layout(units) == [
+        (("embed", "<compiled module> (own reads)"), (0, 1), True),
+        (("norm", "head"), (6, 7), False),
+    ]
 
 
 def test_reshard_off_keeps_every_unit() -> None:
-    units = choose_units(0, _gpt_uses(), outermost=True, reshard=False, max_bytes=None)
+    units = choose_units(0, _gpt_uses(), outermost=True, reshard=False, bucket_bytes=BUCKET, max_bytes=None)
     assert not any(u.reshard_after_forward for u in units)
 
 
 def test_a_nested_application_is_one_unit() -> None:
     """The user's own nesting is respected: a block sharded on its own stays whole."""
     uses = [u for u in _gpt_uses() if u.param_index in (2, 3)]
-    units = choose_units(3, uses, outermost=False, reshard=True, max_bytes=None)
+    units = choose_units(3, uses, outermost=False, reshard=True, bucket_bytes=BUCKET, max_bytes=None)
     assert _layout(units) == [(("layers.0",), (2, 3), True)]
     assert "nesting" in units[0].reason
 
 
 def test_ceiling_splits_at_submodules() -> None:
-    units = choose_units(0, _gpt_uses(), outermost=True, reshard=True, max_bytes=150 * KB)
-    assert [u.modules for u in units][2:6] == [
-        ("layers.0.attn",), ("layers.0.mlp",), ("layers.1.attn",), ("layers.1.mlp",)]
-    assert "split from layers.0" in units[2].reason
+    units = choose_units(0, _gpt_uses(), outermost=True, reshard=True, bucket_bytes=BUCKET, max_bytes=150 * KB)
+    assert [u.modules for u in units][1:5] == [
+        ("layers.0.attn",), ("layers.0.mlp",), ("layers.1.attn",), ("layers.1.mlp", "norm")]
+    assert "split from layers.0" in units[1].reason
     nested = choose_units(3, [u for u in _gpt_uses() if u.param_index in (2, 3)],
-                          outermost=False, reshard=True, max_bytes=150 * KB)
+                          outermost=False, reshard=True, bucket_bytes=BUCKET, max_bytes=150 * KB)
     assert [u.modules for u in nested] == [("layers.0.attn",), ("layers.0.mlp",)]
 
 
@@ -90,17 +108,27 @@ def test_a_container_holding_most_of_the_root_is_split() -> None:
         SlotUse(3, _path("trunk", "trunk.2"), 3, 3, 100 * KB),
         SlotUse(4, _path("head"), 4, 4, 10 * KB),
     ]
-    units = choose_units(0, uses, outermost=True, reshard=True, max_bytes=None)
+    units = choose_units(0, uses, outermost=True, reshard=True, bucket_bytes=BUCKET, max_bytes=None)
     assert [u.modules for u in units] == [
-        ("embed",), ("trunk.0",), ("trunk.1",), ("trunk.2",), ("head",)]
+        ("embed", "trunk.0"), ("trunk.1",), ("trunk.2", "head")]
 
 
 def test_a_wrapper_root_splits_below_the_common_path() -> None:
     """A root whose every parameter is read inside one child (a wrapper) is cut
     at that child's calls: the application's node is the path all share."""
     uses = [SlotUse(i, _path("inner", f"inner.{i}"), i, i, 50 * KB) for i in range(3)]
-    units = choose_units(0, uses, outermost=True, reshard=True, max_bytes=None)
+    units = choose_units(0, uses, outermost=True, reshard=True, bucket_bytes=BUCKET, max_bytes=None)
     assert [u.modules for u in units] == [("inner.0",), ("inner.1",), ("inner.2",)]
+
+
+def test_a_wrapper_above_the_ceiling_is_looked_through() -> None:
+    """A piece read inside one module only (an encoder wrapping a container of
+    blocks) splits at that module's calls when above the ceiling."""
+    uses = [SlotUse(0, _path("embed"), 0, 0, 10 * KB)] + [
+        SlotUse(i, _path("enc", "enc.trunk", f"enc.trunk.{i}"), i, i, 100 * KB) for i in (1, 2, 3)]
+    units = choose_units(0, uses, outermost=True, reshard=True, bucket_bytes=0, max_bytes=None)
+    assert [u.modules for u in units] == [
+        ("embed",), ("enc.trunk.1",), ("enc.trunk.2",), ("enc.trunk.3",)]
 
 
 def test_tied_weight_unit_is_kept_and_stays_whole() -> None:
@@ -111,14 +139,13 @@ def test_tied_weight_unit_is_kept_and_stays_whole() -> None:
         SlotUse(1, _path("block"), 1, 1, 300 * KB),
         SlotUse(2, _path("norm"), 2, 2, 1 * KB),
     ]
-    units = choose_units(0, uses, outermost=True, reshard=True, max_bytes=None)
-    assert _layout(units) == [(("embed",), (0,), False), (("block",), (1,), True),
-                              (("norm",), (2,), True)]
+    units = choose_units(0, uses, outermost=True, reshard=True, bucket_bytes=BUCKET, max_bytes=None)
+    assert _layout(units) == [(("embed",), (0,), False), (("block", "norm"), (1, 2), True)]
 
 
 def test_no_module_stack_gives_one_unit() -> None:
     uses = [SlotUse(i, (), i, i, KB) for i in range(3)]
-    units = choose_units(0, uses, outermost=True, reshard=True, max_bytes=None)
+    units = choose_units(0, uses, outermost=True, reshard=True, bucket_bytes=BUCKET, max_bytes=None)
     assert _layout(units) == [(("<compiled module>",), (0, 1, 2), False)]
     assert "no module calls" in units[0].reason
 
