@@ -164,9 +164,11 @@ def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int) -> dic
     return out
 
 
-def bucket_numels(world: int) -> tuple[list[int], list[int]]:
-    """Shard numel of each module's bucket, root first then blocks (forward
-    order), padded like the lowering: (root, blocks)."""
+def bucket_numels(world: int) -> tuple[list[int], list[int], list[int]]:
+    """Shard numel of each bucket of the compiled nested step, padded like the
+    lowering: the root's first units (embed, and pos: 512 KiB is above the
+    merge threshold), the blocks, the root's last unit (norm + head), as
+    [Note: Units] cuts them."""
     model = bench()
 
     def shard_numel(params: list[torch.nn.Parameter]) -> int:
@@ -178,9 +180,9 @@ def bucket_numels(world: int) -> tuple[list[int], list[int]]:
         return total
 
     blocks = [shard_numel(list(b.parameters())) for b in model.layers]
-    block_ids = {id(p) for b in model.layers for p in b.parameters()}
-    root = shard_numel([p for p in model.parameters() if id(p) not in block_ids])
-    return [root], blocks
+    first = [shard_numel([model.embed.weight]), shard_numel([model.pos])]
+    last = shard_numel(list(model.norm.parameters()) + list(model.head.parameters()))
+    return first, blocks, [last]
 
 
 def _timed(fn: Callable[[], None]) -> Callable[[], float]:
@@ -194,19 +196,21 @@ def _timed(fn: Callable[[], None]) -> Callable[[], float]:
 
 def _comm_step(world: int) -> tuple[Callable[[], None], int, int]:
     """One step's collectives, in the compiled step's order and sizes: forward
-    gathers (root, blocks), backward re-gathers (blocks, reversed, the root is
-    not resharded), one gradient reduce per module, as the project runs it
+    gathers (the root's first unit, blocks, its last unit), backward re-gathers
+    (blocks, reversed: the embeddings' backward reads no weight, the last unit
+    is kept), one gradient reduce per bucket, as the project runs it
     (on gloo an all-to-all plus a sum, see [Note: Reduce-scatter on gloo]);
     each waited at once. Returns (step function, collective count, unsharded bytes)."""
     from compiled_fsdp._collectives import reduce_scatter_flat
 
     fc = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
-    root, blocks = bucket_numels(world)
-    shards = {n: torch.randn(n) for n in set(root + blocks)}
-    fulls = {n: torch.randn(n * world) for n in set(root + blocks)}
-    plan = ([("ag", n) for n in root + blocks] + [("ag", n) for n in reversed(blocks)]
-            + [("rs", n) for n in reversed(root + blocks)])
+    first, blocks, last = bucket_numels(world)
+    every = first + blocks + last
+    shards = {n: torch.randn(n) for n in set(every)}
+    fulls = {n: torch.randn(n * world) for n in set(every)}
+    plan = ([("ag", n) for n in every] + [("ag", n) for n in reversed(blocks)]
+            + [("rs", n) for n in reversed(every)])
 
     def step() -> None:
         for kind, n in plan:

@@ -12,7 +12,7 @@ decides what to save, so lowering and recompute tagging both run there.
 under ``torch.no_grad()`` or with no parameter requiring grad): AOTAutograd
 compiles them without a joint. Under Inductor the post-grad pass below still
 sees them, so it lowers their markers there (one bucketed all-gather per
-module, then scheduling as for a forward graph). Under ``aot_eager`` nothing
+unit, then scheduling as for a forward graph). Under ``aot_eager`` nothing
 after Dynamo sees an inference graph, so its markers run their eager
 per-parameter collectives: correct, unbucketed, and counted as
 ``unbucketed_all_gather`` by ``collective_counts()``.

@@ -78,7 +78,7 @@ def render_graph(what: str, rec: GraphRecord, rank: int, body: str) -> str:
         f"# graph {rec.compile_id} (frame/compile: a recompile of the same frame gets a new second number), "
         f"rank {rank}; rank{rank}/index.md says which Python function it came from\n"
         "# Reading it: torch.ops.compiled_fsdp.unshard(shard, full_shape, group, world_size, module_key, "
-        "param_index, local_rows, reshard_after_forward, reduce_group)\n"
+        "param_index, local_rows, reshard_after_forward, reduce_group, ..., outermost)\n"
         "#   marks a read of a sharded parameter, reduce_grad(...) its gradient; our passes replace them with one\n"
         "#   bucketed _c10d_functional.all_gather_into_tensor / reduce_scatter_tensor (on gloo:\n"
         "#   all_to_all_single + sum) (+ wait_tensor) per unit (a layer: see the index).\n"

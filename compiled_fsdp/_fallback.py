@@ -7,7 +7,8 @@ module's hooks run (see [Note: Hooks under Dynamo] in _state.py):
 
 - A module whose call Dynamo inlines into a graph (hooks traced to nothing) is
   **compiled**: its parameter reads emit markers, lowered to one bucketed
-  all-gather per graph, its gradients to one reduce-scatter.
+  all-gather per unit of the graph (see [Note: Units] in passes/units.py), its
+  gradients to one reduce-scatter per unit.
 - A non-root module whose hooks run as Python inside a compiled call was called
   from Python because Dynamo broke the graph somewhere inside it: it **falls
   back**. The eager runtime gathers it once (bucketed, prefetched), the compiled
@@ -17,7 +18,7 @@ module's hooks run (see [Note: Hooks under Dynamo] in _state.py):
 - The root's hooks always run as Python under ``torch.compile(model)``, and a
   break anywhere below it splits its forward into several Dynamo frames (the
   frame and its resume functions). Each fragment gathers the root parameters it
-  reads (one bucket per fragment) and reduces their gradients, which is exactly
+  reads (cut into units per fragment) and reduces their gradients, which is exactly
   once per parameter as long as every parameter is read in one fragment only:
   the root stays compiled. A parameter read in two fragments (a tied embedding
   and head with a break between them) would be gathered and reduced twice, so

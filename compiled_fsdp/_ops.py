@@ -6,7 +6,8 @@ into the averaged gradient shard. Both have real (eager) implementations that
 run correct per-parameter collectives, so any backend that does not run our
 passes (e.g. ``backend="eager"``) still trains correctly; under
 ``aot_eager``/Inductor the joint pass (``compiled_fsdp.passes``) replaces them
-with one bucketed collective per fully sharded module.
+with one bucketed collective per unit (a layer: see [Note: Units] in
+passes/units.py).
 
 ``unshard`` reads this rank's ``local_rows`` rows (the DTensor's local tensor)
 and ``reduce_grad`` returns the gradient of those rows; the padding to the

@@ -1,7 +1,7 @@
 """Recompute tagging: reshard-after-forward under compile, per unit.
 
 [Note: Reshard after forward through recompute tags]
-After lowering, each module's forward gather is a chain
+After lowering, each unit's forward gather is a chain
 ``view(shard) -> cat -> all_gather_into_tensor -> wait_tensor -> view ->
 slice -> clone -> view -> slice``, recorded in
 ``ChainTag.role == "gather_chain"`` (passes/_graph.py), one chain per unit

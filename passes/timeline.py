@@ -7,10 +7,10 @@ and one communication queue per process (collectives run in issue order, one
 at a time). A collective starts at max(its issue time, the end of the previous
 collective) and takes ``CostModel.collective_time``; a ``wait_tensor`` blocks
 compute until its collective ends, and that blocked time is the collective's
-*exposed* communication. Compute is attributed to the module whose gather was
+*exposed* communication. Compute is attributed to the unit whose gather was
 most recently waited on (graph order), which is exact for the blocks of a
 forward graph and approximate for backward prologues/epilogues ("-1": before
-any gather).
+any gather). ``ModuleSpan`` is per (module_key, unit).
 
 This is the form the debug dump turns into a Chrome trace: every time is in
 seconds from the graph's start, ``dataclasses.asdict`` gives plain dicts.

@@ -137,7 +137,7 @@ def _inference_rank(rank: int, world: int, backend: str) -> dict:
 def test_no_grad_inference(backend: str) -> None:
     """A frame compiled under ``no_grad`` is an inference graph, which the joint
     pass never sees (see [Note: Inference graphs]). Inductor lowers its markers
-    in the post-grad pass: one bucketed all-gather per module and no eager
+    in the post-grad pass: one bucketed all-gather per unit and no eager
     collective; aot_eager runs them unbucketed. Both match the reference."""
     for res in run_distributed(_inference_rank, 2, backend, timeout=900):
         for diff, counts in res["steps"]:
