@@ -47,7 +47,11 @@ headline ratios are also measured *paired*: ``PAIRED_KINDS`` are built in one
 process pair (each compiled at once under its own knobs) and then run
 alternately, one step of each per iteration, for ``--paired-steps``
 iterations; each ratio is taken per iteration (max over ranks) and its
-median, min and max are reported. Memory is not measured there (the
+median, min and max are reported. The order rotates every iteration: the
+configuration that ran first in every iteration was measured 6-9% slower
+than its own runs in second place (DESIGN.md, "Results: units"), so runs
+before 2026-11-23's rotation put ``ours_compiled``, always first, at that
+disadvantage. Memory is not measured there (the
 configurations share the processes); it comes from the rounds. The same
 method chose ``overlap.cover`` (DESIGN.md, Benchmark).
 

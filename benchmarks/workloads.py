@@ -295,7 +295,9 @@ def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int
                 fn()
         fns[kind] = fn
     times: dict[str, list[float]] = {k: [] for k in kinds}
-    for _ in range(steps):
-        for kind, fn in fns.items():
-            times[kind].append(fn())
+    for i in range(steps):
+        # Rotate who goes first: the first configuration of an iteration runs
+        # measurably slower (see [Note: Paired steps]).
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            times[kind].append(fns[kind]())
     return {"times_s": times}

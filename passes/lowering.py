@@ -285,7 +285,7 @@ def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -
     order = node_order(graph)
     first_reads = {p.module_key: [min(order[m] for m in s.markers) for s in p.slots] for p in gathers}
     if not overlap.units:
-        return [Unit(p.module_key, 0, tuple(s.args.param_index for s in p.slots), (), p.nbytes,
+        return [Unit(p.module_key, 0, tuple(s.args.param_index for s in p.slots), ("<whole module>",), p.nbytes,
                      p.slots[0].args.reshards, "one unit: config.overlap.units is off")
                 for p in gathers]
 

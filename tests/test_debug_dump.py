@@ -107,6 +107,11 @@ def test_env_dump_has_every_file(tmp_path, backend: str) -> None:
         assert "graph 0/0" in index and "collectives per step:" in index, index
         assert "all-gather" in index and "reduce-scatter" in index, index
         assert "0 graph breaks" in index and "FAILED" not in index
+        # The units (see [Note: Units]): the root's leftovers cut in two, the
+        # nested blocks whole; sizes, and the unit kept for backward.
+        assert "unit 0: embed, <compiled module> (own reads)" in index, index
+        assert "unit 1: norm, head" in index and "kept from forward to backward" in index, index
+        assert "unit 0: layers.1" in index and "KiB unsharded" in index, index
         for name in GRAPH_FILES + INDUCTOR_FILES:
             assert name in index
         assert "all_gather_into_tensor" in open(os.path.join(gdir, "21_backward.py")).read()
