@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Union
 
 import torch.distributed as dist
@@ -47,8 +47,9 @@ class ShardingOptions:
     process_group: dist.ProcessGroup
     reshard_after_forward: bool
     # Same ranks as ``process_group``; carries every reduce-scatter. See
-    # [Note: A second group for reduce-scatters].
-    reduce_group: dist.ProcessGroup
+    # [Note: A second group for reduce-scatters]. Made (with ``checker``) by
+    # ``_with_groups`` once the ranks agreed on the settings.
+    reduce_group: Optional[dist.ProcessGroup] = None
     # The user's 1-D mesh, or None: one is built over ``process_group`` for the
     # parameters' device type (see ``mesh_for``).
     mesh: Optional[DeviceMesh] = None
@@ -99,9 +100,22 @@ def _resolve_options(
         group = mesh
     else:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
+    return ShardingOptions(group, reshard_after_forward, None,
+                           mesh if isinstance(mesh, DeviceMesh) else None, mp_policy)
+
+
+def _comm_settings() -> tuple[bool, bool, bool]:
+    """The ``config.comm`` settings that decide which groups exist and which
+    collectives run: every rank must have the same (see [Note: Agreeing at
+    fully_shard])."""
+    return (comm.separate_reduce_group, comm.check_collectives, comm.gloo_reduce_by_all_to_all)
+
+
+def _with_groups(options: ShardingOptions) -> ShardingOptions:
+    """``options`` with its reduce group and checker, created collectively."""
+    group = options.process_group
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
-    return ShardingOptions(group, reshard_after_forward, reduce_group,
-                           mesh if isinstance(mesh, DeviceMesh) else None, mp_policy, checker_for(group))
+    return replace(options, reduce_group=reduce_group, checker=checker_for(group))
 
 
 # Gather group name -> its reduce group, created once per gather group. Weakly:
@@ -188,7 +202,8 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     except (TypeError, ValueError) as exc:
         error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
-    _agree(options.process_group, module, error, (fingerprint, repr(mp)))
+    _agree(options.process_group, module, error, (fingerprint, repr(mp)), _comm_settings())
+    options = _with_groups(options)
     group = None
     if owners:
         mesh = options.mesh_for(_mesh_device_type(next(iter(owners)), options.process_group))
@@ -274,22 +289,33 @@ def _validate(
 
 
 def _agree(
-    group: dist.ProcessGroup, module: nn.Module, error: Optional[tuple[str, str]], fingerprint: object
+    group: dist.ProcessGroup, module: nn.Module, error: Optional[tuple[str, str]], fingerprint: object,
+    settings: object = None,
 ) -> None:
     """[Note: Agreeing at fully_shard]
     A check that fails on one rank only would let the other ranks run on into the
-    first all-gather and wait forever. So every rank shares its verdict and the
-    names, shapes and dtypes of what it is about to shard (one small collective per
-    call, at set-up only), and all ranks raise together if any rank failed or the
-    ranks disagree."""
+    first all-gather and wait forever. So every rank shares its verdict, the
+    names, shapes and dtypes of what it is about to shard, and the ``config.comm``
+    settings that decide which groups it creates next (one small collective per
+    call, at set-up only, before any group is created), and all ranks raise
+    together if any rank failed or the ranks disagree. (A rank with the checks
+    or the reduce group off would otherwise skip a ``new_group`` the others
+    wait in. Tested by tests/test_api.py::test_bad_input_is_a_clear_error_on_every_rank.)"""
     verdicts: list = [None] * group.size()
-    dist.all_gather_object(verdicts, (error, fingerprint), group=group)
-    failed = [(r, e) for r, (e, _) in enumerate(verdicts) if e is not None]
+    dist.all_gather_object(verdicts, (error, fingerprint, settings), group=group)
+    failed = [(r, e) for r, (e, _, _) in enumerate(verdicts) if e is not None]
     if failed:
         rank, (kind, msg) = failed[0]
         raise (TypeError if kind == "TypeError" else ValueError)(
             f"{msg} (found on rank {rank}; every rank stops here)")
-    for r, (_, fp) in enumerate(verdicts):
+    for r, (_, _, theirs) in enumerate(verdicts):
+        if theirs != settings:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): rank {r} has compiled_fsdp.config.comm settings "
+                f"(separate_reduce_group, check_collectives, gloo_reduce_by_all_to_all) = {theirs}, rank "
+                f"{group.rank()} has {settings}. Set them the same way on every rank, before fully_shard."
+            )
+    for r, (_, fp, _) in enumerate(verdicts):
         if fp != fingerprint:
             raise ValueError(
                 f"fully_shard({type(module).__name__}): rank {r} shards different parameters than rank "

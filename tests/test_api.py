@@ -113,6 +113,13 @@ def _bad_input_rank(rank: int, world: int) -> list[str]:
     expect(lambda: fully_shard(_Scalar()), "scalar")
     different = nn.Linear(4, 5 if rank == 1 else 4)
     expect(lambda: fully_shard(different), "shards different parameters")
+    # Only rank 1 turns the checks off: it would skip the check group's
+    # new_group the other rank waits in. Agreed before any group is made.
+    compiled_fsdp.config.comm.check_collectives = rank != 1
+    try:
+        expect(lambda: fully_shard(nn.Linear(4, 4)), "config.comm settings")
+    finally:
+        compiled_fsdp.config.comm.check_collectives = True
 
     with pytest.raises(ValueError, match="reshard_after_forward"):
         fully_shard(nn.Linear(2, 2), reshard_after_forward=2)
