@@ -120,7 +120,7 @@ class BucketPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.slot_bytes(s) for s in self.slots)
+        return self.total_numel * self.world_size * self.comm_dtype.itemsize
 
 
 def _comm_dtype(kind: str, slot: Slot) -> torch.dtype:
@@ -289,17 +289,23 @@ def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -
                      p.slots[0].args.reshards, "one unit: config.overlap.units is off")
                 for p in gathers]
 
-    def choose(plan: BucketPlan, merge_below: int, largest: int | None) -> list[Unit]:
-        first = plan.slots[0].args
+    # Per application: its parameters' uses, and where the others' are first read.
+    inputs = []
+    for plan in gathers:
         size = {s.args.param_index: plan.slot_bytes(s) for s in plan.slots}
         uses = slot_uses({s.args.param_index: s.markers for s in plan.slots}, size.__getitem__, order)
         others = sorted(at for key, ats in first_reads.items() if key != plan.module_key for at in ats)
-        return choose_units(plan.module_key, uses, first.outermost, bool(first.reshard_after_forward),
-                            merge_below, overlap.unit_max_bytes, others, largest)
+        inputs.append((plan, uses, others))
+
+    def choose(merge_below: int, largest: int | None) -> list[Unit]:
+        return [u for plan, uses, others in inputs for u in choose_units(
+            plan.module_key, uses, plan.slots[0].args.outermost,
+            bool(plan.slots[0].args.reshard_after_forward), merge_below, overlap.unit_max_bytes,
+            others, largest)]
 
     # "Small" is relative to the graph's largest unmerged piece (see [Note: Units]).
-    largest = max((u.nbytes for p in gathers for u in choose(p, 0, None)), default=0)
-    return [u for p in gathers for u in choose(p, bucket_bytes, largest)]
+    largest = max((u.nbytes for u in choose(0, None)), default=0)
+    return choose(bucket_bytes, largest)
 
 
 def _by_unit(plan: BucketPlan, units: list[Unit]) -> list[BucketPlan]:

@@ -142,12 +142,10 @@ def _children(piece: _Piece) -> list[_Piece]:
     for s in sorted(piece.slots, key=lambda s: s.first):
         key = s.path[depth][0] if len(s.path) > depth else ""
         by_key.setdefault(key, []).append(s)
-    out = []
-    for key, slots in by_key.items():
-        path = piece.path if key == "" else piece.path + (next(
-            s.path[depth] for s in slots),)
-        out.append(_Piece(path, slots, "", own=key == ""))
-    return sorted(out, key=lambda p: p.first)
+    # (by_key's order is first-use order: the slots were walked in it.)
+    return [_Piece(piece.path if key == "" else piece.path + (slots[0].path[depth],), slots, "",
+                   own=key == "")
+            for key, slots in by_key.items()]
 
 
 def _name(path: Path, own: bool = False) -> str:
