@@ -33,23 +33,31 @@ each child is inlined whole into one fragment.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import Optional
+
 import torch
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
 from ._divergence import set_compiling, stable_code
 
-# group key -> param index -> ids of the Dynamo frames whose graphs read it.
-_TRACED_FRAMES: dict[int, dict[int, set[int]]] = {}
+# group key (or a block's ``entry_split_key``) -> param index -> ids of the
+# Dynamo frames whose graphs read it.
+_TRACED_FRAMES: dict[Hashable, dict[int, set[int]]] = {}
 # Compile id -> (trace attempt, the markers traced in it, in order), until the
 # compile ends: see ``on_compile_end``.
 _COMPILE_MARKERS: dict[str, tuple[int, list[tuple[int, int]]]] = {}
 
 
-def record_marker_trace(key: int, param_index: int) -> None:
-    """Called at Dynamo trace time (through ``comptime``) when a marker is emitted."""
+def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable] = None) -> None:
+    """Called at Dynamo trace time (through ``comptime``) when a marker is emitted.
+    ``split_key``: what the frames are recorded under, when not ``key`` (a block
+    compiled as its own frame: see [Note: Blocks compiled on their own] in
+    _param_group.py)."""
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame = compile_id.frame_id if compile_id is not None else -1
-    _TRACED_FRAMES.setdefault(key, {}).setdefault(param_index, set()).add(frame)
+    by_index = _TRACED_FRAMES.setdefault(key if split_key is None else split_key, {})
+    by_index.setdefault(param_index, set()).add(frame)
     trace = torch._guards.CompileContext.current_trace_id()
     if compile_id is not None and trace is not None:
         attempt, seq = _COMPILE_MARKERS.get(str(compile_id), (trace.attempt, []))
@@ -113,6 +121,6 @@ def _check_new_graph(compile_id: str) -> None:
     groups[0].checker.check_graph(code, "a new compiled graph reading " + ", ".join(modules))
 
 
-def is_split(key: int) -> bool:
+def is_split(key: Hashable) -> bool:
     """Whether some parameter of the group was read in more than one Dynamo frame."""
     return any(len(frames) > 1 for frames in _TRACED_FRAMES.get(key, {}).values())

@@ -73,11 +73,15 @@ from ._layout import (
     EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, unpack_gathered,
 )
 
-__all__ = ["UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
+__all__ = ["ENTRY_KEY", "UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
 
 # Kept gradients an eager ``reduce_grad`` has already added (by identity); see
 # [Note: Accumulation without sync in graphs].
 _ADDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+# The ``module_key`` of a module compiled as its own frame (group keys count up
+# from 0): see [Note: Blocks compiled on their own] in _param_group.py.
+ENTRY_KEY = -1
 
 UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "

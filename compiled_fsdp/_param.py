@@ -51,7 +51,7 @@ from torch._dynamo.comptime import comptime
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from . import _ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
+from ._ops import ENTRY_KEY  # (and registers torch.ops.compiled_fsdp)
 from ._layout import EAGER, ShardSpec, reduce_input
 from ._policy import MixedPrecisionPolicy
 
@@ -92,7 +92,9 @@ class FSDPParam:
         self.grad_sink: Optional[torch.Tensor] = None
         self.group: Optional["FSDPParamGroup"] = None
         self.index = -1
-        self.record_trace: Any = None  # set with the group; see [Note: Fallback decision rule]
+        # Set with the group; see [Note: Fallback decision rule].
+        self.record_trace: Any = None
+        self.record_entry_trace: Any = None
         for module, name in owners:
             module._parameters[name] = self.sharded
 
@@ -214,7 +216,10 @@ class FSDPParam:
         if views is not None:
             return views[self.index]
         if group is not None and torch.compiler.is_compiling():
-            comptime(self.record_trace)  # at trace time; see [Note: Fallback decision rule]
+            # See [Note: Blocks compiled on their own] in _param_group.py.
+            entry = group.compiled_entry
+            # At trace time; see [Note: Fallback decision rule].
+            comptime(self.record_entry_trace if entry else self.record_trace)
             # Read while tracing, so Dynamo guards on it: see [Note: Accumulation
             # without sync in graphs] in _ops.py.
             sync = group.reduce_grads or not self.sharded.requires_grad
@@ -229,7 +234,7 @@ class FSDPParam:
                 list(self.spec.full_shape),
                 group.group_name,
                 self.spec.world_size,
-                group.key,
+                ENTRY_KEY if entry else group.key,
                 self.index,
                 self.local_rows,  # see [Note: Local rows in the marker]
                 # The user's policy, and whether the root's rule applies: the

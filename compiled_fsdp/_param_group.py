@@ -14,6 +14,34 @@ end-of-backward callback, so every reduce-scatter has finished when
 freeing a buffer's storage after forward (reshard) and refilling it before
 backward is seen by autograd's saved tensors; the refill preserves the version
 counter, as FSDP2 does.
+
+[Note: Blocks compiled on their own]
+torchtitan compiles each block, not the model: ``block.compile()`` (or
+``torch.compile(block)`` in the parent's place) after ``fully_shard``, the root
+running eagerly. Dynamo then runs the block's hooks as Python and compiles its
+``forward`` as a frame of its own, and every identical block reuses that frame's
+graph: Dynamo's cache is keyed on the code object and passes the guards of
+another block of the same structure. So compile time does not grow with depth,
+provided nothing in the traced graph names the block.
+
+The pre-forward hook recognises the pattern (the module's own call is compiled
+while the root runs eagerly; ``_state.py``) and leaves the group to the graph,
+as the root does under ``torch.compile(model)``: ``compiled_entry`` is set for
+the duration of the forward, the parameter reads emit markers, and the passes
+lower them to in-graph collectives. Those markers carry ``ENTRY_KEY`` instead of
+the group's key (the n-th ``fully_shard`` call, a different constant per block
+that Dynamo would guard on, recompiling per block and falling back to eager past
+its recompile limit); everything else in the marker is the same for identical
+blocks. ``ENTRY_KEY`` means "the module this frame was compiled for"; a fully
+sharded module nested inside the block is traced inline and keeps its own key
+(so such blocks recompile per block). The passes compare keys for equality only.
+
+A graph break inside such a block splits its forward into frames, and those
+frames are reused by every identical block too, so a split is recorded under a
+key the blocks share (``entry_split_key``: the class and parameter shapes); a
+split block falls back to the eager runtime from the next step on, as a split
+root does ([Note: Fallback decision rule] in _fallback.py). Tested by
+tests/test_block_compile.py.
 """
 from __future__ import annotations
 
@@ -97,11 +125,16 @@ class FSDPParamGroup:
         # No fully sharded module contains this one (yet): see ``reshards_after_forward``.
         self.outermost = True
         self.specs = [p.spec for p in fsdp_params]
+        # This forward's graph is compiled for this module alone, and identical
+        # blocks share it: see [Note: Blocks compiled on their own].
+        self.compiled_entry = False
+        self.entry_split_key = ("entry", name, tuple(s.full_shape for s in self.specs))
         for i, p in enumerate(fsdp_params):
             p.group, p.index = self, i
             # Run by comptime when Dynamo traces this parameter's marker (a function
             # object that exists before tracing, as comptime requires).
             p.record_trace = lambda ctx, i=i: record_marker_trace(key, i)
+            p.record_entry_trace = lambda ctx, i=i: record_marker_trace(key, i, self.entry_split_key)
         self.state = ShardedState.SHARDED
         # See [Note: Agreeing on collectives] in _divergence.py.
         self.checker = checker

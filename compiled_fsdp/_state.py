@@ -134,21 +134,22 @@ class _RootContext:
         self.forward_order.insert(0, root)
         root.param_group.pre_forward()
 
-    def watch_compiled_backward(self, output: Any) -> None:
-        """After a compiled forward: when its backward starts, check that the
-        gradient-sync flags are still those the graph was traced with, and drop
-        the kept gradients the graph took (its backward holds its own reference).
-        A forward whose backward never runs keeps them. See [Note: Accumulation
-        without sync in graphs] in _ops.py."""
+    def watch_compiled_backward(self, output: Any, groups: list[FSDPParamGroup], check: bool = False) -> None:
+        """After a compiled forward of ``groups``: when its backward starts, check
+        that the gradient-sync flags are still those the graph was traced with,
+        and drop the kept gradients the graph took (its backward holds its own
+        reference). A forward whose backward never runs keeps them. See [Note:
+        Accumulation without sync in graphs] in _ops.py. ``check``: agree with the
+        other ranks at the backward's start (the compiled root's)."""
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not torch.is_grad_enabled() or not outs:
             return
-        traced = [(g, g.reduce_grads) for g in self.groups()]
+        traced = [(g, g.reduce_grads) for g in groups]
 
         def pre_backward(grads: Any) -> None:
-            if self.checker is not None:  # see [Note: Agreeing on collectives] in _divergence.py
+            if check and self.checker is not None:  # see [Note: Agreeing on collectives] in _divergence.py
                 self.checker.check_backward()
-            reduced = self._graph_reduced_groups()
+            reduced = [g for g in self._graph_reduced_groups() if any(g is h for h in groups)]
             for g, flag in traced:
                 if g.reduce_grads != flag:
                     raise RuntimeError(
@@ -157,7 +158,7 @@ class _RootContext:
                         "flag takes effect when the forward runs: set it before the forward."
                     )
                 kept = any(p.kept_grad() is not None for p in g.fsdp_params)
-                if flag and kept and is_split(g.key) and g in reduced:
+                if flag and kept and (is_split(g.key) or is_split(g.entry_split_key)) and g in reduced:
                     raise RuntimeError(
                         f"compiled_fsdp: {g.fqn or '<root>'} has gradients kept without sync and its "
                         "parameters are read in more than one compiled frame (a graph break between "
@@ -308,6 +309,11 @@ class FSDPState:
                 self._set_path("compiled")
                 return
             ctx.in_forward = True
+        elif self._compiles_own_frame(in_compiled_call):
+            # See [Note: Blocks compiled on their own] in _param_group.py.
+            self.param_group.compiled_entry = True
+            self._set_path("compiled")
+            return
         # See [Note: Fallback decision rule] in _fallback.py.
         self._set_path("fallback" if in_compiled_call else "eager")
         ctx.forward_order.append(self)
@@ -315,13 +321,31 @@ class FSDPState:
             self.param_group.pre_forward()
         ctx.prefetch(ctx.forward_prefetch_target(self), "forward")
 
+    def _compiles_own_frame(self, in_compiled_call: bool) -> bool:
+        """Whether Dynamo is about to compile this (non-root) module's forward as
+        a frame of its own while the root runs eagerly: ``module.compile()``, or
+        ``torch.compile(module)`` in its parent's place. Not under a compiled
+        root (its hooks run as Python there only because Dynamo broke the graph
+        inside it: that falls back), and not once its frames were split."""
+        group, ctx = self.param_group, self.ctx
+        if group is None or ctx.compiled_forward or ctx.root.last_path != "eager":
+            return False
+        if not in_compiled_call and getattr(self.module, "_compiled_call_impl", None) is None:
+            return False
+        return not is_split(group.entry_split_key)
+
     def _eager_post_forward(self, output: Any) -> Any:
         ctx = self.ctx
+        group = self.param_group
+        if group is not None and group.compiled_entry:
+            group.compiled_entry = False
+            ctx.watch_compiled_backward(output, [group])
+            return output
         if self.is_root:
             ctx.in_forward = False
             if ctx.compiled_forward:
                 ctx.compiled_forward = False
-                ctx.watch_compiled_backward(output)
+                ctx.watch_compiled_backward(output, ctx.groups(), check=True)
                 return output
         ctx.post_forward_order.append(self)
         grad_outputs = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_fsdp import fully_shard
+from compiled_fsdp import explain, fully_shard
 from _dist import run_distributed
 from _models import gpt_case
 from _parity import assert_close, run_parity
@@ -36,7 +36,8 @@ def _rank(rank: int, world: int, scenario: str) -> dict:
     def wrap(model):
         return compiled.get("model", model)
 
-    res = run_parity(rank, build, shard, make_batch, loss, wrap=wrap)
+    res = run_parity(rank, build, shard, make_batch, loss, wrap=wrap,
+                     after_step=lambda m: [(r.fqn, r.path) for r in explain(m)])
     return res
 
 
@@ -44,9 +45,12 @@ def _rank(rank: int, world: int, scenario: str) -> dict:
 def test_compile_before_fully_shard_still_shards(scenario: str) -> None:
     for res in run_distributed(_rank, 2, scenario):
         assert_close(res, 0.0)
-        # Communication happened every step: the model really is sharded. (Eager
-        # collectives when the blocks are compiled separately: the root runs eagerly.)
+        # Communication happened every step: the model really is sharded. Blocks
+        # compiled on their own gather and reduce in their graphs; the root runs
+        # eagerly (one all-gather, one reduce-scatter). See [Note: Blocks compiled
+        # on their own] and tests/test_block_compile.py.
         if scenario == "blocks_compiled_first":
-            assert res["counts"] == [{"all_gather": 5, "reduce_scatter": 3}] * 3
+            assert res["counts"] == [{"all_gather": 1, "reduce_scatter": 1}] * 3
+            assert res["after"][-1] == [("", "eager"), ("layers.0", "compiled"), ("layers.1", "compiled")]
         else:
             assert res["counts"] == [{}] * 3
