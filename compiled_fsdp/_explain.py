@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from ._fallback import _TRACED_FRAMES, is_split
-from ._state import FSDPState, iter_fsdp_states
+from ._ops import ENTRY_KEY
+from ._state import FSDPState, iter_fsdp_states, module_fqns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,8 @@ class ModuleReport:
 # module_key -> {the parameters one graph read: that graph's unit lines},
 # recorded by _compile.py after each joint pass (plain strings: the runtime
 # does not import the passes). A graph break splits a root's parameters over
-# several graphs; a recompile of a graph replaces its entry.
+# several graphs; a recompile of a graph replaces its entry. Blocks compiled on
+# their own share ``ENTRY_KEY``.
 _UNITS: dict[int, dict[frozenset[int], tuple[str, ...]]] = {}
 
 
@@ -51,7 +53,7 @@ def explain(model: nn.Module) -> list[ModuleReport]:
     compiled (in-graph collectives) or fell back to the eager runtime, and why.
     See [Note: Fallback decision rule]."""
     model = getattr(model, "_orig_mod", model)
-    fqns = {m: name for name, m in model.named_modules()}
+    fqns = module_fqns(model)
     reports = []
     for state in iter_fsdp_states(model):
         path = _last_path(state)
@@ -66,9 +68,13 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             else:
                 reason = _break_reason(state.module)
         group = state.param_group
-        if path == "compiled" and group is not None and group.key in _UNITS:
-            graphs = _UNITS[group.key]
-            units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params])
+        # A block compiled on its own shares its graph: see [Note: Blocks compiled
+        # on their own] in _param_group.py.
+        key = ENTRY_KEY if state.own_frame and state.path_step == state.ctx.step else getattr(group, "key", None)
+        if path == "compiled" and key in _UNITS:
+            graphs = _UNITS[key]
+            units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params]
+                          if key != ENTRY_KEY or max(params) < len(group.fsdp_params))
         else:
             units = _EAGER_UNIT if path in ("fallback", "eager") else ()
         reports.append(ModuleReport(

@@ -65,6 +65,12 @@ from ._policy import MixedPrecisionPolicy, cast_floating
 _MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, FSDPState]" = weakref.WeakKeyDictionary()
 
 
+def module_fqns(root: nn.Module) -> dict[nn.Module, str]:
+    """Each submodule's name under ``root``, without the ``_orig_mod`` of a
+    ``torch.compile`` wrapper in its parent's place (as FSDP2's state dict)."""
+    return {m: ".".join(p for p in name.split(".") if p != "_orig_mod") for name, m in root.named_modules()}
+
+
 def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
     """The state of ``module`` if ``fully_shard`` was applied to it, else None."""
     return _MODULE_STATE.get(module)
@@ -248,6 +254,7 @@ class FSDPState:
         self.path_step = -1
         # The root's last forward ran untraced: see [Note: Untraced root frames].
         self.untraced = False
+        self.own_frame = False
         _MODULE_STATE[module] = self
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
@@ -267,16 +274,18 @@ class FSDPState:
         ctx.states = states
         ctx.checker = next(
             (st.param_group.checker for st in states if st.param_group is not None), None)
-        fqns = {m: name for name, m in self.module.named_modules()}
+        fqns = module_fqns(self.module)
         for st in ctx.states:
             st.ctx = ctx
             if st.param_group is not None:
                 st.param_group.ctx = ctx
                 st.param_group.fqn = fqns[st.module]
 
-    def _set_path(self, path: str) -> None:
+    def _set_path(self, path: str, own_frame: bool = False) -> None:
         self.last_path, self.path_step = path, self.ctx.step
         self.untraced = False
+        # Compiled as a frame of its own: see [Note: Blocks compiled on their own].
+        self.own_frame = own_frame
 
     # -- hooks -------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -312,7 +321,7 @@ class FSDPState:
         elif self._compiles_own_frame(in_compiled_call):
             # See [Note: Blocks compiled on their own] in _param_group.py.
             self.param_group.compiled_entry = True
-            self._set_path("compiled")
+            self._set_path("compiled", own_frame=True)
             return
         # See [Note: Fallback decision rule] in _fallback.py.
         self._set_path("fallback" if in_compiled_call else "eager")

@@ -37,7 +37,10 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
     specs = shard_specs(model)
     capture = GraphCapture() if backend == "aot_eager" else None
     runner = model
-    if backend is not None:
+    if backend is not None and variant == "blocks":  # see tests/test_block_compile.py
+        for block in model.layers:
+            block.compile(backend=capture.backend if capture else backend, fullgraph=True)
+    elif backend is not None:
         runner = torch.compile(model, backend=capture.backend if capture else backend, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -126,6 +129,20 @@ def test_compiled_accumulation_without_sync(bf16: bool, variant: str) -> None:
         assert res["sinks"] == res["trainable"]
         if variant == "frozen":
             assert "layers.0.mlp.up.weight" not in res["sinks"] and "layers.1.mlp.up.weight" in res["sinks"]
+
+
+def test_accumulation_without_sync_blocks_compiled_on_their_own() -> None:
+    """Each block compiled on its own, the root eager: bitwise equal to the
+    reference; the blocks' graphs (one per flag value, shared by both blocks)
+    reduce once per step, in the synced backward; the root reduces eagerly."""
+    for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", False, "blocks", timeout=600):
+        assert max(res["grad"]) == 0.0 and max(res["param"]) == 0.0, res
+        assert res["grad_none_before_sync"]
+        assert res["graphs"] == [2, 2, 2]
+        for runs, counts in zip(res["graph_runs"], res["counts"]):
+            assert runs == {"fw_all_gather": 3 * 2, "bw_all_gather": 3 * 2, "bw_reduce_scatter": 2}
+            assert counts == {"all_gather": 3, "reduce_scatter": 1}
+        assert res["sinks"] == res["trainable"]
 
 
 def _flag_between_rank(rank: int, world: int) -> str:
