@@ -58,18 +58,22 @@ class _RssSampler:
         self.peak = max(self.peak, _rss())
 
 
-def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _build(kind: str, n_layers: int = 8) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Returns (model whose parameters the optimizer steps, callable to run).
     A ``_bf16`` kind gathers and computes in bf16 and reduces in fp32 (both
-    FSDPs' ``MixedPrecisionPolicy``); its compute floor runs a bf16 model."""
-    model = bench()
+    FSDPs' ``MixedPrecisionPolicy``); its compute floor runs a bf16 model. A
+    ``_blocks`` kind compiles each block on its own (``block.compile()``, the
+    root eager: torchtitan's pattern; see [Note: Blocks compiled on their own])."""
+    model = bench(n_layers)
     bf16 = kind.endswith("_bf16")
+    # Every configuration compiles from scratch (the first step is the compile
+    # time a user waits for), and for ours a cache hit would skip the passes,
+    # leaving the schedule report empty.
+    torch._functorch.config.enable_autograd_cache = False
+    torch._inductor.config.fx_graph_cache = False
     if kind.startswith("ours"):
         import compiled_fsdp
 
-        # A cache hit skips the passes, so the schedule report would be empty.
-        torch._functorch.config.enable_autograd_cache = False
-        torch._inductor.config.fx_graph_cache = False
         mp = compiled_fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
         if "_single" not in kind:  # manual nesting; else one call (see [Note: Units])
             for block in model.layers:
@@ -86,6 +90,10 @@ def _build(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif bf16:
         model.to(torch.bfloat16)
+    if kind.endswith("_blocks"):
+        for block in model.layers:
+            block.compile()
+        return model, model
     compiled = kind.startswith("ours_compiled") or kind.removesuffix("_bf16").endswith("compiled")
     return model, (torch.compile(model) if compiled else model)
 
@@ -114,12 +122,12 @@ def _knobs(kind: str) -> Iterator[None]:
             setattr(comm_config.comm, field.name, getattr(saved_comm, field.name))
 
 
-def _train_step(kind: str, rank: int) -> Callable[[], float]:
+def _train_step(kind: str, rank: int, n_layers: int = 8) -> Callable[[], float]:
     """Builds one training configuration; returns its timed step. Build and
     warm it up inside ``_knobs(kind)``: the knobs are read when the model is
     sharded and when it first compiles."""
     torch.manual_seed(0)
-    model, run = _build(kind)
+    model, run = _build(kind, n_layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = batch(GPTConfig(), BATCH, seed=rank)
 
@@ -147,10 +155,10 @@ def _schedule_summary() -> list[dict]:
     ]
 
 
-def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int) -> dict:
+def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int, n_layers: int = 8) -> dict:
     """Step times and memory of one configuration on this rank."""
     with _knobs(kind):
-        step = _train_step(kind, rank)
+        step = _train_step(kind, rank, n_layers)
         first = [step() for _ in range(warmup)]
     before = _rss()
     with _RssSampler() as mem:
