@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp import _compile
+from compiled_fsdp._ops import ENTRY_KEY
 from compiled_fsdp._state import _MODULE_STATE
 
 from compiled_fsdp.passes._graph import chain_tag
@@ -39,7 +40,9 @@ class GraphRecord:
 
 def module_names() -> dict[int, str]:
     """module_key (the n-th ``fully_shard`` call) -> ``fqn (Class)``; the root is ``<root>``."""
-    out = {}
+    # See [Note: Blocks compiled on their own] in _param_group.py.
+    out = {ENTRY_KEY: "the module this frame was compiled for (a block compiled on its own; "
+                      "every identical block runs this graph)"}
     for module, state in list(_MODULE_STATE.items()):
         g = state.param_group
         if g is not None:
