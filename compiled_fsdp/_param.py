@@ -249,9 +249,9 @@ class FSDPParam:
                 group.outermost,
             )
         ctx = group.ctx if group is not None else None
-        if ctx is not None and ctx.compiled_forward and ctx.root.param_group is group:
+        if ctx is not None and (group.compiled_entry or (ctx.compiled_forward and ctx.root.param_group is group)):
             # Not traced after all: see [Note: Untraced root frames] in _state.py.
-            ctx.fall_back_untraced()
+            ctx.fall_back_untraced(group)
             return group.exposed_views[self.index]
         if group is not None and group.forward_active():
             raise RuntimeError(

@@ -113,12 +113,13 @@ class _RootContext:
         self.forward_order, self.post_forward_order = [], []
         self.step += 1
         for g in self.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
+            g.compiled_entry = False  # (left set by a forward that raised)
             if not g.reduce_grads:
                 for p in g.fsdp_params:
                     if p.sharded.requires_grad:
                         p.ensure_grad_sink()
 
-    def fall_back_untraced(self) -> None:
+    def fall_back_untraced(self, group: FSDPParamGroup) -> None:
         """[Note: Untraced root frames]
         Under ``torch.compile(model)`` the root's pre-forward runs as Python and
         leaves its parameters to the graph Dynamo is about to trace. Dynamo may
@@ -130,15 +131,21 @@ class _RootContext:
         switches to the eager runtime for this forward (gather through
         ``_UnshardFn``, reduce in its post-backward), as the blocks already do
         (their hooks run as Python and fall back). So such a frame trains exactly
-        like eager, with one reduction per gradient. Tested by
+        like eager, with one reduction per gradient. The same holds for a block
+        compiled on its own ([Note: Blocks compiled on their own] in
+        _param_group.py): ``group`` is then that block's. Tested by
         tests/test_untraced_frames.py."""
-        root = self.root
-        self.compiled_forward = False
-        self.in_forward = True
-        root._set_path("fallback")
-        root.untraced = True
-        self.forward_order.insert(0, root)
-        root.param_group.pre_forward()
+        state = next(s for s in self.states if s.param_group is group)
+        if group.compiled_entry:
+            group.compiled_entry = False
+            self.forward_order.append(state)
+        else:
+            self.compiled_forward = False
+            self.in_forward = True
+            self.forward_order.insert(0, state)
+        state._set_path("fallback")
+        state.untraced = True
+        group.pre_forward()
 
     def watch_compiled_backward(self, output: Any, groups: list[FSDPParamGroup], check: bool = False) -> None:
         """After a compiled forward of ``groups``: when its backward starts, check

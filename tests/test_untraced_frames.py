@@ -17,7 +17,7 @@ from _models import gpt_case
 from _parity import assert_close, run_parity
 
 WAYS = ["flop_counter", "comm_debug", "recompile_limit", "compile_disabled", "failing_backend",
-        "disabled_block"]
+        "disabled_block", "blocks_flop_counter", "blocks_compile_disabled"]
 
 
 def _shard(model: torch.nn.Module) -> None:
@@ -27,6 +27,10 @@ def _shard(model: torch.nn.Module) -> None:
 
 
 def _rank(rank: int, world: int, way: str) -> dict:
+    # "blocks_...": each block compiled on its own, the root eager (see [Note:
+    # Blocks compiled on their own] in compiled_fsdp/_param_group.py).
+    per_block = way.startswith("blocks_")
+    way = way.removeprefix("blocks_")
     # Tied embedding and head, uneven rows; untied with a disabled block, whose
     # graph break would otherwise leave the tied weight in two fragments (the
     # root then falls back from the second step: tests/test_graph_breaks.py).
@@ -68,7 +72,10 @@ def _rank(rank: int, world: int, way: str) -> dict:
         if way == "disabled_block":
             block = model.layers[1]
             block.forward = torch.compiler.disable(block.forward)
-        compiled = torch.compile(model, backend=backend, dynamic=False)
+        if per_block:
+            for block in model.layers:
+                block.compile(backend=backend, dynamic=False)
+        compiled = model if per_block else torch.compile(model, backend=backend, dynamic=False)
 
         def run(*inputs):
             with mode():
@@ -108,6 +115,9 @@ def test_untraced_frames_train_like_eager(way: str) -> None:
         paths = {fqn: path for fqn, path, _ in res["explain"]}
         if way == "disabled_block":
             assert paths["layers.1"] == "fallback"
+        elif way.startswith("blocks_"):  # the root runs eagerly; the blocks fall back
+            assert paths == {"": "eager", "layers.0": "fallback", "layers.1": "fallback"}, paths
+            assert all("without tracing it" in reason for fqn, _, reason in res["explain"] if fqn)
         else:
             assert set(paths.values()) == {"fallback"}
             root_reason = next(reason for fqn, _, reason in res["explain"] if fqn == "")
