@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp import _compile
-from compiled_fsdp._ops import ENTRY_KEY
+from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
 from compiled_fsdp._state import _MODULE_STATE
 
 from compiled_fsdp.passes._graph import chain_tag
@@ -42,7 +42,9 @@ def module_names() -> dict[int, str]:
     """module_key (the n-th ``fully_shard`` call) -> ``fqn (Class)``; the root is ``<root>``."""
     # See [Note: Blocks compiled on their own] in _param_group.py.
     out = {ENTRY_KEY: "the module this frame was compiled for (a block compiled on its own; "
-                      "every identical block runs this graph)"}
+                      "every identical block runs this graph)",
+           # See [Note: Gathers handed to the next block's graph] in _param_group.py.
+           NEXT_KEY: "the module after it (its gather handed over, its gradient reduced here)"}
     for module, state in list(_MODULE_STATE.items()):
         g = state.param_group
         if g is not None:
@@ -61,7 +63,9 @@ def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
         kind = collective_label(n)
         if "compiled_fsdp" in str(n.target):
             kind = f"unlowered {kind} marker"
-        runs = 2 if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE else 1
+        recomputed = n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+        backward_only = n.meta.get("partitioner_tag") == "must_be_in_backward"
+        runs = 2 if recomputed and not backward_only else 1
         kinds[kind] = kinds.get(kind, 0) + runs
         total_bytes += runs * collective_bytes(n)
         tag = chain_tag(n)

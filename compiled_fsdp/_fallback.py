@@ -34,12 +34,15 @@ each child is inlined whole into one fragment.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
 from ._divergence import set_compiling, stable_code
+
+if TYPE_CHECKING:
+    from ._param_group import FSDPParamGroup
 
 # group key (or a block's ``entry_split_key``) -> param index -> ids of the
 # Dynamo frames whose graphs read it.
@@ -58,13 +61,30 @@ def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable
     frame = compile_id.frame_id if compile_id is not None else -1
     by_index = _TRACED_FRAMES.setdefault(key if split_key is None else split_key, {})
     by_index.setdefault(param_index, set()).add(frame)
+    _append_to_sequence(key, param_index)
+
+
+def _append_to_sequence(key: int, param_index: int) -> None:
+    """Adds a read to the marker sequence of the graph being compiled."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
     trace = torch._guards.CompileContext.current_trace_id()
-    if compile_id is not None and trace is not None:
-        attempt, seq = _COMPILE_MARKERS.get(str(compile_id), (trace.attempt, []))
-        if trace.attempt != attempt:  # Dynamo restarted the analysis: keep the last attempt's
-            seq = []
-        seq.append((key, param_index))
-        _COMPILE_MARKERS[str(compile_id)] = (trace.attempt, seq)
+    if compile_id is None or trace is None:
+        return
+    attempt, seq = _COMPILE_MARKERS.get(str(compile_id), (trace.attempt, []))
+    if trace.attempt != attempt:  # Dynamo restarted the analysis: keep the last attempt's
+        seq = []
+    seq.append((key, param_index))
+    _COMPILE_MARKERS[str(compile_id)] = (trace.attempt, seq)
+
+
+def record_handoff_trace(group: "FSDPParamGroup") -> None:
+    """Called at trace time (through ``comptime``) when a block's graph issues
+    the next block's gather: part of the graph's collectives for [Note:
+    Agreeing on collectives] (as a read of the whole bucket, index -1), not a
+    read of that block's parameters in this frame. See [Note: Gathers handed
+    to the next block's graph] in _param_group.py."""
+    if group.handoff_next is not None:
+        _append_to_sequence(group.handoff_next.key, -1)
 
 
 def arm_compile_callbacks() -> None:

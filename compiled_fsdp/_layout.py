@@ -163,12 +163,19 @@ def pack_shards(
     return op(aten.cat.default, flats) if len(flats) > 1 else flats[0]
 
 
-def unpack_gathered(op: Emit, gathered: Any, specs: Sequence[ShardSpec]) -> list[Any]:
-    """Each parameter's full value out of an all-gather output ``[N * T]``."""
+def unpack_gathered(
+    op: Emit, gathered: Any, specs: Sequence[ShardSpec],
+    offsets: Optional[Sequence[int]] = None, total: Optional[int] = None,
+) -> list[Any]:
+    """Each parameter's full value out of an all-gather output ``[N * T]``.
+    ``offsets``/``total``: where ``specs`` sit in a bucket that holds more
+    parameters (default: ``specs`` are the whole bucket, in order)."""
     world = specs[0].world_size
-    rows = op(aten.view.default, gathered, [world, sum(s.shard_numel for s in specs)])
+    offsets = bucket_offsets(specs) if offsets is None else offsets
+    total = sum(s.shard_numel for s in specs) if total is None else total
+    rows = op(aten.view.default, gathered, [world, total])
     fulls = []
-    for spec, off in zip(specs, bucket_offsets(specs)):
+    for spec, off in zip(specs, offsets):
         piece = _contiguous(op, op(aten.slice.Tensor, rows, 1, off, off + spec.shard_numel))
         full = op(aten.view.default, piece, [spec.padded_dim0, *spec.rest])
         if spec.padded_dim0 != spec.dim0:
@@ -184,17 +191,37 @@ def reduce_input(op: Emit, grad: Any, kept: Any, dtype: Optional[torch.dtype]) -
     return grad if kept is None else op(aten.add.Tensor, kept, grad)
 
 
-def pack_grads(op: Emit, grads: Sequence[Any], specs: Sequence[ShardSpec]) -> Any:
-    """The reduce-scatter input ``[N * T]`` from the full gradients."""
+def pack_grads(
+    op: Emit, grads: Sequence[Any], specs: Sequence[ShardSpec],
+    offsets: Optional[Sequence[int]] = None, total: Optional[int] = None,
+) -> Any:
+    """The reduce-scatter input ``[N * T]`` from the full gradients. With
+    ``offsets``/``total`` (a bucket that holds more parameters than ``specs``,
+    or a ``None`` gradient): the columns no gradient fills are zeros."""
     world = specs[0].world_size
-    cols = []
-    for grad, spec in zip(grads, specs):
+    if offsets is None:
+        offsets, total = bucket_offsets(specs), sum(s.shard_numel for s in specs)
+    assert total is not None, "a bucket's total width comes with its offsets"
+    cols, cursor, like = [], 0, next(g for g in grads if g is not None)
+    for grad, spec, off in sorted(zip(grads, specs, offsets), key=lambda x: x[2]):
+        if grad is None:
+            continue
+        if off > cursor:
+            cols.append(_zeros(op, like, [world, off - cursor]))
         g = _contiguous(op, grad)
         if spec.padded_dim0 != spec.dim0:
             g = op(aten.constant_pad_nd.default, g, _pad_rows(spec, spec.padded_dim0 - spec.dim0))
         cols.append(op(aten.view.default, g, [world, spec.shard_numel]))
+        cursor = off + spec.shard_numel
+    if total > cursor:
+        cols.append(_zeros(op, like, [world, total - cursor]))
     cat = op(aten.cat.default, cols, 1) if len(cols) > 1 else cols[0]
-    return op(aten.view.default, cat, [world * sum(s.shard_numel for s in specs)])
+    return op(aten.view.default, cat, [world * total])
+
+
+def _zeros(op: Emit, like: Any, shape: list[int]) -> Any:
+    v = op.value(like)
+    return op(aten.zeros.default, shape, dtype=v.dtype, device=v.device)
 
 
 def sum_received(op: Emit, received: Any, world: int) -> Any:

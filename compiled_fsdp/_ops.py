@@ -73,7 +73,10 @@ from ._layout import (
     EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, unpack_gathered,
 )
 
-__all__ = ["ENTRY_KEY", "UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "unshard", "reduce_grad"]
+__all__ = [
+    "ENTRY_KEY", "NEXT_KEY", "UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "GATHER_NEXT_SCHEMA",
+    "REDUCE_NEXT_SCHEMA", "unshard", "reduce_grad", "gather_next", "reduce_next",
+]
 
 # Kept gradients an eager ``reduce_grad`` has already added (by identity); see
 # [Note: Accumulation without sync in graphs].
@@ -82,17 +85,38 @@ _ADDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # The ``module_key`` of a module compiled as its own frame (group keys count up
 # from 0): see [Note: Blocks compiled on their own] in _param_group.py.
 ENTRY_KEY = -1
+# The ``module_key`` of the block whose gather a block's graph hands over (see
+# [Note: Gathers handed to the next block's graph] in _param_group.py).
+NEXT_KEY = -2
 
 UNSHARD_SCHEMA = (
     "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
     "int module_key, int param_index, int local_rows, bool reshard_after_forward, "
     "str? reduce_group_name=None, ScalarType? param_dtype=None, ScalarType? reduce_dtype=None, "
-    "Tensor? kept=None, bool sync=True, bool outermost=False) -> Tensor"
+    "Tensor? kept=None, bool sync=True, bool outermost=False, Tensor? gathered=None, "
+    "int bucket_offset=0, int bucket_numel=0) -> Tensor"
 )
 REDUCE_GRAD_SCHEMA = (
     "(Tensor grad, SymInt[] full_shape, str group_name, int world_size, "
     "int module_key, int param_index, int local_rows, ScalarType? reduce_dtype=None, "
-    "ScalarType? grad_dtype=None, Tensor? kept=None, bool sync=True) -> Tensor"
+    "ScalarType? grad_dtype=None, Tensor? kept=None, bool sync=True, int bucket_offset=0, "
+    "int bucket_numel=0) -> Tensor"
+)
+# ``full_shapes``: the parameters' full shapes, concatenated (each has its
+# shard's number of dimensions); ``ndims`` says how to cut them where the
+# shards are not at hand. With ``sync``, ``kept`` holds each parameter's kept
+# gradient (or None); without, ``sinks`` are the gradient sinks of the
+# parameters ``sink_params`` (those that require grad).
+GATHER_NEXT_SCHEMA = (
+    "(Tensor[] shards, Tensor?[] kept, Tensor[] sinks, int[] sink_params, int[] full_shapes, "
+    "int[] local_rows, str group_name, "
+    "int world_size, int module_key, str? reduce_group_name, ScalarType? param_dtype, "
+    "ScalarType? reduce_dtype, bool sync) -> Tensor"
+)
+REDUCE_NEXT_SCHEMA = (
+    "(Tensor grad, Tensor?[] kept, int[] full_shapes, int[] ndims, int[] local_rows, "
+    "str group_name, int world_size, int module_key, ScalarType? reduce_dtype=None, "
+    "ScalarType? grad_dtype=None, bool sync=True) -> Tensor[]"
 )
 
 
@@ -123,6 +147,13 @@ def _check(op: str, module_key: int, param_index: int) -> None:
 # ---------------------------------------------------------------------------
 
 
+def _fresh(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """``out``, copied if it shares ``inp``'s storage (a custom op must not
+    return an alias of its input)."""
+    same = out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+    return out.clone() if same else out
+
+
 @torch.library.custom_op("compiled_fsdp::unshard", mutates_args=(), schema=UNSHARD_SCHEMA)
 def unshard(
     shard: torch.Tensor,
@@ -139,8 +170,14 @@ def unshard(
     kept: Optional[torch.Tensor] = None,
     sync: bool = True,
     outermost: bool = False,
+    gathered: Optional[torch.Tensor] = None,
+    bucket_offset: int = 0,
+    bucket_numel: int = 0,
 ) -> torch.Tensor:
     specs = [_spec(full_shape, world_size)]
+    if gathered is not None:  # handed over: see [Note: Gathers handed to the next block's graph]
+        flat = torch.ops._c10d_functional.wait_tensor(gathered)
+        return _fresh(unpack_gathered(EAGER, flat, specs, [bucket_offset], bucket_numel)[0], gathered)
     flat = pack_shards(EAGER, [shard], specs, [param_dtype])
     if world_size == 1:
         gathered = flat.clone()
@@ -169,6 +206,9 @@ def _unshard_fake(
     kept: Optional[torch.Tensor] = None,
     sync: bool = True,
     outermost: bool = False,
+    gathered: Optional[torch.Tensor] = None,
+    bucket_offset: int = 0,
+    bucket_numel: int = 0,
 ) -> torch.Tensor:
     return shard.new_empty(list(full_shape), dtype=param_dtype or shard.dtype)
 
@@ -184,12 +224,18 @@ def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-unty
                 a["module_key"], a["param_index"], a["local_rows"], a["reduce_dtype"], a["shard"].dtype)
     ctx.sync = a["sync"]
     ctx.kept = a["kept"] if ctx.sync else None  # see [Note: Accumulation without sync in graphs]
+    # Read from a handed-over gather: its gradient goes back there, packed.
+    ctx.handed = a["gathered"] is not None
+    ctx.bucket = (a["bucket_offset"], a["bucket_numel"]) if ctx.handed else (0, 0)
 
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
-    g = torch.ops.compiled_fsdp.reduce_grad(grad, *ctx.args, kept=ctx.kept, sync=ctx.sync)
-    # The shard's gradient, or (without sync) the sink's; none for the rest.
-    receiver = "shard" if ctx.sync else "kept"
+    offset, numel = ctx.bucket
+    g = torch.ops.compiled_fsdp.reduce_grad(grad, *ctx.args, kept=ctx.kept, sync=ctx.sync,
+                                            bucket_offset=offset, bucket_numel=numel)
+    # The shard's gradient, or (without sync) the sink's, or the handed-over
+    # gather's; none for the rest.
+    receiver = "gathered" if ctx.handed else "shard" if ctx.sync else "kept"
     return tuple(g if name == receiver else None for name in _UNSHARD_ARGS)
 
 
@@ -216,7 +262,12 @@ def reduce_grad(
     grad_dtype: Optional[torch.dtype] = None,
     kept: Optional[torch.Tensor] = None,
     sync: bool = True,
+    bucket_offset: int = 0,
+    bucket_numel: int = 0,
 ) -> torch.Tensor:
+    specs = [_spec(full_shape, world_size)]
+    if bucket_numel:  # the gradient of a handed-over gather: this parameter's columns
+        return _fresh(pack_grads(EAGER, [grad], specs, [bucket_offset], bucket_numel), grad)
     if not sync:  # the full gradient for the sink; see [Note: Accumulation without sync in graphs]
         full = cast(EAGER, grad, reduce_dtype)
         return full.clone() if full is grad else full
@@ -225,7 +276,6 @@ def reduce_grad(
             kept = None
         else:
             _ADDED[kept] = None
-    specs = [_spec(full_shape, world_size)]
     flat = pack_grads(EAGER, [reduce_input(EAGER, grad, kept, reduce_dtype)], specs)
     if world_size == 1:
         summed = flat.clone()
@@ -250,7 +300,158 @@ def _reduce_grad_fake(
     grad_dtype: Optional[torch.dtype] = None,
     kept: Optional[torch.Tensor] = None,
     sync: bool = True,
+    bucket_offset: int = 0,
+    bucket_numel: int = 0,
 ) -> torch.Tensor:
+    if bucket_numel:
+        return grad.new_empty([world_size * bucket_numel])
     if not sync:
         return grad.new_empty(list(full_shape), dtype=reduce_dtype or grad.dtype)
     return grad.new_empty([local_rows, *_spec(full_shape, world_size).rest], dtype=grad_dtype or grad.dtype)
+
+
+# ---------------------------------------------------------------------------
+# gather_next / reduce_next: see [Note: Gathers handed to the next block's graph]
+# ---------------------------------------------------------------------------
+
+
+def _specs(full_shapes: Sequence[int], ndims: Sequence[int], world_size: int) -> list[ShardSpec]:
+    out, at = [], 0
+    for nd in ndims:
+        out.append(_spec(full_shapes[at:at + nd], world_size))
+        at += nd
+    return out
+
+
+@torch.library.custom_op("compiled_fsdp::gather_next", mutates_args=(), schema=GATHER_NEXT_SCHEMA)
+def gather_next(
+    shards: Sequence[torch.Tensor],
+    kept: Sequence[Optional[torch.Tensor]],
+    sinks: Sequence[torch.Tensor],
+    sink_params: Sequence[int],
+    full_shapes: Sequence[int],
+    local_rows: Sequence[int],
+    group_name: str,
+    world_size: int,
+    module_key: int,
+    reduce_group_name: Optional[str],
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
+    sync: bool,
+) -> torch.Tensor:
+    """One module's bucketed all-gather, returned *not waited*: whoever reads
+    it waits (``unshard(gathered=...)``)."""
+    specs = _specs(full_shapes, [s.dim() for s in shards], world_size)
+    flat = pack_shards(EAGER, list(shards), specs, [param_dtype] * len(specs))
+    if world_size == 1:
+        return flat.clone()
+    count_collective("all_gather")
+    _check("all-gather", module_key, -1)
+    return torch.ops._c10d_functional.all_gather_into_tensor(flat, world_size, group_name)
+
+
+@gather_next.register_fake
+def _gather_next_fake(
+    shards: Sequence[torch.Tensor],
+    kept: Sequence[Optional[torch.Tensor]],
+    sinks: Sequence[torch.Tensor],
+    sink_params: Sequence[int],
+    full_shapes: Sequence[int],
+    local_rows: Sequence[int],
+    group_name: str,
+    world_size: int,
+    module_key: int,
+    reduce_group_name: Optional[str],
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
+    sync: bool,
+) -> torch.Tensor:
+    specs = _specs(full_shapes, [s.dim() for s in shards], world_size)
+    total = sum(s.shard_numel for s in specs)
+    return shards[0].new_empty([world_size * total], dtype=param_dtype or shards[0].dtype)
+
+
+_GATHER_NEXT_ARGS = [a.name for a in torch.ops.compiled_fsdp.gather_next.default._schema.arguments]
+
+
+def _gather_next_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    a = dict(zip(_GATHER_NEXT_ARGS, inputs))
+    shards = a["shards"]
+    ctx.args = (list(a["full_shapes"]), [s.dim() for s in shards], list(a["local_rows"]),
+                a["reduce_group_name"] or a["group_name"], a["world_size"], a["module_key"],
+                a["reduce_dtype"], shards[0].dtype)
+    ctx.sync = a["sync"]
+    ctx.kept = list(a["kept"])
+    ctx.sink_params = list(a["sink_params"])
+    # Autograd wants a gradient of each input's structure: a list for a list
+    # of tensors (an empty one too), None for anything else (a list with a
+    # None in it is one opaque argument). (The schema has no defaults: a
+    # trailing argument equal to its default would not count as an input.)
+    ctx.lists = {name: len(v) for name, v in a.items()
+                 if isinstance(v, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in v)}
+
+
+def _gather_next_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    # With sync: the kept gradients are added and the sum reduced, the shards
+    # get their part. Without: the sinks get the full gradients.
+    grads = torch.ops.compiled_fsdp.reduce_next(
+        grad, ctx.kept if ctx.sync else [], *ctx.args, sync=ctx.sync)
+    given = {"shards": list(grads)} if ctx.sync else {"sinks": [grads[i] for i in ctx.sink_params]}
+    return tuple(given.get(name, [None] * ctx.lists[name] if name in ctx.lists else None)
+                 for name in _GATHER_NEXT_ARGS)
+
+
+gather_next.register_autograd(_gather_next_backward, setup_context=_gather_next_setup_context)
+
+
+@torch.library.custom_op("compiled_fsdp::reduce_next", mutates_args=(), schema=REDUCE_NEXT_SCHEMA)
+def reduce_next(
+    grad: torch.Tensor,
+    kept: Sequence[Optional[torch.Tensor]],
+    full_shapes: Sequence[int],
+    ndims: Sequence[int],
+    local_rows: Sequence[int],
+    group_name: str,
+    world_size: int,
+    module_key: int,
+    reduce_dtype: Optional[torch.dtype] = None,
+    grad_dtype: Optional[torch.dtype] = None,
+    sync: bool = True,
+) -> list[torch.Tensor]:
+    """The backward of ``gather_next``: ``grad`` is the full gradient of the
+    whole bucket, in the gather's layout."""
+    specs = _specs(full_shapes, ndims, world_size)
+    if not sync:  # the full gradients, for the sinks
+        full = cast(EAGER, grad, reduce_dtype)
+        return [f.clone() for f in unpack_gathered(EAGER, full, specs)]
+    kept_flat = pack_grads(EAGER, list(kept), specs) if any(k is not None for k in kept) else None
+    flat = reduce_input(EAGER, grad, kept_flat, reduce_dtype)
+    if world_size == 1:
+        summed = flat.clone()
+    else:
+        count_collective("reduce_scatter")
+        _check("reduce-scatter", module_key, -1)
+        summed = reduce_scatter_flat(flat, _group(group_name), async_op=False).wait()
+    dtypes = [grad_dtype] * len(specs)
+    return [g.clone() for g in split_reduced(EAGER, summed, specs, list(local_rows), dtypes)]
+
+
+@reduce_next.register_fake
+def _reduce_next_fake(
+    grad: torch.Tensor,
+    kept: Sequence[Optional[torch.Tensor]],
+    full_shapes: Sequence[int],
+    ndims: Sequence[int],
+    local_rows: Sequence[int],
+    group_name: str,
+    world_size: int,
+    module_key: int,
+    reduce_dtype: Optional[torch.dtype] = None,
+    grad_dtype: Optional[torch.dtype] = None,
+    sync: bool = True,
+) -> list[torch.Tensor]:
+    specs = _specs(full_shapes, ndims, world_size)
+    if not sync:
+        return [grad.new_empty(list(s.full_shape), dtype=reduce_dtype or grad.dtype) for s in specs]
+    return [grad.new_empty([rows, *s.rest], dtype=grad_dtype or grad.dtype)
+            for s, rows in zip(specs, local_rows)]

@@ -51,7 +51,7 @@ from torch._dynamo.comptime import comptime
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ._ops import ENTRY_KEY  # (and registers torch.ops.compiled_fsdp)
+from ._ops import ENTRY_KEY, NEXT_KEY  # (and registers torch.ops.compiled_fsdp)
 from ._layout import EAGER, ShardSpec, reduce_input
 from ._policy import MixedPrecisionPolicy
 
@@ -92,6 +92,7 @@ class FSDPParam:
         self.grad_sink: Optional[torch.Tensor] = None
         self.group: Optional["FSDPParamGroup"] = None
         self.index = -1
+        self.bucket_offset = 0  # its columns in the group's bucket ([Note: Bucket layout])
         # Set with the group; see [Note: Fallback decision rule].
         self.record_trace: Any = None
         self.record_entry_trace: Any = None
@@ -220,16 +221,20 @@ class FSDPParam:
             entry = group.compiled_entry
             # At trace time; see [Note: Fallback decision rule].
             comptime(self.record_entry_trace if entry else self.record_trace)
+            # See [Note: Gathers handed to the next block's graph] in _param_group.py
+            # (read before handing over: a module called again next reads the new one).
+            gathered = group.handoff_in if entry else None
             # Read while tracing, so Dynamo guards on it: see [Note: Accumulation
-            # without sync in graphs] in _ops.py.
-            sync = group.reduce_grads or not self.sharded.requires_grad
-            kept = self.kept_grad() if sync else self.grad_sink
+            # without sync in graphs] in _ops.py. A handed-over gather's issuer
+            # keeps or reduces the gradient instead.
+            sync = gathered is not None or group.reduce_grads or not self.sharded.requires_grad
+            kept = None if gathered is not None else self.kept_grad() if sync else self.grad_sink
             if not sync and kept is None:
                 raise RuntimeError(
                     f"compiled_fsdp: {self.fqn!r} has gradient sync off but no gradient sink; "
                     "call the model through its root module (the sinks are made there)."
                 )
-            return torch.ops.compiled_fsdp.unshard(
+            full = torch.ops.compiled_fsdp.unshard(
                 self.sharded.to_local(),
                 list(self.spec.full_shape),
                 group.group_name,
@@ -247,7 +252,17 @@ class FSDPParam:
                 kept,
                 sync,
                 group.outermost,
+                gathered,
+                self.bucket_offset if gathered is not None else 0,
+                group.bucket_numel if gathered is not None else 0,
             )
+            if entry and group.handoff_next is not None and not group.handoff_traced:
+                # After this module's own first read, so that its own gather
+                # (when nothing was handed to it) is queued first.
+                group.handoff_traced = True
+                comptime(group.record_handoff_trace)
+                group.handoff_next.handoff_in = group.handoff_next.gather_next_op(NEXT_KEY)
+            return full
         ctx = group.ctx if group is not None else None
         if ctx is not None and (group.compiled_entry or (ctx.compiled_forward and ctx.root.param_group is group)):
             # Not traced after all: see [Note: Untraced root frames] in _state.py.

@@ -42,6 +42,46 @@ key the blocks share (``entry_split_key``: the class and parameter shapes); a
 split block falls back to the eager runtime from the next step on, as a split
 root does ([Note: Fallback decision rule] in _fallback.py). Tested by
 tests/test_block_compile.py.
+
+[Note: Gathers handed to the next block's graph]
+Inside one graph a block can overlap its collectives only with its own compute.
+So that blocks compiled on their own keep the overlap across blocks that one
+graph for the whole model has, each block's forward graph issues the *next*
+block's all-gather and hands it over unwaited:
+
+- While Dynamo traces block i, its first parameter read also traces
+  ``compiled_fsdp::gather_next`` on block i+1's shards (``handoff_next``) and
+  stores the result in block i+1's ``handoff_in`` (a side effect Dynamo
+  replays after every run of the graph). The lowering makes it the bucket's
+  pack and an ``all_gather_into_tensor`` with no wait: it runs while block i
+  computes. Block i+1's parameter reads pass ``handoff_in`` to their markers
+  (``gathered``), and its graph waits on it right before the first use.
+- Autograd places the gradients: the gather's backward is the reduce-scatter,
+  so block i+1's reduce-scatter runs in block i's backward graph, issued when
+  that graph starts and overlapping block i's backward compute. Block i+1's
+  backward graph returns its gradient packed in the gather's layout.
+  ``gather_next`` also carries block i+1's kept gradients and sync flag, so
+  accumulation without sync works as in a single graph (the casts and adds
+  of [Note: Bucket layout] commute with the packing, so the result is the
+  eager runtime's bit for bit).
+- The first block's gather is issued eagerly by the module before it (the
+  root's pre-forward), whose eager backward reduces it.
+- The backward re-gather of a block that reshards after forward stays in its
+  own backward graph, from its saved shards: there is no channel that hands a
+  tensor from one backward graph to the next.
+- Which block is next: the previous iteration's forward order, the one the
+  eager runtime prefetches by; in the first step the modules' order in the
+  model. Only a module predicted to compile its own frame gets a handoff
+  (``FSDPState.predicts_own_frame``). The last block issues nothing, so its
+  graph is a second variant (Dynamo guards ``handoff_next``), compiled once.
+- A wrong prediction stays correct. A block handed nothing gathers itself (a
+  variant compiled when first needed). A handoff its module did not read (it
+  ran eagerly, or not at all) is waited and dropped (``drop_handoff``); its
+  backward then reduces zeros into that module's gradients, and the root puts
+  back ``None`` where the module had no gradient and did not run. Kept
+  gradients the dropped handoff carried are left to it to reduce.
+
+Tested by tests/test_handoff.py.
 """
 from __future__ import annotations
 
@@ -60,8 +100,8 @@ from ._collectives import (
     reduce_scatter_bucket,
 )
 from ._divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
-from ._layout import EAGER, split_reduced
-from ._fallback import record_marker_trace
+from ._layout import EAGER, bucket_offsets, split_reduced
+from ._fallback import record_handoff_trace, record_marker_trace
 from ._param import FSDPParam
 from ._testing import skips_grad_reduction
 
@@ -129,8 +169,20 @@ class FSDPParamGroup:
         # blocks share it: see [Note: Blocks compiled on their own].
         self.compiled_entry = False
         self.entry_split_key = ("entry", name, tuple(s.full_shape for s in self.specs))
-        for i, p in enumerate(fsdp_params):
-            p.group, p.index = self, i
+        # See [Note: Gathers handed to the next block's graph]: this module's
+        # gathered bucket, issued (not waited) by whoever ran before it; the
+        # module whose gather this module's graph issues, while it runs.
+        self.handoff_in: Optional[torch.Tensor] = None
+        self.handoff_next: Optional[FSDPParamGroup] = None
+        self.handoff_traced = False  # this forward's trace issued handoff_next's gather
+        self._handoff_read: Optional[torch.Tensor] = None  # the handoff_in this forward reads
+        # (per parameter: where it lies in the gathered bucket of [Note: Bucket layout])
+        self.bucket_numel = sum(s.shard_numel for s in self.specs)
+        self._full_shapes = tuple(d for s in self.specs for d in s.full_shape)
+        self._local_rows = tuple(p.local_rows for p in fsdp_params)
+        self.record_handoff_trace = lambda ctx: record_handoff_trace(self)
+        for i, (p, offset) in enumerate(zip(fsdp_params, bucket_offsets(self.specs))):
+            p.group, p.index, p.bucket_offset = self, i, offset
             # Run by comptime when Dynamo traces this parameter's marker (a function
             # object that exists before tracing, as comptime requires).
             p.record_trace = lambda ctx, i=i: record_marker_trace(key, i)
@@ -178,6 +230,56 @@ class FSDPParamGroup:
     def forward_active(self) -> bool:
         """Whether the eager runtime is inside a forward of this group's root."""
         return self.ctx is not None and self.ctx.in_forward
+
+    # -- handoff: see [Note: Gathers handed to the next block's graph] --------
+    def gather_next_op(self, module_key: int) -> torch.Tensor:
+        """This module's bucketed all-gather, not waited, with what its
+        backward needs (kept gradients or sinks, the sync flag): traced into
+        the graph of the module before it (``module_key=NEXT_KEY``), or run
+        eagerly by it (the group's own key)."""
+        sync = self.reduce_grads
+        params = self.fsdp_params
+        # (the sinks of [Note: Accumulation without sync in graphs] in _ops.py)
+        kept = [p.kept_grad() for p in params] if sync else [None] * len(params)
+        sink_params = [] if sync else [i for i, p in enumerate(params) if p.sharded.requires_grad]
+        first = params[0]
+        return torch.ops.compiled_fsdp.gather_next(
+            [p.sharded.to_local() for p in params], kept, [params[i].grad_sink for i in sink_params],
+            sink_params, self._full_shapes,
+            self._local_rows, self.group_name, self.specs[0].world_size,
+            module_key, self.reduce_group_name, first.param_dtype, first.reduce_dtype, sync)
+
+    def begin_compiled_entry(self, handoff_next: Optional["FSDPParamGroup"]) -> None:
+        """Before a forward compiled for this module alone: what its graph
+        reads (``handoff_in``) and hands over (``handoff_next``'s gather)."""
+        self.compiled_entry = True
+        self.handoff_next = handoff_next
+        self.handoff_traced = False
+        self._handoff_read = self.handoff_in
+
+    def end_compiled_entry(self) -> Optional["FSDPParamGroup"]:
+        """After that forward: forget the handoff it read (the graph holds what
+        its backward needs); returns the module it handed a gather to."""
+        self.compiled_entry = False
+        if self.handoff_in is self._handoff_read:  # (not one handed over since, to a second call)
+            self.handoff_in = None
+        self._handoff_read = None
+        handed, self.handoff_next = self.handoff_next, None
+        return handed
+
+    def drop_handoff(self) -> bool:
+        """A gather handed to this module that its forward does not read (it
+        runs eagerly, or did not run): wait for it and let it go. Its issuer's
+        backward adds the kept gradients it carried, so they are no longer
+        this module's to reduce. Returns whether there was one."""
+        if self.handoff_in is None:
+            return False
+        torch.ops._c10d_functional.wait_tensor(self.handoff_in)
+        self.handoff_in = None
+        if self.reduce_grads:
+            for p in self.fsdp_params:
+                p.drop_kept_grad()
+        return True
 
     # -- all-gather ----------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:

@@ -52,13 +52,14 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch._dynamo.eval_frame import _is_in_optimized_module, set_code_exec_strategy
+from torch._dynamo.eval_frame import OptimizedModule, _is_in_optimized_module, set_code_exec_strategy
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from ._divergence import Checker, annotate_error
 from ._fallback import arm_compile_callbacks, is_split
+from ._param import FSDPParam
 from ._param_group import FSDPParamGroup, ShardedState
 from ._policy import MixedPrecisionPolicy, cast_floating
 
@@ -103,6 +104,11 @@ class _RootContext:
         self.last_prefetched: list[tuple[str, str]] = []
         # Checks the ranks' collectives (None: off); set at lazy init.
         self.checker: Optional[Checker] = None
+        # Modules ``torch.compile``d in their parent's place (ids), set at lazy
+        # init; and parameters whose gradient a dropped handoff made zero
+        # although their module did not run (see ``drop_unread_handoffs``).
+        self.wrapped: set[int] = set()
+        self.regrad_none: list[FSDPParam] = []
 
     def groups(self) -> list[FSDPParamGroup]:
         return [s.param_group for s in self.states if s.param_group is not None]
@@ -114,6 +120,7 @@ class _RootContext:
         self.step += 1
         for g in self.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             g.compiled_entry = False  # (left set by a forward that raised)
+            g.handoff_in = g.handoff_next = None
             if not g.reduce_grads:
                 for p in g.fsdp_params:
                     if p.sharded.requires_grad:
@@ -136,9 +143,13 @@ class _RootContext:
         _param_group.py): ``group`` is then that block's. Tested by
         tests/test_untraced_frames.py."""
         state = next(s for s in self.states if s.param_group is group)
-        if group.compiled_entry:
-            group.compiled_entry = False
-            self.forward_order.append(state)
+        if group.compiled_entry:  # (in forward_order already)
+            # See [Note: Gathers handed to the next block's graph] in _param_group.py:
+            # the graph that would have read and handed over did not run.
+            group.drop_handoff()
+            nxt = group.end_compiled_entry()
+            if nxt is not None and nxt.handoff_in is None:
+                nxt.handoff_in = nxt.gather_next_op(nxt.key)
         else:
             self.compiled_forward = False
             self.in_forward = True
@@ -199,6 +210,11 @@ class _RootContext:
         for g in self.pending_reduces:
             g.finish_grad_sync()
         self.pending_reduces = []
+        self.drop_unread_handoffs()
+        for p in self.regrad_none:  # see drop_unread_handoffs
+            p.sharded.grad = None
+            p.drop_kept_grad()
+        self.regrad_none = []
         for g in self.groups():
             g.end_iteration()
         self.prev_forward_order = self.forward_order
@@ -226,6 +242,48 @@ class _RootContext:
         if group.state is ShardedState.SHARDED:
             group.unshard(async_op=True)
             self.prefetched.append((phase, group.fqn))
+
+    def prefetch_next(self, state: "FSDPState", in_graph: bool) -> Optional[FSDPParamGroup]:
+        """Prefetch for the module expected to run after ``state`` ([Note:
+        Prefetch order]). A module predicted to compile its own frame is handed
+        its gather ([Note: Gathers handed to the next block's graph] in
+        _param_group.py): returned, for ``state``'s graph to issue
+        (``in_graph``), or issued now; any other module is prefetched eagerly.
+        The first iteration has no recorded order: a handoff then goes to the
+        next module in the model's order, an eager prefetch to none."""
+        target = self.forward_prefetch_target(state)
+        if target is None and not self.prev_forward_order:
+            at = next(i for i, s in enumerate(self.states) if s is state)
+            first_guess = self.states[at + 1] if at + 1 < len(self.states) else None
+            if first_guess is not None and first_guess.predicts_own_frame():
+                target = first_guess
+        if target is None:
+            return None
+        group = target.param_group
+        if not target.predicts_own_frame():
+            self.prefetch(target, "forward")
+            return None
+        if group.handoff_in is not None:  # (handed over already)
+            return None
+        if in_graph:
+            return group
+        group.handoff_in = group.gather_next_op(group.key)
+        return None
+
+    def drop_unread_handoffs(self) -> None:
+        """Handoffs no module read by the end of the forward (a predicted
+        module did not run): waited and dropped. Their issuers' backward
+        reduces zeros into those modules' gradients; a parameter that had no
+        gradient (nor a kept one) gets ``None`` back at the iteration's end."""
+        ran = {id(s) for s in self.forward_order}
+        for st in self.states:
+            group = st.param_group
+            if group is None or group.handoff_in is None:
+                continue
+            if id(st) not in ran:
+                self.regrad_none.extend(p for p in group.fsdp_params
+                                        if p.sharded.grad is None and p.kept_grad() is None)
+            group.drop_handoff()
 
     def forward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
         """See [Note: Prefetch order]."""
@@ -279,6 +337,7 @@ class FSDPState:
                 p.check_materialized()
         ctx = _RootContext(self)
         ctx.states = states
+        ctx.wrapped = {id(m._orig_mod) for m in self.module.modules() if isinstance(m, OptimizedModule)}
         ctx.checker = next(
             (st.param_group.checker for st in states if st.param_group is not None), None)
         fqns = module_fqns(self.module)
@@ -326,16 +385,33 @@ class FSDPState:
                 return
             ctx.in_forward = True
         elif self._compiles_own_frame(in_compiled_call):
-            # See [Note: Blocks compiled on their own] in _param_group.py.
-            self.param_group.compiled_entry = True
+            # See [Note: Blocks compiled on their own] and [Note: Gathers handed
+            # to the next block's graph] in _param_group.py.
             self._set_path("compiled", own_frame=True)
+            ctx.forward_order.append(self)
+            self.param_group.begin_compiled_entry(ctx.prefetch_next(self, in_graph=True))
             return
         # See [Note: Fallback decision rule] in _fallback.py.
         self._set_path("fallback" if in_compiled_call else "eager")
         ctx.forward_order.append(self)
         if self.param_group is not None:
+            self.param_group.drop_handoff()  # (predicted to compile its own frame; it does not)
             self.param_group.pre_forward()
-        ctx.prefetch(ctx.forward_prefetch_target(self), "forward")
+        ctx.prefetch_next(self, in_graph=False)
+
+    def predicts_own_frame(self) -> bool:
+        """Whether this module's next forward will be compiled as a frame of
+        its own (``_compiles_own_frame``): as its last one was; before its
+        first, from how it is compiled (``module.compile()``, or
+        ``torch.compile(module)`` in its parent's place)."""
+        group, ctx = self.param_group, self.ctx
+        if group is None or ctx.compiled_forward or ctx.root.last_path != "eager":
+            return False
+        if is_split(group.entry_split_key):
+            return False
+        if self.last_path is not None:
+            return self.own_frame
+        return getattr(self.module, "_compiled_call_impl", None) is not None or id(self.module) in ctx.wrapped
 
     def _compiles_own_frame(self, in_compiled_call: bool) -> bool:
         """Whether Dynamo is about to compile this (non-root) module's forward as
@@ -354,11 +430,13 @@ class FSDPState:
         ctx = self.ctx
         group = self.param_group
         if group is not None and group.compiled_entry:
-            group.compiled_entry = False
-            ctx.watch_compiled_backward(output, [group])
+            # (its graph took the kept gradients of the module it handed a gather to)
+            handed = group.end_compiled_entry()
+            ctx.watch_compiled_backward(output, [group] + ([handed] if handed is not None else []))
             return output
         if self.is_root:
             ctx.in_forward = False
+            ctx.drop_unread_handoffs()
             if ctx.compiled_forward:
                 ctx.compiled_forward = False
                 ctx.watch_compiled_backward(output, ctx.groups(), check=True)

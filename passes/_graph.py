@@ -18,6 +18,10 @@ aten = torch.ops.aten
 
 UNSHARD_OP_NAME = "compiled_fsdp::unshard"
 REDUCE_GRAD_OP_NAME = "compiled_fsdp::reduce_grad"
+# A block's graph hands the next block's gather over (see [Note: Gathers handed
+# to the next block's graph] in compiled_fsdp/_param_group.py).
+GATHER_NEXT_OP_NAME = "compiled_fsdp::gather_next"
+REDUCE_NEXT_OP_NAME = "compiled_fsdp::reduce_next"
 
 # Key under which passes record their own bookkeeping in node.meta.
 META_KEY = "compiled_fsdp"
@@ -40,8 +44,19 @@ def is_reduce_grad(node: fx.Node) -> bool:
     return _op_name(node) == REDUCE_GRAD_OP_NAME
 
 
+def is_gather_next(node: fx.Node) -> bool:
+    return _op_name(node) == GATHER_NEXT_OP_NAME
+
+
+def is_reduce_next(node: fx.Node) -> bool:
+    return _op_name(node) == REDUCE_NEXT_OP_NAME
+
+
+_MARKER_OPS = (UNSHARD_OP_NAME, REDUCE_GRAD_OP_NAME, GATHER_NEXT_OP_NAME, REDUCE_NEXT_OP_NAME)
+
+
 def has_markers(graph: fx.Graph) -> bool:
-    return any(is_unshard(n) or is_reduce_grad(n) for n in graph.nodes)
+    return any(_op_name(n) in _MARKER_OPS for n in graph.nodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +87,11 @@ class MarkerArgs:
     # unshard only: no fully sharded module contains the parameter's (the root's
     # parameters); the passes split such an application into units (units.py).
     outermost: bool = False
+    # Read from a handed-over gather (see [Note: Gathers handed to the next
+    # block's graph]): the parameter's columns in its module's bucket, and
+    # the bucket's width per rank (0: not handed over).
+    bucket_offset: int = 0
+    bucket_numel: int = 0
 
     @property
     def reshards(self) -> bool:
@@ -88,7 +108,7 @@ class MarkerArgs:
         return (self.group_name, self.world_size)
 
 
-def _bind(node: fx.Node) -> dict[str, Any]:
+def bind_args(node: fx.Node) -> dict[str, Any]:
     """The marker's arguments by name (defaults filled in), from its op's schema
     (compiled_fsdp/_ops.py)."""
     schema = node.target._schema.arguments
@@ -102,18 +122,24 @@ def marker_kept(node: fx.Node) -> fx.Node | None:
     """The marker's ``kept`` input: the gradient sink (``sync=False``) or the
     gradient kept from earlier micro-batches; see [Note: Accumulation without
     sync in graphs] in compiled_fsdp/_ops.py."""
-    kept = _bind(node).get("kept")
+    kept = bind_args(node).get("kept")
     return kept if isinstance(kept, fx.Node) else None
+
+
+def marker_gathered(node: fx.Node) -> fx.Node | None:
+    """An ``unshard`` marker's handed-over gather (a graph input), or None."""
+    gathered = bind_args(node).get("gathered")
+    return gathered if isinstance(gathered, fx.Node) else None
 
 
 def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
     """Returns (tensor input node, static args). Raises ValueError when an
     argument is symbolic (the passes only bucket static shapes)."""
-    bound = _bind(node)
+    bound = bind_args(node)
     shape = bound["full_shape"]
     if not all(isinstance(s, int) for s in shape):
         raise ValueError(f"symbolic full_shape {shape!r}")
-    for key in ("world_size", "module_key", "param_index", "local_rows"):
+    for key in ("world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel"):
         if not isinstance(bound[key], int):
             raise ValueError(f"symbolic {key} {bound[key]!r}")
     inp = bound[node.target._schema.arguments[0].name]
@@ -135,6 +161,8 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
         grad_dtype=bound.get("grad_dtype"),
         sync=bool(bound["sync"]),
         outermost=bool(bound.get("outermost", False)),
+        bucket_offset=int(bound["bucket_offset"]),
+        bucket_numel=int(bound["bucket_numel"]),
     )
 
 
@@ -144,7 +172,11 @@ class ChainTag:
     ``node.meta[META_KEY]``: the contract between the lowering and the passes
     and tools that read its output (recompute tags, scheduling, timelines, dumps)."""
 
-    role: str  # "gather_chain" | "reduce_chain" | "keep_chain"
+    # "gather_chain" | "reduce_chain" | "keep_chain", and around a handed-over
+    # gather: "handoff_issue" (issued for the next block, not waited here),
+    # "handoff_chain" (the wait and unpack of this block's), "handoff_grad"
+    # (this block's gradient, packed for the issuer).
+    role: str
     # The bucket's smallest (module_key, unit): its name. module_key is the n-th
     # ``fully_shard`` call, unit its index in forward use order (see units.py).
     module_key: int
@@ -252,6 +284,42 @@ def through_identity_views(node: fx.Node) -> fx.Node:
 def is_identity_view_of(node: fx.Node, src: fx.Node) -> bool:
     """Whether ``node`` is a shape-preserving view of ``src``."""
     return _identity_view_source(node) is src
+
+
+def accumulation_root(markers: Sequence[fx.Node]) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The single node that sums the outputs of ``markers`` (a tree of
+    ``aten.add`` and shape-preserving views over them, as AOTAutograd builds
+    for several uses of one input) and the tree's nodes, or None when their
+    sum reaches more than one consumer outside the tree."""
+    members = dict.fromkeys(markers)
+    acc: list[fx.Node] = []
+    grew = True
+    while grew:
+        grew = False
+        for m in list(members):
+            for u in m.users:
+                if u in members:
+                    continue
+                is_acc = (
+                    u.target is aten.add.Tensor and len(u.args) == 2 and not u.kwargs
+                    and all(isinstance(a, fx.Node) and a in members for a in u.args)
+                )
+                if is_acc or is_identity_view_of(u, m):
+                    members[u] = None
+                    acc.append(u)
+                    grew = True
+    roots = [m for m in members if any(u not in members for u in m.users)]
+    return (roots[0], acc) if len(roots) == 1 else None
+
+
+def tangent_dependents(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of a joint graph that depend on a tangent input: its backward."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and str(n.target).startswith("tangents")) or any(
+                a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:

@@ -36,12 +36,11 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from compiled_fsdp._layout import (
-    pack_grads, pack_shards, reduce_input, split_reduced, sum_received, unpack_gathered,
-)
-from compiled_fsdp._reduce import reduce_by_all_to_all
+from compiled_fsdp._layout import pack_grads, reduce_input, split_reduced, unpack_gathered
 
+from ._emit import emit_gather, emit_reduce
 from .bucketing import merge_small_buckets
+from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_marker, plan_handoff
 from .config import overlap
 from .units import Unit, choose_units, slot_uses
 from ._graph import (
@@ -49,8 +48,8 @@ from ._graph import (
     ChainTag,
     MarkerArgs,
     NodeBuilder,
+    accumulation_root,
     erase_nodes,
-    is_identity_view_of,
     is_reduce_grad,
     is_unshard,
     marker_kept,
@@ -135,6 +134,8 @@ class LoweringPlan:
     buckets: list[BucketPlan]
     skipped: list[tuple[str, int, str]]  # (kind, module_key, reason)
     units: list[Unit] = dataclasses.field(default_factory=list)
+    # See [Note: Gathers handed to the next block's graph] (handoff.py).
+    handoff: HandoffPlan = dataclasses.field(default_factory=HandoffPlan)
 
 
 @dataclasses.dataclass
@@ -158,10 +159,14 @@ class LoweringReport:
     skipped: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
     units: list[Unit] = dataclasses.field(default_factory=list)
     nodes_moved: int = 0
+    # Handoff nodes lowered: "issue" (the next block's gather), "reduce" (its
+    # gradient), "read" (this block's handed-in gather), "grad" (its gradient
+    # packed for the issuer). See handoff.py.
+    handoffs: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def changed(self) -> bool:
-        return bool(self.buckets)
+        return bool(self.buckets or self.handoffs)
 
     def count(self, kind: str) -> int:
         return sum(1 for b in self.buckets if b.kind == kind)
@@ -175,29 +180,11 @@ def _find_accumulation(slot: Slot) -> None:
     """Finds the tree of ``aten.add`` (and shape-preserving views) that sums this
     slot's reduce_grad outputs, and its single root (see [Note: Duplicate
     markers])."""
-    members = dict.fromkeys(slot.markers)
-    grew = True
-    while grew:
-        grew = False
-        for m in list(members):
-            for u in m.users:
-                if u in members:
-                    continue
-                is_acc = (
-                    u.target is aten.add.Tensor and len(u.args) == 2 and not u.kwargs
-                    and all(isinstance(a, fx.Node) and a in members for a in u.args)
-                )
-                if is_acc or is_identity_view_of(u, m):
-                    members[u] = None
-                    slot.acc_nodes.append(u)
-                    grew = True
-    roots = [m for m in members if any(u not in members for u in m.users)]
-    if len(roots) != 1:
-        raise _Skip(
-            f"param {slot.args.param_index}: reduce_grad outputs reach {len(roots)} "
-            "consumers outside their accumulation tree"
-        )
-    slot.root = roots[0]
+    found = accumulation_root(slot.markers)
+    if found is None:
+        raise _Skip(f"param {slot.args.param_index}: reduce_grad outputs reach several "
+                    "consumers outside their accumulation tree")
+    slot.root, slot.acc_nodes = found
 
 
 def _group_markers(
@@ -207,7 +194,7 @@ def _group_markers(
     by_module: dict[int, list[fx.Node]] = defaultdict(list)
     skipped: list[tuple[str, int, str]] = []
     for n in graph.nodes:
-        if not pred(n):
+        if not pred(n) or is_handoff_marker(n):  # (handoff.py lowers those)
             continue
         try:
             _, a = parse_marker(n)
@@ -350,7 +337,9 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
         # (a kept gradient is not communicated: nothing to merge)
         buckets.extend(planned if kind == "keep" else
                        merge_small_buckets(gm.graph, planned, bucket_bytes, _combine))
-    return LoweringPlan(buckets=buckets, skipped=skipped, units=units)
+    handoff = plan_handoff(gm.graph)
+    units = units + handed_in_units(handoff)
+    return LoweringPlan(buckets=buckets, skipped=skipped, units=units, handoff=handoff)
 
 
 def _copied_meta(src: fx.Node, plan: BucketPlan) -> dict:
@@ -370,8 +359,8 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
     sources = [through_identity_views(s.inputs[0]) for s in plan.slots]
     b = NodeBuilder(graph, _copied_meta(first_marker, plan))
     with graph.inserting_before(first_marker):
-        packed = pack_shards(b, sources, specs, [s.args.param_dtype for s in plan.slots])
-        gathered = b(c10d.all_gather_into_tensor.default, packed, plan.world_size, plan.group_name)
+        gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
+                               plan.world_size, plan.group_name)
         fulls = unpack_gathered(b, b(c10d.wait_tensor.default, gathered), specs)
     for s, full in zip(plan.slots, fulls):
         for m in s.markers:
@@ -394,14 +383,7 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         grads = [reduce_input(b, _summed(b, s), s.kept, s.args.reduce_dtype) for s in plan.slots]
         if plan.kind == "keep":  # the full gradients, for the sinks
             return _replace_roots(graph, plan, grads)
-        flat = pack_grads(b, grads, specs)
-        if reduce_by_all_to_all(plan.group_name):  # See [Note: Reduce-scatter on gloo].
-            splits = [plan.total_numel] * plan.world_size
-            a2a = b(c10d.all_to_all_single.default, flat, splits, splits, plan.group_name)
-            summed = sum_received(b, b(c10d.wait_tensor.default, a2a), plan.world_size)
-        else:
-            rs = b(c10d.reduce_scatter_tensor.default, flat, "sum", plan.world_size, plan.group_name)
-            summed = b(c10d.wait_tensor.default, rs)
+        summed = emit_reduce(b, pack_grads(b, grads, specs), plan.world_size, plan.group_name)
         results = split_reduced(b, summed, specs, [s.args.local_rows for s in plan.slots],
                                 [s.args.grad_dtype for s in plan.slots])
     _replace_roots(graph, plan, results)
@@ -429,8 +411,12 @@ def _replace_roots(graph: fx.Graph, plan: BucketPlan, results: list[fx.Node]) ->
 def apply_lowering(gm: fx.GraphModule, plan: LoweringPlan) -> LoweringReport:
     """Rewrites ``gm`` in place following ``plan``."""
     report = LoweringReport(skipped=list(plan.skipped), units=list(plan.units))
-    if not plan.buckets:
+    h = plan.handoff
+    report.handoffs = (["issue"] * len(h.issues) + ["reduce"] * len(h.reduces)
+                       + ["read"] * len(h.handed_in) + ["grad"] * sum(1 for x in h.handed_in if x.grads))
+    if not plan.buckets and not report.handoffs:
         return report
+    report.skipped.extend(apply_handoff(gm, h))
     for bucket in plan.buckets:
         if bucket.kind == "gather":
             _apply_gather(gm.graph, bucket)

@@ -38,7 +38,11 @@ in compiled_fsdp/_api.py) -- each as soon as:
   * the in-flight bytes (issued, not yet waited) stay within the budget; a
     reduce-scatter in flight is waited to make room, a prefetched gather is not.
 A collective needed right away is issued regardless (that is the original
-placement). Finally the estimated peak memory of the new order must not exceed
+placement). A *handoff* (the next block's gather, which the next block's graph
+waits on: [Note: Gathers handed to the next block's graph] in
+compiled_fsdp/_param_group.py) has no wait here: it is issued as soon as its
+inputs exist and its group's order allows, outside the budget (the graph
+returns it, so it is alive to the end either way). Finally the estimated peak memory of the new order must not exceed
 the original's plus the budget, or the original order is kept.
 
 [Note: In-flight bytes]
@@ -156,8 +160,9 @@ def _find_colls(graph: fx.Graph) -> list[_Coll]:
             cone.append(a)
             stack.extend(a.all_input_nodes)
         waits = [u for u in n.users if u.target is WAIT]
+        kind = "handoff" if info.role == "handoff_issue" else "gather" if n.target is AG else "reduce"
         colls.append(_Coll(
-            node=n, kind="gather" if n.target is AG else "reduce",
+            node=n, kind=kind,
             tag=info, nbytes=_held_bytes(n, cone), group=str(n.args[-1]), cone=cone,
             wait=waits[0] if len(waits) == 1 else None, barrier=-1,
         ))
@@ -199,14 +204,14 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
     colls = _find_colls(graph)
     if not colls:
         return SchedulePlan(order=nodes, changed=False, budget_bytes=0, reason="no owned collectives")
-    if any(c.wait is None for c in colls):
+    if any(c.wait is None for c in colls if c.kind != "handoff"):
         return SchedulePlan(order=nodes, changed=False, budget_bytes=0,
                             reason="a collective without exactly one wait")
     cost = cost or CostModel.for_graph(graph)
     budget = config.budget_bytes
     if budget is None:
-        budget = 2 * max(c.nbytes for c in colls if c.kind == "gather") if any(
-            c.kind == "gather" for c in colls) else 2 * max(c.nbytes for c in colls)
+        gathers = [c.nbytes for c in colls if c.kind != "reduce"]
+        budget = 2 * max(gathers or [c.nbytes for c in colls])
     issue_of: dict[fx.Node, _Coll] = {}
     lazy_of: dict[fx.Node, _Coll] = {}
     for c in colls:
@@ -287,7 +292,11 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
         return not (c.kind == "gather" and at < c.desired)
 
     def make_room(c: _Coll) -> bool:
-        """Waits reduce-scatters in flight until ``c`` fits the budget; whether it fits."""
+        """Waits reduce-scatters in flight until ``c`` fits the budget; whether it
+        fits. A handoff (the next graph's gather, never waited here) is issued
+        as early as its inputs allow, whatever is in flight."""
+        if c.kind == "handoff":
+            return True
         while sum(x.nbytes for x in in_flight) + c.nbytes > budget:
             rs = next((x for x in in_flight if x.kind == "reduce"), None)
             if rs is None:
@@ -346,7 +355,9 @@ def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None =
     within the original peak plus the budget; reports what it did."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     colls = _find_colls(graph)
-    kind = "none" if not colls else "backward" if any(c.kind == "reduce" for c in colls) else "forward"
+    backward = any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
+    kind = "none" if not colls else "backward" if backward or any(c.kind == "reduce" for c in colls) \
+        else "forward"
     report = ScheduleReport(graph=kind, reason=plan.reason, budget_bytes=plan.budget_bytes,
                             collectives=len(colls))
     if not colls:
@@ -365,9 +376,8 @@ def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None =
     old = {n: i for i, n in enumerate(nodes)}
     new = {n: i for i, n in enumerate(plan.order)}
     for c in colls:
-        assert c.wait is not None
         for n, what in ((c.node, "issue"), (c.wait, "wait")):
-            if old[n] != new[n]:
+            if n is not None and old[n] != new[n]:
                 report.moves.append(Move(n.name, what, c.tag.bucket, old[n], new[n]))
     in_flight, peak_flight = 0, 0
     live: dict[fx.Node, int] = {}
