@@ -10,7 +10,8 @@ for a collective the others never issue. Each rank therefore announces, on a
 these points:
 
 - ``STEP``: the root's forward starts (every step, both paths);
-- ``BACKWARD``: the backward of a compiled forward starts (every step);
+- ``BACKWARD``: the step's first compiled backward starts (the compiled
+  root's; with blocks compiled on their own, the first block's to run);
 - ``COLLECTIVE``: each all-gather and reduce-scatter of the eager runtime
   (issued with the collective, awaited before its result is used);
 - ``GRAPH``: Dynamo finished compiling a frame that reads sharded parameters

@@ -109,6 +109,7 @@ class _RootContext:
         # although their module did not run (see ``drop_unread_handoffs``).
         self.wrapped: set[int] = set()
         self.regrad_none: list[FSDPParam] = []
+        self.backward_checked = False  # this iteration's first compiled backward checked
 
     def groups(self) -> list[FSDPParamGroup]:
         return [s.param_group for s in self.states if s.param_group is not None]
@@ -118,6 +119,7 @@ class _RootContext:
             self.end_iteration()
         self.forward_order, self.post_forward_order = [], []
         self.step += 1
+        self.backward_checked = False
         for g in self.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             g.compiled_entry = False  # (left set by a forward that raised)
             g.handoff_in = g.handoff_next = None
@@ -158,20 +160,23 @@ class _RootContext:
         state.untraced = True
         group.pre_forward()
 
-    def watch_compiled_backward(self, output: Any, groups: list[FSDPParamGroup], check: bool = False) -> None:
+    def watch_compiled_backward(self, output: Any, groups: list[FSDPParamGroup]) -> None:
         """After a compiled forward of ``groups``: when its backward starts, check
         that the gradient-sync flags are still those the graph was traced with,
         and drop the kept gradients the graph took (its backward holds its own
         reference). A forward whose backward never runs keeps them. See [Note:
-        Accumulation without sync in graphs] in _ops.py. ``check``: agree with the
-        other ranks at the backward's start (the compiled root's)."""
+        Accumulation without sync in graphs] in _ops.py. The first compiled
+        backward of the iteration (the compiled root's, or the last block's)
+        also agrees with the other ranks that it starts."""
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not torch.is_grad_enabled() or not outs:
             return
         traced = [(g, g.reduce_grads) for g in groups]
 
         def pre_backward(grads: Any) -> None:
-            if check and self.checker is not None:  # see [Note: Agreeing on collectives] in _divergence.py
+            if self.checker is not None and not self.backward_checked:
+                # See [Note: Agreeing on collectives] in _divergence.py.
+                self.backward_checked = True
                 self.checker.check_backward()
             reduced = [g for g in self._graph_reduced_groups() if any(g is h for h in groups)]
             for g, flag in traced:
@@ -439,7 +444,7 @@ class FSDPState:
             ctx.drop_unread_handoffs()
             if ctx.compiled_forward:
                 ctx.compiled_forward = False
-                ctx.watch_compiled_backward(output, ctx.groups(), check=True)
+                ctx.watch_compiled_backward(output, ctx.groups())
                 return output
         ctx.post_forward_order.append(self)
         grad_outputs = [

@@ -51,6 +51,10 @@ def _shard(model: torch.nn.Module) -> None:
 def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "eager":
         return model
+    if mode == "blocks":  # each block compiled on its own, the root eager
+        for block in model.layers:
+            block.compile(backend="aot_eager")
+        return model
     return torch.compile(model, backend=mode)
 
 
@@ -92,10 +96,12 @@ def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]
 MODES = ["eager", "aot_eager", "inductor", "aot_eager_break"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + ["blocks"])
 def test_rank_skips_a_block(mode: str) -> None:
     """Rank 1 skips layers.1 from the first step: both ranks raise, naming it;
-    also with a graph break in the root's forward (two frames, each checked)."""
+    also with a graph break in the root's forward (two frames, each checked),
+    and with each block compiled on its own (rank 1's layers.0 hands layers.1
+    a gather as rank 0's does, and rank 0 compiles layers.1's graph)."""
     routes = [[FULL] * 3, [(0,)] * 3]
     for rank, res in enumerate(run_distributed(_diverge, 2, mode, routes, timeout=300)):
         assert res["step"] == 0 and "CollectiveMismatchError" in res["type"] + res["message"], res
@@ -188,12 +194,14 @@ def _uneven(rank: int, world: int, mode: str, how: str) -> dict:
 
 
 @pytest.mark.parametrize("mode,how", [("eager", "batch"), ("aot_eager", "batch"), ("aot_eager", "recompile"),
-                                      ("inductor", "recompile")])
+                                      ("inductor", "recompile"), ("blocks", "recompile")])
 def test_no_false_alarm(mode: str, how: str) -> None:
     """Different per-rank batch sizes, and one rank recompiling for a new shape
     (its graph reads the same parameters in the same order: harmless), train
     as the reference does and raise nothing; so do the no_grad forwards
     before each step (under aot_eager their markers run unlowered, each
-    parameter's collective checked)."""
+    parameter's collective checked); so do blocks compiled on their own,
+    whose graphs hand each other gathers, in training and in the no_grad
+    forwards."""
     for res in run_distributed(_uneven, 2, mode, how, timeout=400):
         assert max(res["param_diff"]) < 1e-5, res

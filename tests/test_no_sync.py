@@ -23,12 +23,17 @@ def _local(spec, full: Optional[torch.Tensor], rank: int) -> Optional[torch.Tens
 
 def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
                      backend: Optional[str] = None, bf16: bool = False, variant: str = "") -> dict:
-    """``variant``: "frozen" freezes layers.0's MLP; "eval" runs a forward with
-    sync on and no backward before the last micro-batch."""
+    """``variant`` ("+"-separated): "frozen" freezes layers.0's MLP, "frozen_last"
+    the last block's too; "eval" runs
+    a forward with sync on and no backward before the last micro-batch;
+    "blocks" compiles each block on its own."""
+    variants = set(variant.split("+"))
     build, make_batch, loss_fn = gpt_case(True)  # tied, uneven rows
     ref = build()
-    if variant == "frozen":
+    if "frozen" in variants:
         ref.layers[0].mlp.requires_grad_(False)
+    if "frozen_last" in variants:
+        ref.layers[-1].mlp.requires_grad_(False)
     model = copy.deepcopy(ref)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     for block in model.layers:
@@ -37,7 +42,7 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
     specs = shard_specs(model)
     capture = GraphCapture() if backend == "aot_eager" else None
     runner = model
-    if backend is not None and variant == "blocks":  # see tests/test_block_compile.py
+    if backend is not None and "blocks" in variants:  # see tests/test_block_compile.py
         for block in model.layers:
             block.compile(backend=capture.backend if capture else backend, fullgraph=True)
     elif backend is not None:
@@ -61,7 +66,7 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
             model.set_requires_gradient_sync(last)
             if keep_gathered:
                 model.set_reshard_after_backward(last)
-            if last and variant == "eval":  # a forward whose backward never runs
+            if last and "eval" in variants:  # a forward whose backward never runs
                 runner(make_batch(99)[0]).sum()
             (tokens,) = make_batch(10 * step + i)
             loss_fn(runner(tokens), tokens).backward()
@@ -133,16 +138,35 @@ def test_compiled_accumulation_without_sync(bf16: bool, variant: str) -> None:
 
 def test_accumulation_without_sync_blocks_compiled_on_their_own() -> None:
     """Each block compiled on its own, the root eager: bitwise equal to the
-    reference; the blocks' graphs (one per flag value, shared by both blocks)
-    reduce once per step, in the synced backward; the root reduces eagerly."""
+    reference. layers.0's graph carries layers.1's sync flag and kept
+    gradients with the gather it hands over ([Note: Gathers handed to the next
+    block's graph]): one graph per flag value; layers.1's graph, handed its
+    gather, depends on no flag: 3 graphs, made in the first step. Per
+    micro-batch the root gathers itself and layers.0 eagerly and layers.0's
+    graph gathers layers.1; each block re-gathers in backward; gradients are
+    reduced once per step, in the synced backward: layers.1's in layers.0's
+    graph, the root's and layers.0's eagerly."""
     for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", False, "blocks", timeout=600):
         assert max(res["grad"]) == 0.0 and max(res["param"]) == 0.0, res
         assert res["grad_none_before_sync"]
-        assert res["graphs"] == [2, 2, 2]
+        assert res["graphs"] == [3, 3, 3]
         for runs, counts in zip(res["graph_runs"], res["counts"]):
-            assert runs == {"fw_all_gather": 3 * 2, "bw_all_gather": 3 * 2, "bw_reduce_scatter": 2}
-            assert counts == {"all_gather": 3, "reduce_scatter": 1}
+            assert runs == {"fw_all_gather": 3, "bw_all_gather": 3 * 2, "bw_reduce_scatter": 1}
+            assert counts == {"all_gather": 3 * 2, "reduce_scatter": 2}
         assert res["sinks"] == res["trainable"]
+
+
+def test_accumulation_without_sync_blocks_frozen() -> None:
+    """The same with frozen parameters in both blocks: the root hands layers.0
+    its gather, and layers.0's graph hands layers.1 its gather, each with the
+    sinks of the parameters that train only ([Note: Gathers handed to the next
+    block's graph]); bitwise equal to the reference."""
+    for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", False,
+                               "blocks+frozen+frozen_last", timeout=600):
+        assert max(res["grad"]) == 0.0 and max(res["param"]) == 0.0, res
+        assert res["sinks"] == res["trainable"]
+        assert not any(".mlp." in name for name in res["sinks"]), res["sinks"]
+        assert "layers.1.attn.qkv.weight" in res["sinks"]
 
 
 def _flag_between_rank(rank: int, world: int) -> str:

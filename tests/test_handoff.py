@@ -1,0 +1,120 @@
+"""Blocks compiled on their own hand the next block's gather to its graph (see
+[Note: Gathers handed to the next block's graph] in
+compiled_fsdp/_param_group.py): what is specific to that handoff, each against
+the single-process reference after 3 AdamW steps. The pattern itself (graph
+reuse, where each collective runs) is tests/test_block_compile.py."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from compiled_fsdp import MixedPrecisionPolicy, fully_shard
+from examples.gpt import GPT, GPTConfig
+from _dist import run_distributed
+from _models import gpt_case
+from _parity import assert_close, run_parity
+from test_mixed_precision import _bf16_forward
+
+
+class RoutedGPT(GPT):
+    """The tiny GPT whose forward runs its blocks in the order ``route`` (a
+    class attribute, so the reference and the sharded model follow it)."""
+
+    route: tuple[int, ...] = (0, 1, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for i in self.route:
+            x = self.layers[i](x)
+        return self.head(self.norm(x))
+
+
+def _routed() -> RoutedGPT:
+    torch.manual_seed(0)
+    return RoutedGPT(GPTConfig(vocab=67, dim=24, n_layers=3, n_heads=2, seq=16))
+
+
+def _shard(policy: Optional[MixedPrecisionPolicy] = None):
+    def shard(model: torch.nn.Module) -> None:
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+
+    return shard
+
+
+def _per_block(backend: str):
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        for block in model.layers:
+            block.compile(backend=backend)
+        return model
+
+    return wrap
+
+
+# Step 0 runs the blocks against the model's order (the first step's guess),
+# step 1 in order, step 2 skips layers.1, which the recorded order predicts.
+ROUTES = [(2, 1, 0), (0, 1, 2), (0, 2)]
+
+
+def _routes_rank(rank: int, world: int) -> dict:
+    _, make_batch, loss = gpt_case(False)
+
+    def batch(step: int) -> tuple:
+        RoutedGPT.route = ROUTES[step]
+        return make_batch(step)
+
+    def no_grad(model: torch.nn.Module) -> list[str]:
+        return sorted({n.split(".")[1] for n, p in model.named_parameters()
+                       if p.grad is None and n.startswith("layers.")})
+
+    return run_parity(rank, _routed, _shard(), batch, loss, steps=3, wrap=_per_block("aot_eager"),
+                      after_step=no_grad)
+
+
+def test_order_other_than_predicted_and_a_skipped_block() -> None:
+    """Bitwise equal to the reference while the prediction of the next block is
+    wrong: in the first step the blocks run in reverse (blocks handed nothing
+    gather themselves; gathers handed to blocks that already ran are dropped),
+    and in the third layers.1, predicted from the second step, does not run:
+    the gather handed to it is dropped, its issuer's backward reduces zeros,
+    and its parameters end the step with no gradient, as in the reference
+    (AdamW then leaves them alone; a zero gradient would decay them)."""
+    for res in run_distributed(_routes_rank, 2, timeout=600):
+        assert_close(res, 0.0)
+        assert res["after"] == [[], [], ["1"]]  # the blocks without a gradient, per step
+
+
+def _bf16_rank(rank: int, world: int, reduce_dtype: Optional[torch.dtype]) -> dict:
+    build, make_batch, loss = gpt_case(True)  # tied embedding (the root's), uneven rows
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    return run_parity(rank, build, _shard(policy), make_batch, loss, wrap=_per_block("aot_eager"),
+                      ref_forward=_bf16_forward)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None])
+def test_bf16_handoff(reduce_dtype: Optional[torch.dtype]) -> None:
+    """bf16 gathers handed over, gradients packed in bf16 by the reading block
+    and cast to the reduce dtype by the issuer before the reduce: bitwise equal
+    to the bf16 reference, as the eager runtime (which casts each gradient
+    before packing it)."""
+    for res in run_distributed(_bf16_rank, 2, reduce_dtype, timeout=600):
+        assert_close(res, 0.0)
+
+
+def _eager_backend_rank(rank: int, world: int) -> dict:
+    build, make_batch, loss = gpt_case(False)
+    return run_parity(rank, build, _shard(), make_batch, loss, wrap=_per_block("eager"))
+
+
+def test_markers_run_eagerly() -> None:
+    """``backend="eager"`` lowers nothing: the handoff ops' own implementations
+    run (the gather handed over unwaited, the gradient packed, the issuer's
+    reduce), bitwise equal to the reference. Every gather and reduce is one
+    bucketed eager collective: the root's, and one per block (the first
+    block's issued by the root, the second's by the first block's graph)."""
+    for res in run_distributed(_eager_backend_rank, 2, timeout=600):
+        assert_close(res, 0.0)
+        assert res["counts"] == [{"all_gather": 3, "reduce_scatter": 3}] * 3
