@@ -408,7 +408,8 @@ class FSDPState:
         """Whether this module's next forward will be compiled as a frame of
         its own (``_compiles_own_frame``): as its last one was; before its
         first, from how it is compiled (``module.compile()``, or
-        ``torch.compile(module)`` in its parent's place)."""
+        ``torch.compile(module)`` in its parent's place, before or after
+        ``fully_shard``)."""
         group, ctx = self.param_group, self.ctx
         if group is None or ctx.compiled_forward or ctx.root.last_path != "eager":
             return False
@@ -416,7 +417,9 @@ class FSDPState:
             return False
         if self.last_path is not None:
             return self.own_frame
-        return getattr(self.module, "_compiled_call_impl", None) is not None or id(self.module) in ctx.wrapped
+        module = self.module
+        return (getattr(module, "_compiled_call_impl", None) is not None or id(module) in ctx.wrapped
+                or isinstance(module, OptimizedModule))
 
     def _compiles_own_frame(self, in_compiled_call: bool) -> bool:
         """Whether Dynamo is about to compile this (non-root) module's forward as

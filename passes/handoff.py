@@ -12,10 +12,12 @@ Bucket layout]), so the results stay bitwise the eager runtime's:
   backward graph packed, cast to the reduce dtype, added to what was kept
   without sync and reduced; or, without sync, unpacked for the sinks.
 * ``unshard`` markers reading a handed-in gather (``gathered``): one wait,
-  then each parameter's columns. Uses in the backward part of the graph read
-  a re-gather from the block's own shards instead, tagged for recomputation
-  (the block reshards after forward: the handed-in buffer is not saved); a
-  block that keeps its parameters reads the handed-in gather throughout.
+  then each parameter's columns. When the block reshards after forward, the
+  backward part of the graph reads a re-gather from the block's own shards
+  instead (kept out of the forward graph: collectives are never dead code),
+  also through what the forward computed from the weights alone (``t(w)``):
+  nothing derived from the handed-in buffer is saved. A block that keeps its
+  parameters reads the handed-in gather throughout.
 * their ``reduce_grad`` markers (backward): the block's gradients, packed in
   the gather's layout (the gradient of the handed-in buffer) instead of
   reduced: the issuer's ``reduce_next`` reduces them.
@@ -211,8 +213,8 @@ def _apply_reads(graph: fx.Graph, h: HandedIn, backward: set[fx.Node]) -> None:
         waited = b(c10d.wait_tensor.default, h.gathered)
         fulls = dict(zip(indices, unpack_gathered(b, waited, specs, h.offsets, total)))
     again: dict[int, fx.Node] = {}
-    if reshard and any(u in backward for m in markers for u in m.users):
-        # The backward re-gathers from the shards (see the module docstring).
+    rb = None
+    if reshard:  # the backward re-gathers from the shards (see the module docstring)
         shards = [through_identity_views(parse_marker(h.reads[i][0])[0]) for i in indices]
         meta = _meta(first, "gather_chain", args.module_key, True)
         # (collectives are impure: left to the partitioner, an unused copy of
@@ -225,14 +227,49 @@ def _apply_reads(graph: fx.Graph, h: HandedIn, backward: set[fx.Node]) -> None:
             again = dict(zip(indices, unpack_gathered(rb, rb(c10d.wait_tensor.default, g), specs)))
     for i in indices:
         for m in h.reads[i]:
-            for u in list(m.users):
-                u.replace_input_with(m, again[i] if i in again and u in backward else fulls[i])
+            m.replace_all_uses_with(fulls[i])
+    if rb is not None and not _read_again_in_backward(graph, {fulls[i]: again[i] for i in indices}, backward):
+        erase_nodes(graph, rb.created)  # (no backward use: a collective is never dead code)
     inputs = [parse_marker(m)[0] for m in markers]
     erase_nodes(graph, markers)
     for inp in inputs:  # the reads' own views of the shards, now dead
         while inp.op == "call_function" and not inp.users:
             inp, dead = inp.args[0], inp
             graph.erase_node(dead)
+
+
+def _read_again_in_backward(graph: fx.Graph, again: dict[fx.Node, fx.Node], backward: set[fx.Node]) -> bool:
+    """Backward uses of the handed-in weights (the keys of ``again``), direct
+    or through values the forward computes from those weights alone (a
+    transpose, a cast), read copies of them computed from the re-gathered
+    weights instead. Left as they were, the partitioner would save those
+    values, views of the handed-in buffer, for the backward. Returns whether
+    the backward reads the weights at all."""
+    weight_only = set(again)
+    for n in graph.nodes:
+        if (n.op == "call_function" and n not in backward and n not in weight_only
+                and n.all_input_nodes and all(a in weight_only for a in n.all_input_nodes)):
+            weight_only.add(n)
+    order = node_order(graph)
+    copies = dict(again)
+
+    def copy_of(v: fx.Node, before: fx.Node) -> fx.Node:
+        if v not in copies:
+            for a in v.all_input_nodes:
+                copy_of(a, before)
+            with graph.inserting_before(before):
+                copies[v] = graph.node_copy(v, lambda a: copies[a])
+        return copies[v]
+
+    read = False
+    for v in sorted(weight_only, key=order.__getitem__):
+        users = sorted((u for u in v.users if u in backward), key=order.__getitem__)
+        if users:
+            read = True
+            c = copy_of(v, users[0])
+            for u in users:
+                u.replace_input_with(v, c)
+    return read
 
 
 def _apply_grads(graph: fx.Graph, h: HandedIn) -> str | None:

@@ -69,6 +69,10 @@ def _chain_info(node: fx.Node) -> tuple[str, bool] | None:
     tag = chain_tag(node)
     if tag is not None and tag.role == "gather_chain":
         return tag.bucket, bool(tag.reshard_after_forward)
+    if tag is not None and tag.role == "handoff_chain" and not tag.reshard_after_forward:
+        # A gather handed to a block that keeps its parameters: its backward reads
+        # it. (One that reshards reads it in forward only: see passes/handoff.py.)
+        return tag.bucket, False
     if is_unshard(node):
         try:
             _, a = parse_marker(node)

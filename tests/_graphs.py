@@ -75,12 +75,23 @@ def resharded_gathers(gm: fx.GraphModule) -> list[fx.Node]:
     ]
 
 
+def handed_in_waits(gm: fx.GraphModule) -> list[fx.Node]:
+    """Waits on a gather handed to the graph (see [Note: Gathers handed to the
+    next block's graph]) of a module that reshards after forward."""
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is WAIT and n.args[0].op == "placeholder"
+        and (tag := chain_tag(n)) is not None and tag.role == "handoff_chain" and tag.reshard_after_forward
+    ]
+
+
 def saved_gathered(fw: fx.GraphModule) -> list[str]:
     """Forward outputs saved for backward that are the result of a resharded
-    module's all-gather, or of a single-input chain of ops on one: an unsharded
-    parameter kept alive although its module reshards after forward."""
+    module's all-gather (or of the wait on a gather handed to it), or of a
+    single-input chain of ops on one: an unsharded parameter kept alive
+    although its module reshards after forward."""
     gathered: set[fx.Node] = set()
-    seeds = set(resharded_gathers(fw))
+    seeds = set(resharded_gathers(fw)) | set(handed_in_waits(fw))
     for n in fw.graph.nodes:
         if n.op != "call_function":
             continue
