@@ -16,8 +16,12 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   ..._nounits            config.overlap.units off: one bucket per fully_shard
                          call (ours_compiled_single_nounits: the whole model)
   ours_compiled_blocks   nested, each block compiled on its own (block.compile(),
-                         the root eager; see [Note: Blocks compiled on their own]);
+                         the root eager; see [Note: Blocks compiled on their own]),
+                         each block's graph issuing the next block's gather
+                         ([Note: Gathers handed to the next block's graph]);
                          benchmarks/depth.py measures compile time against depth
+  ..._blocks_nohandoff   the same without the handoff (config.comm.hand_over_gathers):
+                         each block's graph gathers and reduces its own
   ours_eager             compiled_fsdp's eager hook runtime
   ours_eager_single      the eager runtime on one fully_shard(model)
   ..._nocheck            ours_compiled, ours_eager without the checks that
@@ -82,7 +86,7 @@ PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only",
                 "ours_compiled_nosched", "ours_compiled_gloors", "ours_compiled_blocks"]
 TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_onegroup", "ours_compiled_gloors",
                "ours_compiled_nocheck", "ours_compiled_single", "ours_compiled_single_nounits",
-               "ours_compiled_nounits", "ours_compiled_blocks", "ours_eager", "ours_eager_single", "ours_eager_nocheck", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
+               "ours_compiled_nounits", "ours_compiled_blocks", "ours_compiled_blocks_nohandoff", "ours_eager", "ours_eager_single", "ours_eager_nocheck", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
                "ours_compiled_bf16", "fsdp2_eager_bf16", "fsdp2_compiled_bf16", "compute_compiled_bf16"]
 
 
@@ -138,6 +142,10 @@ _RATIOS = [  # (name, numerator, denominator); "max(a, b)" means the larger of b
     ("ours_compiled_blocks / ours_compiled", "ours_compiled_blocks", "ours_compiled"),
     ("ours_compiled_blocks / max(compute_compiled, comm_only)", "ours_compiled_blocks",
      ("compute_compiled", "comm_only")),
+    ("ours_compiled_blocks / ours_compiled_blocks_nohandoff", "ours_compiled_blocks",
+     "ours_compiled_blocks_nohandoff"),
+    ("ours_compiled_blocks_nohandoff / ours_compiled", "ours_compiled_blocks_nohandoff", "ours_compiled"),
+    ("ours_compiled_blocks / fsdp2_compiled", "ours_compiled_blocks", "fsdp2_compiled"),
     ("ours_compiled / fsdp2_eager", "ours_compiled", "fsdp2_eager"),
     ("ours_compiled / fsdp2_compiled", "ours_compiled", "fsdp2_compiled"),
     ("ours_compiled / ours_compiled_nosched", "ours_compiled", "ours_compiled_nosched"),

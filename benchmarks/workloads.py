@@ -63,7 +63,8 @@ def _build(kind: str, n_layers: int = 8) -> tuple[torch.nn.Module, torch.nn.Modu
     A ``_bf16`` kind gathers and computes in bf16 and reduces in fp32 (both
     FSDPs' ``MixedPrecisionPolicy``); its compute floor runs a bf16 model. A
     ``_blocks`` kind compiles each block on its own (``block.compile()``, the
-    root eager: torchtitan's pattern; see [Note: Blocks compiled on their own])."""
+    root eager: torchtitan's pattern; see [Note: Blocks compiled on their own]);
+    ``_blocks_nohandoff`` without the gathers handed from block to block."""
     model = bench(n_layers)
     bf16 = kind.endswith("_bf16")
     # Every configuration compiles from scratch (the first step is the compile
@@ -90,7 +91,7 @@ def _build(kind: str, n_layers: int = 8) -> tuple[torch.nn.Module, torch.nn.Modu
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif bf16:
         model.to(torch.bfloat16)
-    if kind.endswith("_blocks"):
+    if "_blocks" in kind:
         for block in model.layers:
             block.compile()
         return model, model
@@ -113,6 +114,7 @@ def _knobs(kind: str) -> Iterator[None]:
     comm_config.comm.separate_reduce_group = kind != "ours_compiled_onegroup"
     comm_config.comm.gloo_reduce_by_all_to_all = kind != "ours_compiled_gloors"
     comm_config.comm.check_collectives = not kind.endswith("_nocheck")
+    comm_config.comm.hand_over_gathers = not kind.endswith("_nohandoff")
     try:
         yield
     finally:

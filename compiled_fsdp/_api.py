@@ -104,11 +104,15 @@ def _resolve_options(
                            mesh if isinstance(mesh, DeviceMesh) else None, mp_policy)
 
 
-def _comm_settings() -> tuple[bool, bool, bool]:
-    """The ``config.comm`` settings that decide which groups exist and which
-    collectives run: every rank must have the same (see [Note: Agreeing at
-    fully_shard])."""
-    return (comm.separate_reduce_group, comm.check_collectives, comm.gloo_reduce_by_all_to_all)
+# The ``config.comm`` settings that decide which groups exist and which
+# collectives run: every rank must have the same (see [Note: Agreeing at
+# fully_shard]).
+_AGREED_SETTINGS = ("separate_reduce_group", "check_collectives", "gloo_reduce_by_all_to_all",
+                    "hand_over_gathers")
+
+
+def _comm_settings() -> tuple[bool, ...]:
+    return tuple(getattr(comm, name) for name in _AGREED_SETTINGS)
 
 
 def _with_groups(options: ShardingOptions) -> ShardingOptions:
@@ -312,7 +316,7 @@ def _agree(
         if theirs != settings:
             raise ValueError(
                 f"fully_shard({type(module).__name__}): rank {r} has compiled_fsdp.config.comm settings "
-                f"(separate_reduce_group, check_collectives, gloo_reduce_by_all_to_all) = {theirs}, rank "
+                f"({', '.join(_AGREED_SETTINGS)}) = {theirs}, rank "
                 f"{group.rank()} has {settings}. Set them the same way on every rank, before fully_shard."
             )
     for r, (_, fp, _) in enumerate(verdicts):

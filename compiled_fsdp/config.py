@@ -1,6 +1,7 @@
-"""Settings the runtime reads: how gradients are communicated, on both paths.
+"""Settings the runtime reads: how parameters and gradients are communicated, on both paths.
 
-Set them before ``fully_shard`` (``separate_reduce_group``, ``check_collectives``)
+Set them before ``fully_shard`` (``separate_reduce_group``, ``check_collectives``,
+``hand_over_gathers``)
 or before the first step (``gloo_reduce_by_all_to_all``, ``check_timeout_s``): ``compiled_fsdp.config.comm.<name> = ...``.
 The compile integration puts them into Inductor's cache key (see
 ``compiled_fsdp._compile._SchedulePass``), since the lowering reads them too.
@@ -29,6 +30,13 @@ class CommConfig:
     # How long a rank waits at a check for the others (time a peer spends
     # compiling does not count) before raising CollectiveMismatchError.
     check_timeout_s: float = 30.0
+    # Read by ``fully_shard`` (every rank must agree) and at each forward:
+    # blocks compiled on their own hand over gathers, each block's graph
+    # issuing the next block's all-gather and reducing its gradient, so
+    # communication overlaps across blocks (False: each block's graph gathers
+    # and reduces its own, exposed). See [Note: Gathers handed to the next
+    # block's graph] in _param_group.py.
+    hand_over_gathers: bool = True
 
 
 comm = CommConfig()
