@@ -134,6 +134,12 @@ def _wrap(model: nn.Module, variant: str) -> nn.Module:
     if variant == "eager":
         return model
     torch._dynamo.reset()  # no cache entry of another backend may serve this one
+    if variant.startswith("blocks"):  # torchtitan's pattern: each sharded module but the root
+        backend = "inductor" if variant == "blocks_inductor" else "aot_eager"
+        for state in iter_fsdp_states(model):
+            if state.module is not model:
+                state.module.compile(backend=backend)
+        return model
     return torch.compile(model, backend=variant)
 
 

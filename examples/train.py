@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train.py            # Inductor
     torchrun --nproc-per-node 2 examples/train.py --compile none   # eager hook runtime
+    torchrun --nproc-per-node 2 examples/train.py --compile-blocks # each block compiled on its own
 
 Uses CUDA + NCCL when a GPU is available, CPU + gloo otherwise. Each rank gets its
 own batches (data parallel); rank 0 prints the loss and what each rank holds.
@@ -37,6 +38,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--compile", default="inductor", choices=["inductor", "aot_eager", "none"])
+    parser.add_argument("--compile-blocks", action="store_true",
+                        help="compile each block on its own (block.compile()), the root eager: one graph "
+                             "shared by the blocks, compile time independent of depth (README)")
     parser.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
                         help="bf16: gather and compute in bf16, reduce in fp32 (default)")
@@ -70,13 +74,20 @@ def main() -> None:
     local = sum(p.to_local().numel() for p in model.parameters())
     # fused: one kernel per step instead of one DTensor dispatch per tensor and op (DESIGN.md)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    step_fn = model if args.compile == "none" else torch.compile(
-        model, backend="inductor" if args.compile == "inductor" else "aot_eager"
-    )
+    backend = "inductor" if args.compile == "inductor" else "aot_eager"
+    if args.compile == "none":
+        step_fn = model
+    elif args.compile_blocks:  # torchtitan's pattern: the blocks' graphs hand gathers along
+        for block in model.layers:
+            block.compile(backend=backend)
+        step_fn = model
+    else:
+        step_fn = torch.compile(model, backend=backend)
 
     if rank == 0:
         print(f"{world} ranks on {device}, {total / 1e6:.2f}M parameters, {local / 1e6:.2f}M on each rank, "
-              f"compile={args.compile}, precision={args.precision}, micro-batches={args.micro_batches}")
+              f"compile={args.compile}{' (each block)' if args.compile_blocks else ''}, "
+              f"precision={args.precision}, micro-batches={args.micro_batches}")
     micro = args.micro_batches
     for step in range(args.steps):
         start = time.perf_counter()

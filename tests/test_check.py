@@ -20,10 +20,12 @@ def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def test_checker_passes_bitwise() -> None:
-    res = _check("--steps", "2", "--variants", "eager,aot_eager")
+    """Also the blocks compiled on their own (``blocks``): bitwise equal to the
+    eager runtime, as aot_eager on the root is."""
+    res = _check("--steps", "2", "--variants", "eager,aot_eager,blocks")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "OK: every variant within tolerance" in res.stdout
-    assert "vs eager: 0 ok" in res.stdout  # aot_eager bitwise equal to the eager runtime
+    assert res.stdout.count("vs eager: 0 ok") == 2 * 2, res.stdout  # per step: aot_eager, blocks
 
 
 def test_checker_names_the_module_that_skipped_its_reduction() -> None:
