@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
@@ -60,9 +60,11 @@ from torch.utils._pytree import tree_flatten
 from ._divergence import Checker, annotate_error
 from .config import comm
 from ._fallback import arm_compile_callbacks, is_split
-from ._param import FSDPParam
 from ._param_group import FSDPParamGroup, ShardedState
 from ._policy import MixedPrecisionPolicy, cast_floating
+
+if TYPE_CHECKING:
+    from ._param import FSDPParam
 
 _MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, FSDPState]" = weakref.WeakKeyDictionary()
 
@@ -413,27 +415,27 @@ class FSDPState:
         first, from how it is compiled (``module.compile()``, or
         ``torch.compile(module)`` in its parent's place, before or after
         ``fully_shard``)."""
-        group, ctx = self.param_group, self.ctx
-        if group is None or ctx.compiled_forward or ctx.root.last_path != "eager":
-            return False
-        if is_split(group.entry_split_key):
+        if not self._may_compile_own_frame():
             return False
         if self.last_path is not None:
             return self.own_frame
         module = self.module
-        return (getattr(module, "_compiled_call_impl", None) is not None or id(module) in ctx.wrapped
+        return (getattr(module, "_compiled_call_impl", None) is not None or id(module) in self.ctx.wrapped
                 or isinstance(module, OptimizedModule))
 
     def _compiles_own_frame(self, in_compiled_call: bool) -> bool:
         """Whether Dynamo is about to compile this (non-root) module's forward as
         a frame of its own while the root runs eagerly: ``module.compile()``, or
-        ``torch.compile(module)`` in its parent's place. Not under a compiled
-        root (its hooks run as Python there only because Dynamo broke the graph
-        inside it: that falls back), and not once its frames were split."""
+        ``torch.compile(module)`` in its parent's place."""
+        compiled = in_compiled_call or getattr(self.module, "_compiled_call_impl", None) is not None
+        return compiled and self._may_compile_own_frame()
+
+    def _may_compile_own_frame(self) -> bool:
+        """Not under a compiled root (a module's hooks run as Python there only
+        because Dynamo broke the graph inside it: that falls back), and not
+        once its frames were split."""
         group, ctx = self.param_group, self.ctx
         if group is None or ctx.compiled_forward or ctx.root.last_path != "eager":
-            return False
-        if not in_compiled_call and getattr(self.module, "_compiled_call_impl", None) is None:
             return False
         return not is_split(group.entry_split_key)
 

@@ -26,6 +26,14 @@ REDUCE_NEXT_OP_NAME = "compiled_fsdp::reduce_next"
 # Key under which passes record their own bookkeeping in node.meta.
 META_KEY = "compiled_fsdp"
 
+# Metadata copied from a marker onto the nodes that replace it, so the
+# partitioner keeps forward/backward placement (``partitioner_tag``) and
+# debug info (stack traces, module stacks).
+COPIED_META = (
+    "partitioner_tag", "seq_nr", "stack_trace", "autograd_backward", "nn_module_stack",
+    "fwd_nn_module_stack", "source_fn_stack", "fwd_source_fn_stack",
+)
+
 
 def _op_name(node: fx.Node) -> str | None:
     if node.op != "call_function":
@@ -188,6 +196,14 @@ class ChainTag:
     def bucket(self) -> str:
         """The bucket's name in reports: ``<module_key>.<unit>``."""
         return f"{self.module_key}.{self.unit}"
+
+
+def chain_meta(src: fx.Node, tag: ChainTag) -> dict[str, Any]:
+    """The metadata of a node the lowering adds in place of marker ``src``:
+    the marker's ``COPIED_META`` and ``tag``."""
+    meta: dict[str, Any] = {k: src.meta[k] for k in COPIED_META if k in src.meta}
+    meta[META_KEY] = tag
+    return meta
 
 
 def chain_tag(node: fx.Node) -> ChainTag | None:

@@ -43,12 +43,12 @@ from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
 from ._emit import emit_gather, emit_reduce
 from .units import Unit
 from ._graph import (
-    META_KEY,
     ChainTag,
     MarkerArgs,
     NodeBuilder,
     accumulation_root,
     bind_args,
+    chain_meta,
     erase_nodes,
     is_gather_next,
     is_reduce_grad,
@@ -62,10 +62,6 @@ from ._graph import (
 )
 
 c10d = torch.ops._c10d_functional
-
-_COPIED_META = ("partitioner_tag", "seq_nr", "stack_trace", "autograd_backward", "nn_module_stack",
-                "fwd_nn_module_stack", "source_fn_stack", "fwd_source_fn_stack")
-
 
 @dataclasses.dataclass
 class HandedIn:
@@ -151,10 +147,8 @@ def handed_in_units(plan: HandoffPlan) -> list[Unit]:
 
 
 def _meta(src: fx.Node, role: str, module_key: int, reshard: bool | None) -> dict:
-    meta = {k: src.meta[k] for k in _COPIED_META if k in src.meta}
-    meta[META_KEY] = ChainTag(role=role, module_key=module_key, unit=0, units=((module_key, 0),),
-                              reshard_after_forward=reshard)
-    return meta
+    return chain_meta(src, ChainTag(role=role, module_key=module_key, unit=0, units=((module_key, 0),),
+                                    reshard_after_forward=reshard))
 
 
 def _specs(bound: dict, ndims: list[int]) -> list[ShardSpec]:

@@ -44,11 +44,11 @@ from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_mar
 from .config import overlap
 from .units import Unit, choose_units, slot_uses
 from ._graph import (
-    META_KEY,
     ChainTag,
     MarkerArgs,
     NodeBuilder,
     accumulation_root,
+    chain_meta,
     erase_nodes,
     is_reduce_grad,
     is_unshard,
@@ -62,13 +62,6 @@ from ._graph import (
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-# Metadata copied from the marker onto the nodes that replace it, so the
-# partitioner keeps forward/backward placement (``partitioner_tag``) and
-# debug info (stack traces, module stacks).
-_COPIED_META = (
-    "partitioner_tag", "seq_nr", "stack_trace", "autograd_backward", "nn_module_stack",
-    "fwd_nn_module_stack", "source_fn_stack", "fwd_source_fn_stack",
-)
 
 
 @dataclasses.dataclass
@@ -343,12 +336,10 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
 
 
 def _copied_meta(src: fx.Node, plan: BucketPlan) -> dict:
-    meta = {k: src.meta[k] for k in _COPIED_META if k in src.meta}
-    meta[META_KEY] = ChainTag(
+    return chain_meta(src, ChainTag(
         role=f"{plan.kind}_chain", module_key=plan.module_key, unit=plan.unit,
         units=tuple(plan.units), reshard_after_forward=plan.reshard_after_forward,
-    )
-    return meta
+    ))
 
 
 def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:

@@ -41,9 +41,10 @@ A collective needed right away is issued regardless (that is the original
 placement). A *handoff* (the next block's gather, which the next block's graph
 waits on: [Note: Gathers handed to the next block's graph] in
 compiled_fsdp/_param_group.py) has no wait here: it is issued as soon as its
-inputs exist and its group's order allows, outside the budget (the graph
-returns it, so it is alive to the end either way). Finally the estimated peak memory of the new order must not exceed
-the original's plus the budget, or the original order is kept.
+inputs exist and its group's order allows, whatever is in flight (the graph
+returns it, so it is alive to the end either way). Finally the estimated peak
+memory of the new order must not exceed the original's plus the budget, or
+the original order is kept.
 
 [Note: In-flight bytes]
 The budget counts what an issued, not yet waited collective keeps alive: its

@@ -36,10 +36,10 @@ def _routed() -> RoutedGPT:
     return RoutedGPT(GPTConfig(vocab=67, dim=24, n_layers=3, n_heads=2, seq=16))
 
 
-def _shard(policy: Optional[MixedPrecisionPolicy] = None):
+def _shard(policy: Optional[MixedPrecisionPolicy] = None, reshard: bool = True):
     def shard(model: torch.nn.Module) -> None:
         for block in model.layers:
-            fully_shard(block, mp_policy=policy)
+            fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=policy)
 
     return shard
@@ -118,3 +118,24 @@ def test_markers_run_eagerly() -> None:
     for res in run_distributed(_eager_backend_rank, 2, timeout=600):
         assert_close(res, 0.0)
         assert res["counts"] == [{"all_gather": 3, "reduce_scatter": 3}] * 3
+
+
+def _keep_rank(rank: int, world: int) -> dict:
+    from _graphs import AG, GraphCapture, count
+
+    build, make_batch, loss = gpt_case(False)
+    capture = GraphCapture()
+    res = run_parity(rank, build, _shard(reshard=False), make_batch, loss, wrap=_per_block(capture.backend),
+                     graph_counts=capture.take_runtime)
+    res["backward_gathers"] = [count(g, AG) for g in capture.backward]
+    return res
+
+
+def test_blocks_that_keep_their_parameters() -> None:
+    """``reshard_after_forward=False``: the backward reads the gather handed
+    to the block (saved from forward) and gathers nothing; bitwise equal to
+    the reference."""
+    for res in run_distributed(_keep_rank, 2, timeout=600):
+        assert_close(res, 0.0)
+        assert res["backward_gathers"] == [0, 0]
+        assert res["graph_counts"] == [{"fw_all_gather": 1, "bw_reduce_scatter": 1}] * 3
