@@ -64,6 +64,11 @@ def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable
     _append_to_sequence(key, param_index)
 
 
+def traced_reads(key: Hashable) -> set[int]:
+    """The parameter indices some traced frame read, recorded under ``key``."""
+    return set(_TRACED_FRAMES.get(key, ()))
+
+
 def _append_to_sequence(key: int, param_index: int) -> None:
     """Adds a read to the marker sequence of the graph being compiled."""
     compile_id = torch._guards.CompileContext.current_compile_id()

@@ -94,6 +94,17 @@ class ShardSpec:
         return rows.clone(memory_format=torch.contiguous_format)
 
 
+def split_specs(full_shapes: Sequence[int], ndims: Sequence[int], world_size: int) -> list[ShardSpec]:
+    """The specs of a bucket whose full shapes come flattened into one list
+    (``gather_next``'s and ``reduce_next``'s ``full_shapes``), with each
+    parameter's number of dimensions."""
+    out, at = [], 0
+    for nd in ndims:
+        out.append(ShardSpec(tuple(int(d) for d in full_shapes[at:at + nd]), world_size))
+        at += nd
+    return out
+
+
 def bucket_offsets(specs: Sequence[ShardSpec]) -> list[int]:
     """Column offset of each parameter inside a ``[N, T]`` bucket. See [Note: Bucket layout]."""
     offsets, total = [], 0

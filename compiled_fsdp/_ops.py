@@ -70,7 +70,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._collectives import count_collective, reduce_scatter_flat
 from ._divergence import COLLECTIVE, Checkpoint, stable_code
 from ._layout import (
-    EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, unpack_gathered,
+    EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, split_specs,
+    unpack_gathered,
 )
 
 __all__ = [
@@ -315,14 +316,6 @@ def _reduce_grad_fake(
 # ---------------------------------------------------------------------------
 
 
-def _specs(full_shapes: Sequence[int], ndims: Sequence[int], world_size: int) -> list[ShardSpec]:
-    out, at = [], 0
-    for nd in ndims:
-        out.append(_spec(full_shapes[at:at + nd], world_size))
-        at += nd
-    return out
-
-
 @torch.library.custom_op("compiled_fsdp::gather_next", mutates_args=(), schema=GATHER_NEXT_SCHEMA)
 def gather_next(
     shards: Sequence[torch.Tensor],
@@ -341,7 +334,7 @@ def gather_next(
 ) -> torch.Tensor:
     """One module's bucketed all-gather, returned *not waited*: whoever reads
     it waits (``unshard(gathered=...)``)."""
-    specs = _specs(full_shapes, [s.dim() for s in shards], world_size)
+    specs = split_specs(full_shapes, [s.dim() for s in shards], world_size)
     flat = pack_shards(EAGER, list(shards), specs, [param_dtype] * len(specs))
     if world_size == 1:
         return flat.clone()
@@ -366,7 +359,7 @@ def _gather_next_fake(
     reduce_dtype: Optional[torch.dtype],
     sync: bool,
 ) -> torch.Tensor:
-    specs = _specs(full_shapes, [s.dim() for s in shards], world_size)
+    specs = split_specs(full_shapes, [s.dim() for s in shards], world_size)
     total = sum(s.shard_numel for s in specs)
     return shards[0].new_empty([world_size * total], dtype=param_dtype or shards[0].dtype)
 
@@ -420,7 +413,7 @@ def reduce_next(
 ) -> list[torch.Tensor]:
     """The backward of ``gather_next``: ``grad`` is the full gradient of the
     whole bucket, in the gather's layout."""
-    specs = _specs(full_shapes, ndims, world_size)
+    specs = split_specs(full_shapes, ndims, world_size)
     if not sync:  # the full gradients, for the sinks
         full = cast(EAGER, grad, reduce_dtype)
         return [f.clone() for f in unpack_gathered(EAGER, full, specs)]
@@ -450,7 +443,7 @@ def _reduce_next_fake(
     grad_dtype: Optional[torch.dtype] = None,
     sync: bool = True,
 ) -> list[torch.Tensor]:
-    specs = _specs(full_shapes, ndims, world_size)
+    specs = split_specs(full_shapes, ndims, world_size)
     if not sync:
         return [grad.new_empty(list(s.full_shape), dtype=reduce_dtype or grad.dtype) for s in specs]
     return [grad.new_empty([rows, *s.rest], dtype=grad_dtype or grad.dtype)

@@ -62,8 +62,8 @@ block's all-gather and hands it over unwaited:
   backward graph returns its gradient packed in the gather's layout.
   ``gather_next`` also carries block i+1's kept gradients and sync flag, so
   accumulation without sync works as in a single graph (the casts and adds
-  of [Note: Bucket layout] commute with the packing, so the result is the
-  eager runtime's bit for bit).
+  of [Note: Bucket layout] commute with the packing, so the result equals the
+  eager runtime's exactly, up to the sign of a zero).
 - The first block's gather is issued eagerly by the module before it (the
   root's pre-forward), whose eager backward reduces it.
 - The backward re-gather of a block that reshards after forward stays in its
@@ -78,8 +78,11 @@ block's all-gather and hands it over unwaited:
   variant compiled when first needed). A handoff its module did not read (it
   ran eagerly, or not at all) is waited and dropped (``drop_handoff``); its
   backward then reduces zeros into that module's gradients, and the root puts
-  back ``None`` where the module had no gradient and did not run. Kept
-  gradients the dropped handoff carried are left to it to reduce.
+  back ``None`` where the module had no gradient and did not run (and where
+  a module that ran did not read the parameter: ``params_left_unread``). Kept
+  gradients the dropped handoff carried are left to that backward to reduce;
+  a gather issued eagerly (whose backward never runs once dropped) leaves
+  them to the module (tests/test_no_sync.py, ``untraced_last``).
 
 Tested by tests/test_handoff.py.
 """
@@ -101,7 +104,7 @@ from ._collectives import (
 )
 from ._divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from ._layout import EAGER, bucket_offsets, split_reduced
-from ._fallback import record_handoff_trace, record_marker_trace
+from ._fallback import record_handoff_trace, record_marker_trace, traced_reads
 from ._param import FSDPParam
 from ._testing import skips_grad_reduction
 
@@ -175,6 +178,7 @@ class FSDPParamGroup:
         self.handoff_in: Optional[torch.Tensor] = None
         self.handoff_next: Optional[FSDPParamGroup] = None
         self.handoff_traced = False  # this forward's trace issued handoff_next's gather
+        self._handed_eagerly: Optional[torch.Tensor] = None  # the handoff_in issued outside a graph
         self._handoff_read: Optional[torch.Tensor] = None  # the handoff_in this forward reads
         # (per parameter: where it lies in the gathered bucket of [Note: Bucket layout])
         self.bucket_numel = sum(s.shard_numel for s in self.specs)
@@ -249,6 +253,15 @@ class FSDPParamGroup:
             self._local_rows, self.group_name, self.specs[0].world_size,
             module_key, self.reduce_group_name, first.param_dtype, first.reduce_dtype, sync)
 
+    def reset_handoff(self) -> None:
+        """At an iteration's start: nothing handed over yet."""
+        self.handoff_in = self.handoff_next = self._handed_eagerly = None
+
+    def hand_over_eagerly(self) -> None:
+        """Issue this module's handoff now, outside any graph (by the root, or
+        for a module whose predecessor's frame ran untraced)."""
+        self.handoff_in = self._handed_eagerly = self.gather_next_op(self.key)
+
     def begin_compiled_entry(self, handoff_next: Optional["FSDPParamGroup"]) -> None:
         """Before a forward compiled for this module alone: what its graph
         reads (``handoff_in``) and hands over (``handoff_next``'s gather)."""
@@ -262,21 +275,35 @@ class FSDPParamGroup:
         its backward needs); returns the module it handed a gather to."""
         self.compiled_entry = False
         if self.handoff_in is self._handoff_read:  # (not one handed over since, to a second call)
-            self.handoff_in = None
+            self.handoff_in = self._handed_eagerly = None
         self._handoff_read = None
         handed, self.handoff_next = self.handoff_next, None
         return handed
 
+    def params_left_unread(self) -> list[FSDPParam]:
+        """Called in the post-forward of a forward compiled for this module
+        alone: the parameters its graph did not read although it read a
+        handed-in gather, whose backward reduces a zero gradient for them
+        (none in one graph or the eager runtime). From what the markers
+        recorded at trace time for this structure."""
+        if self._handoff_read is None:
+            return []
+        read = traced_reads(self.entry_split_key)
+        return [p for p in self.fsdp_params if p.index not in read]
+
     def drop_handoff(self) -> bool:
         """A gather handed to this module that its forward does not read (it
-        runs eagerly, or did not run): wait for it and let it go. Its issuer's
-        backward adds the kept gradients it carried, so they are no longer
-        this module's to reduce. Returns whether there was one."""
+        runs eagerly, or did not run): wait for it and let it go. Issued by a
+        graph, that graph's backward still runs and adds the kept gradients the
+        gather carried, so they are no longer this module's to reduce; issued
+        eagerly, its backward never runs and they stay. Returns whether there
+        was one."""
         if self.handoff_in is None:
             return False
         torch.ops._c10d_functional.wait_tensor(self.handoff_in)
-        self.handoff_in = None
-        if self.reduce_grads:
+        by_graph = self.handoff_in is not self._handed_eagerly
+        self.handoff_in = self._handed_eagerly = None
+        if by_graph and self.reduce_grads:
             for p in self.fsdp_params:
                 p.drop_kept_grad()
         return True

@@ -125,7 +125,7 @@ class _RootContext:
         self.backward_checked = False
         for g in self.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             g.compiled_entry = False  # (left set by a forward that raised)
-            g.handoff_in = g.handoff_next = None
+            g.reset_handoff()
             if not g.reduce_grads:
                 for p in g.fsdp_params:
                     if p.sharded.requires_grad:
@@ -154,7 +154,7 @@ class _RootContext:
             group.drop_handoff()
             nxt = group.end_compiled_entry()
             if nxt is not None and nxt.handoff_in is None:
-                nxt.handoff_in = nxt.gather_next_op(nxt.key)
+                nxt.hand_over_eagerly()
         else:
             self.compiled_forward = False
             self.in_forward = True
@@ -277,7 +277,7 @@ class _RootContext:
             return None
         if in_graph:
             return group
-        group.handoff_in = group.gather_next_op(group.key)
+        group.hand_over_eagerly()
         return None
 
     def drop_unread_handoffs(self) -> None:
@@ -291,9 +291,14 @@ class _RootContext:
             if group is None or group.handoff_in is None:
                 continue
             if id(st) not in ran:
-                self.regrad_none.extend(p for p in group.fsdp_params
-                                        if p.sharded.grad is None and p.kept_grad() is None)
+                self.restore_none_later(group.fsdp_params)
             group.drop_handoff()
+
+    def restore_none_later(self, params: list[FSDPParam]) -> None:
+        """Parameters a handed-over gather's backward gives a zero gradient
+        they would not have had: those with no gradient (nor a kept one) now
+        get ``None`` back at the iteration's end."""
+        self.regrad_none.extend(p for p in params if p.sharded.grad is None and p.kept_grad() is None)
 
     def forward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
         """See [Note: Prefetch order]."""
@@ -443,6 +448,7 @@ class FSDPState:
         ctx = self.ctx
         group = self.param_group
         if group is not None and group.compiled_entry:
+            ctx.restore_none_later(group.params_left_unread())
             # (its graph took the kept gradients of the module it handed a gather to)
             handed = group.end_compiled_entry()
             ctx.watch_compiled_backward(output, [group] + ([handed] if handed is not None else []))

@@ -328,12 +328,17 @@ def accumulation_root(markers: Sequence[fx.Node]) -> tuple[fx.Node, list[fx.Node
     return (roots[0], acc) if len(roots) == 1 else None
 
 
+def is_tangent(n: fx.Node) -> bool:
+    """A gradient input of a joint or backward graph (AOTAutograd names them
+    ``tangents_<i>``; its partitioner tells them apart the same way)."""
+    return n.op == "placeholder" and str(n.target).startswith("tangents")
+
+
 def tangent_dependents(graph: fx.Graph) -> set[fx.Node]:
     """The nodes of a joint graph that depend on a tangent input: its backward."""
     out: set[fx.Node] = set()
     for n in graph.nodes:
-        if (n.op == "placeholder" and str(n.target).startswith("tangents")) or any(
-                a in out for a in n.all_input_nodes):
+        if is_tangent(n) or any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
 

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp._layout import (
-    ShardSpec, cast, pack_grads, reduce_input, split_reduced, unpack_gathered,
+    ShardSpec, cast, pack_grads, reduce_input, split_reduced, split_specs, unpack_gathered,
 )
 from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
 
@@ -62,6 +62,7 @@ from ._graph import (
 )
 
 c10d = torch.ops._c10d_functional
+
 
 @dataclasses.dataclass
 class HandedIn:
@@ -127,7 +128,7 @@ def plan_handoff(graph: fx.Graph) -> HandoffPlan:
         # (one handed-in gather per graph: its gradient markers are those of its width)
         h.grads = grads.pop(numel, []) if len(by_gathered) == 1 else []
         plan.handed_in.append(h)
-    for numel, markers in grads.items():
+    for numel in grads:
         plan.skipped.append(("handoff", ENTRY_KEY, f"gradient markers of a {numel}-wide bucket "
                              "no handed-in gather of this graph has"))
     return plan
@@ -151,19 +152,10 @@ def _meta(src: fx.Node, role: str, module_key: int, reshard: bool | None) -> dic
                                     reshard_after_forward=reshard))
 
 
-def _specs(bound: dict, ndims: list[int]) -> list[ShardSpec]:
-    shapes, world = list(bound["full_shapes"]), int(bound["world_size"])
-    out, at = [], 0
-    for nd in ndims:
-        out.append(ShardSpec(tuple(shapes[at:at + nd]), world))
-        at += nd
-    return out
-
-
 def _apply_issue(graph: fx.Graph, n: fx.Node) -> None:
     a = bind_args(n)
     shards = list(a["shards"])
-    specs = _specs(a, [s.meta["val"].dim() for s in shards])
+    specs = split_specs(a["full_shapes"], [s.meta["val"].dim() for s in shards], int(a["world_size"]))
     b = NodeBuilder(graph, _meta(n, "handoff_issue", NEXT_KEY, None))
     with graph.inserting_before(n):
         gathered = emit_gather(b, shards, specs, [a["param_dtype"]] * len(specs), int(a["world_size"]),
@@ -174,7 +166,7 @@ def _apply_issue(graph: fx.Graph, n: fx.Node) -> None:
 
 def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
     a = bind_args(n)
-    specs = _specs(a, list(a["ndims"]))
+    specs = split_specs(a["full_shapes"], a["ndims"], int(a["world_size"]))
     world, group = int(a["world_size"]), str(a["group_name"])
     b = NodeBuilder(graph, _meta(n, "reduce_chain" if a["sync"] else "keep_chain", NEXT_KEY, None))
     with graph.inserting_before(n):
@@ -296,19 +288,27 @@ def _apply_grads(graph: fx.Graph, h: HandedIn) -> str | None:
     return None
 
 
-def apply_handoff(gm: fx.GraphModule, plan: HandoffPlan) -> list[tuple[str, int, str]]:
-    """Lowers ``plan`` in ``gm``'s graph; returns what it left in place, and why."""
+def apply_handoff(gm: fx.GraphModule, plan: HandoffPlan) -> tuple[list[str], list[tuple[str, int, str]]]:
+    """Lowers ``plan`` in ``gm``'s graph; returns what it lowered ("issue",
+    "reduce", "read", "grad", one per op or handed-in gather) and what it left
+    in place, and why."""
     graph = gm.graph
+    done: list[str] = []
     skipped = list(plan.skipped)
     for n in plan.issues:
         _apply_issue(graph, n)
+        done.append("issue")
     for n in plan.reduces:
         _apply_reduce(graph, n)
+        done.append("reduce")
     backward = tangent_dependents(graph)
     for h in plan.handed_in:
         if h.grads:
             reason = _apply_grads(graph, h)
             if reason is not None:
                 skipped.append(("handoff", ENTRY_KEY, reason))
+            else:
+                done.append("grad")
         _apply_reads(graph, h, backward)
-    return skipped
+        done.append("read")
+    return done, skipped

@@ -63,7 +63,6 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-
 @dataclasses.dataclass
 class Slot:
     """One parameter in a bucket, with every marker that refers to it."""
@@ -403,11 +402,10 @@ def apply_lowering(gm: fx.GraphModule, plan: LoweringPlan) -> LoweringReport:
     """Rewrites ``gm`` in place following ``plan``."""
     report = LoweringReport(skipped=list(plan.skipped), units=list(plan.units))
     h = plan.handoff
-    report.handoffs = (["issue"] * len(h.issues) + ["reduce"] * len(h.reduces)
-                       + ["read"] * len(h.handed_in) + ["grad"] * sum(1 for x in h.handed_in if x.grads))
-    if not plan.buckets and not report.handoffs:
+    if not plan.buckets and not (h.issues or h.reduces or h.handed_in):
         return report
-    report.skipped.extend(apply_handoff(gm, h))
+    report.handoffs, skipped = apply_handoff(gm, h)
+    report.skipped.extend(skipped)
     for bucket in plan.buckets:
         if bucket.kind == "gather":
             _apply_gather(gm.graph, bucket)

@@ -41,8 +41,9 @@ A collective needed right away is issued regardless (that is the original
 placement). A *handoff* (the next block's gather, which the next block's graph
 waits on: [Note: Gathers handed to the next block's graph] in
 compiled_fsdp/_param_group.py) has no wait here: it is issued as soon as its
-inputs exist and its group's order allows, whatever is in flight (the graph
-returns it, so it is alive to the end either way). Finally the estimated peak
+inputs exist and its group's order allows, whatever is in flight, and is not
+counted in flight nor waited at a barrier (the graph returns it, so it is
+alive to the end either way; tests/test_handoff_fx.py). Finally the estimated peak
 memory of the new order must not exceed the original's plus the budget, or
 the original order is kept.
 
@@ -73,7 +74,7 @@ import torch.fx as fx
 
 from .config import OverlapConfig
 from .cost_model import AG, ISSUES, WAIT, CostModel, node_bytes
-from ._graph import ChainTag, chain_tag
+from ._graph import ChainTag, chain_tag, is_tangent
 from .timeline import Timeline, estimate_peak, simulate
 
 _FOREIGN_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "compiled_fsdp")
@@ -261,7 +262,8 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
         c = queues[group].pop(0)
         for n in (*c.cone, c.node):
             emit(n)
-        in_flight.append(c)
+        if c.kind != "handoff":  # (waited in the next graph, so never here)
+            in_flight.append(c)
 
     def issue_through(c: _Coll) -> None:
         """Issues ``c`` and whatever precedes it on its group."""
@@ -356,7 +358,7 @@ def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None =
     within the original peak plus the budget; reports what it did."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     colls = _find_colls(graph)
-    backward = any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
+    backward = any(is_tangent(n) for n in graph.nodes)
     kind = "none" if not colls else "backward" if backward or any(c.kind == "reduce" for c in colls) \
         else "forward"
     report = ScheduleReport(graph=kind, reason=plan.reason, budget_bytes=plan.budget_bytes,

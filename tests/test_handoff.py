@@ -139,3 +139,29 @@ def test_blocks_that_keep_their_parameters() -> None:
         assert_close(res, 0.0)
         assert res["backward_gathers"] == [0, 0]
         assert res["graph_counts"] == [{"fw_all_gather": 1, "bw_reduce_scatter": 1}] * 3
+
+
+def _unused_rank(rank: int, world: int) -> dict:
+    base, make_batch, loss = gpt_case(False)
+
+    def build() -> torch.nn.Module:
+        model = base()
+        for block in model.layers:  # in the block's bucket, never read by its forward
+            block.unused = torch.nn.Parameter(torch.randn(3))
+        return model
+
+    def no_grad(model: torch.nn.Module) -> list[str]:
+        return sorted(n for n, p in model.named_parameters() if p.grad is None)
+
+    return run_parity(rank, build, _shard(), make_batch, loss, wrap=_per_block("aot_eager"),
+                      after_step=no_grad)
+
+
+def test_parameter_the_block_never_reads() -> None:
+    """A parameter in a block's bucket that its forward never reads: the
+    handed-over gather's backward reduces a zero for it, and it ends the step
+    with no gradient, as in the reference and the eager runtime (AdamW leaves
+    it alone; a zero gradient would decay it)."""
+    for res in run_distributed(_unused_rank, 2, timeout=600):
+        assert_close(res, 0.0)
+        assert res["after"] == [["layers.0.unused", "layers.1.unused"]] * 3

@@ -156,3 +156,34 @@ def test_handoff_issue_scheduled_first() -> None:
     assert report.changed and report.sequence == ["all_gather:-2.0"]
     assert [n.target for n in g.nodes if n.op == "call_function"] == [AG, torch.ops.aten.mm.default,
                                                                        torch.ops.aten.mm.default]
+
+
+def test_handoff_before_a_foreign_collective() -> None:
+    """A block graph with a collective of the user's own after the handed-over
+    gather (tensor parallelism, an MoE all-to-all): the handoff is never waited
+    in this graph, so the barrier waits nothing of it and the schedule
+    completes (it used to assert on the handoff's missing wait). The foreign
+    collective keeps its place after the compute it follows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    g = fx.Graph()
+    with mode:
+        x, shard = g.placeholder("x"), g.placeholder("next_shard")
+        x.meta["val"], shard.meta["val"] = torch.empty(64, 64), torch.empty(64 * 32)
+        issue = g.call_function(AG, (shard, N, GROUP))
+        issue.meta["val"] = torch.empty(64 * 64)
+        h = g.call_function(torch.ops.aten.mm.default, (x, x))
+        h.meta["val"] = torch.empty(64, 64)
+        ar = g.call_function(c10d.all_reduce.default, (h, "sum", "user_group"))
+        ar.meta["val"] = torch.empty(64, 64)
+        done = g.call_function(WAIT, (ar,))
+        done.meta["val"] = torch.empty(64, 64)
+        h2 = g.call_function(torch.ops.aten.mm.default, (done, x))
+        h2.meta["val"] = torch.empty(64, 64)
+    issue.meta["compiled_fsdp"] = ChainTag("handoff_issue", NEXT_KEY, 0, ((NEXT_KEY, 0),), None)
+    g.output((h2, issue))
+    report = schedule_graph(g, OverlapConfig())
+    assert report.collectives == 1
+    order = [n.target for n in g.nodes if n.op == "call_function"]
+    assert order == [AG, torch.ops.aten.mm.default, c10d.all_reduce.default, WAIT, torch.ops.aten.mm.default]

@@ -3,6 +3,7 @@
 See [Note: Gradient accumulation without sync] in compiled_fsdp/_module.py."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Optional
 
@@ -26,7 +27,9 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
     """``variant`` ("+"-separated): "frozen" freezes layers.0's MLP, "frozen_last"
     the last block's too; "eval" runs
     a forward with sync on and no backward before the last micro-batch;
-    "blocks" compiles each block on its own."""
+    "blocks" compiles each block on its own; "untraced_last" runs the last
+    micro-batch under ``torch.compiler.set_stance("force_eager")``, where
+    Dynamo runs every frame eagerly."""
     variants = set(variant.split("+"))
     build, make_batch, loss_fn = gpt_case(True)  # tied, uneven rows
     ref = build()
@@ -69,7 +72,9 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
             if last and "eval" in variants:  # a forward whose backward never runs
                 runner(make_batch(99)[0]).sum()
             (tokens,) = make_batch(10 * step + i)
-            loss_fn(runner(tokens), tokens).backward()
+            untraced = last and "untraced_last" in variants
+            with torch.compiler.set_stance("force_eager") if untraced else contextlib.nullcontext():
+                loss_fn(runner(tokens), tokens).backward()
             loss_fn(ref_forward(tokens), tokens).backward()
             if not last:
                 out["grad_none_before_sync"] &= all(p.grad is None for p in model.parameters())
@@ -167,6 +172,19 @@ def test_accumulation_without_sync_blocks_frozen() -> None:
         assert res["sinks"] == res["trainable"]
         assert not any(".mlp." in name for name in res["sinks"]), res["sinks"]
         assert "layers.1.attn.qkv.weight" in res["sinks"]
+
+
+def test_accumulation_without_sync_blocks_untraced_last() -> None:
+    """Each block compiled on its own, the synced micro-batch's frames left
+    untraced (``torch.compiler.set_stance("force_eager")``): the gathers handed over
+    eagerly (by the root, then by each block falling back) are dropped, and the
+    gradients the earlier micro-batches kept are still reduced, by the blocks'
+    eager runtime: bitwise equal to the reference ([Note: Gathers handed to
+    the next block's graph] in compiled_fsdp/_param_group.py)."""
+    for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", False,
+                               "blocks+untraced_last", timeout=600):
+        assert max(res["grad"]) == 0.0 and max(res["param"]) == 0.0, res
+        assert res["grad_none_before_sync"]
 
 
 def _flag_between_rank(rank: int, world: int) -> str:
