@@ -59,6 +59,10 @@ class ShardingOptions:
     # Checks that the ranks' collectives pair up, or None (checks off). See
     # [Note: Agreeing on collectives] in _divergence.py.
     checker: Optional[Checker] = None
+    # ``config.comm.hand_over_gathers`` as agreed at this ``fully_shard`` (read
+    # then, like the settings above, not at each step). See [Note: Gathers
+    # handed to the next block's graph] in _param_group.py.
+    hand_over_gathers: bool = True
 
     def mesh_for(self, device_type: str) -> DeviceMesh:
         """The mesh the parameters' DTensors live on."""
@@ -119,7 +123,8 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
     """``options`` with its reduce group and checker, created collectively."""
     group = options.process_group
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
-    return replace(options, reduce_group=reduce_group, checker=checker_for(group))
+    return replace(options, reduce_group=reduce_group, checker=checker_for(group),
+                   hand_over_gathers=comm.hand_over_gathers)
 
 
 # Gather group name -> its reduce group, created once per gather group. Weakly:
@@ -220,6 +225,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
         group = FSDPParamGroup(
             fsdp_params, options.process_group, options.reduce_group, next(_KEYS),
             options.reshard_after_forward, type(module).__name__, options.checker,
+            options.hand_over_gathers,
         )
         by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
         for fp in fsdp_params:

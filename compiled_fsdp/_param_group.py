@@ -151,6 +151,7 @@ class FSDPParamGroup:
         reshard_after_forward: bool,
         name: str,
         checker: Optional[Checker] = None,
+        hand_over_gathers: bool = True,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
@@ -175,6 +176,7 @@ class FSDPParamGroup:
         # See [Note: Gathers handed to the next block's graph]: this module's
         # gathered bucket, issued (not waited) by whoever ran before it; the
         # module whose gather this module's graph issues, while it runs.
+        self.hand_over_gathers = hand_over_gathers  # may be handed its gather (agreed at fully_shard)
         self.handoff_in: Optional[torch.Tensor] = None
         self.handoff_next: Optional[FSDPParamGroup] = None
         self.handoff_traced = False  # this forward's trace issued handoff_next's gather

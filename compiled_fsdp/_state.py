@@ -58,7 +58,6 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from ._divergence import Checker, annotate_error
-from .config import comm
 from ._fallback import arm_compile_callbacks, is_split
 from ._param_group import FSDPParamGroup, ShardedState
 from ._policy import MixedPrecisionPolicy, cast_floating
@@ -271,7 +270,7 @@ class _RootContext:
         if not target.predicts_own_frame():
             self.prefetch(target, "forward")
             return None
-        if not comm.hand_over_gathers:
+        if not group.hand_over_gathers:
             return None
         if group.handoff_in is not None:  # (handed over already)
             return None

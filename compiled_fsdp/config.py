@@ -30,8 +30,8 @@ class CommConfig:
     # How long a rank waits at a check for the others (time a peer spends
     # compiling does not count) before raising CollectiveMismatchError.
     check_timeout_s: float = 30.0
-    # Read by ``fully_shard`` (every rank must agree) and at each forward:
-    # blocks compiled on their own hand over gathers, each block's graph
+    # Read by ``fully_shard`` (every rank must agree), which keeps it for the
+    # modules it shards: blocks compiled on their own hand over gathers, each block's graph
     # issuing the next block's all-gather and reducing its gradient, so
     # communication overlaps across blocks (False: each block's graph gathers
     # and reduces its own, exposed). See [Note: Gathers handed to the next

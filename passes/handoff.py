@@ -64,7 +64,7 @@ from ._graph import (
 c10d = torch.ops._c10d_functional
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class HandedIn:
     """A handed-in gather this graph reads: its reads per parameter, and the
     ``reduce_grad`` markers that give it its gradient."""
@@ -126,8 +126,8 @@ def plan_handoff(graph: fx.Graph) -> HandoffPlan:
     for h in by_gathered.values():
         numel = next(iter(h.args.values())).bucket_numel
         # (one handed-in gather per graph: its gradient markers are those of its width)
-        h.grads = grads.pop(numel, []) if len(by_gathered) == 1 else []
-        plan.handed_in.append(h)
+        mine = grads.pop(numel, []) if len(by_gathered) == 1 else []
+        plan.handed_in.append(dataclasses.replace(h, grads=mine))
     for numel in grads:
         plan.skipped.append(("handoff", ENTRY_KEY, f"gradient markers of a {numel}-wide bucket "
                              "no handed-in gather of this graph has"))

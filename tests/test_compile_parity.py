@@ -106,7 +106,7 @@ def test_uneven_shards_share_no_cache_entry(tmp_path) -> None:
             assert res["counts"] == [{}] * 2
 
 
-def _inference_rank(rank: int, world: int, backend: str) -> dict:
+def _inference_rank(rank: int, world: int, backend: str, blocks: bool) -> dict:
     import copy
 
     import compiled_fsdp
@@ -120,7 +120,10 @@ def _inference_rank(rank: int, world: int, backend: str) -> dict:
     ref = build()
     model = copy.deepcopy(ref)
     _shard(True)(model)
-    runner = torch.compile(model, backend=backend, fullgraph=True)
+    if blocks:  # each block on its own, the root eager; see tests/test_block_compile.py
+        for block in model.layers:
+            block.compile(backend=backend, fullgraph=True)
+    runner = model if blocks else torch.compile(model, backend=backend, fullgraph=True)
     clear_reports()
     out = []
     for step in range(2):
@@ -139,7 +142,7 @@ def test_no_grad_inference(backend: str) -> None:
     pass never sees (see [Note: Inference graphs]). Inductor lowers its markers
     in the post-grad pass: one bucketed all-gather per unit and no eager
     collective; aot_eager runs them unbucketed. Both match the reference."""
-    for res in run_distributed(_inference_rank, 2, backend, timeout=900):
+    for res in run_distributed(_inference_rank, 2, backend, False, timeout=900):
         for diff, counts in res["steps"]:
             if backend == "inductor":
                 assert diff <= 1e-5 and counts == {}

@@ -165,3 +165,32 @@ def test_parameter_the_block_never_reads() -> None:
     for res in run_distributed(_unused_rank, 2, timeout=600):
         assert_close(res, 0.0)
         assert res["after"] == [["layers.0.unused", "layers.1.unused"]] * 3
+
+
+def _off_rank(rank: int, world: int) -> dict:
+    from _graphs import GraphCapture
+
+    from compiled_fsdp import config
+
+    build, make_batch, loss = gpt_case(False)
+    capture = GraphCapture()
+
+    def shard(model: torch.nn.Module) -> None:
+        config.comm.hand_over_gathers = False
+        try:
+            _shard()(model)
+        finally:
+            config.comm.hand_over_gathers = True  # (read at fully_shard: changing it later changes nothing)
+
+    return run_parity(rank, build, shard, make_batch, loss, wrap=_per_block(capture.backend),
+                      graph_counts=capture.take_runtime)
+
+
+def test_handoff_off_at_fully_shard() -> None:
+    """``config.comm.hand_over_gathers = False`` at ``fully_shard`` keeps each
+    block's collectives in its own graph (a gather in forward, a re-gather
+    and a reduce-scatter in backward, per block), also after the setting is
+    changed back; bitwise equal to the reference."""
+    for res in run_distributed(_off_rank, 2, timeout=600):
+        assert_close(res, 0.0)
+        assert res["graph_counts"] == [{"fw_all_gather": 2, "bw_all_gather": 2, "bw_reduce_scatter": 2}] * 3
