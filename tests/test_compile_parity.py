@@ -133,6 +133,7 @@ def _inference_rank(rank: int, world: int, backend: str, blocks: bool) -> dict:
             logits = runner(tokens)
         out.append((max_diff(logits, ref(tokens)), compiled_fsdp.collective_counts()))
     return {"steps": out, "gather_buckets": [r.lowering.count("gather") for r in last_reports()],
+            "handoffs": [sorted(r.lowering.handoffs) for r in last_reports()],
             "params": len(list(ref.parameters()))}
 
 
@@ -232,3 +233,21 @@ def test_compiled_module_called_twice_frozen_unused() -> None:
         for step in res["graph_counts"]:
             assert step["fw_all_gather"] == 4  # pre, shared, frozen, root
             assert step["bw_reduce_scatter"] == 3  # pre, shared, root
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_no_grad_inference_blocks(backend: str) -> None:
+    """The same with each block compiled on its own and the root eager (see
+    [Note: Gathers handed to the next block's graph]): the root gathers its
+    own parameters and hands layers.0 its gather, layers.0's inference graph
+    hands layers.1 its gather (lowered by Inductor's post-grad pass, run by
+    the op itself under aot_eager). Both match the reference."""
+    for res in run_distributed(_inference_rank, 2, backend, True, timeout=900):
+        for diff, counts in res["steps"]:
+            assert diff <= (1e-5 if backend == "inductor" else 0.0)
+            # the root's and layers.0's, eagerly; layers.1's by the op unless lowered
+            assert counts == {"all_gather": 2 if backend == "inductor" else 3}
+        if backend == "inductor":  # layers.0's graph, then the last block's (a variant)
+            assert res["handoffs"] == [["issue", "read"], ["read"]] and res["gather_buckets"] == [0, 0]
+        else:
+            assert res["handoffs"] == []
