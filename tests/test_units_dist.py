@@ -92,7 +92,7 @@ def test_single_call_aot_eager(case: str) -> None:
             assert [m for m, _ in res["units"]] == [("pre",), ("shared",), ("frozen",), ("out",)]
 
 
-@pytest.mark.parametrize("case", ["gpt", "tied", "twice"])
+@pytest.mark.parametrize("case", ["gpt", "tied"])  # (the units of "twice": aot_eager, bitwise)
 def test_single_call_inductor(case: str) -> None:
     for res in run_distributed(_single_rank, 2, case, "inductor", timeout=900):
         assert_close(res, 1e-5)
