@@ -225,7 +225,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
         group = FSDPParamGroup(
             fsdp_params, options.process_group, options.reduce_group, next(_KEYS),
             options.reshard_after_forward, type(module).__name__, options.checker,
-            options.hand_over_gathers,
+            hand_over_gathers=options.hand_over_gathers,
         )
         by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
         for fp in fsdp_params:

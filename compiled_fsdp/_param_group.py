@@ -151,7 +151,8 @@ class FSDPParamGroup:
         reshard_after_forward: bool,
         name: str,
         checker: Optional[Checker] = None,
-        hand_over_gathers: bool = True,
+        *,
+        hand_over_gathers: bool,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
