@@ -111,6 +111,7 @@ def _knobs(kind: str) -> Iterator[None]:
     saved_comm = dataclasses.replace(comm_config.comm)
     config.overlap.schedule = kind != "ours_compiled_nosched"
     config.overlap.units = not kind.endswith("_nounits")
+    config.overlap.own_order = kind != "ours_compiled_composed"
     comm_config.comm.separate_reduce_group = kind != "ours_compiled_onegroup"
     comm_config.comm.gloo_reduce_by_all_to_all = kind != "ours_compiled_gloors"
     comm_config.comm.check_collectives = not kind.endswith("_nocheck")

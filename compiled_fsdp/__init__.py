@@ -2,6 +2,10 @@
 
 See README.md for usage and DESIGN.md for how the pieces fit.
 """
+from .core import compat as _compat
+
+_compat.check_supported()  # an unsupported torch fails here, naming the range
+
 from ._api import ShardingOptions, fully_shard
 from ._divergence import CollectiveMismatchError
 from ._module import FSDPModule

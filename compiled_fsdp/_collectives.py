@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .core import compat
 from ._layout import EAGER, ShardSpec, pack_grads, pack_shards, sum_received, unpack_gathered
 from ._reduce import reduce_by_all_to_all
 
@@ -75,7 +76,7 @@ def all_gather_bucket(
     out = flat_in.new_empty(world * flat_in.numel())
     _COUNTS["all_gather"] += 1
     _BYTES["all_gather"] += flat_in.numel() * flat_in.element_size()
-    work = dist.all_gather_single(out, flat_in, group=group, async_op=async_op)
+    work = compat.all_gather_single(out, flat_in, group=group, async_op=async_op)
     return PendingCollective(out, work if async_op else None)
 
 
@@ -101,9 +102,7 @@ def reduce_scatter_flat(
         return PendingCollective(recv, work if async_op else None,
                                  finish=lambda t: sum_received(EAGER, t, world))
     out = flat_in.new_empty(flat_in.numel() // world)
-    work = dist.reduce_scatter_single(
-        out, flat_in, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
+    work = compat.reduce_scatter_single(out, flat_in, group=group, async_op=async_op)
     return PendingCollective(out, work if async_op else None)
 
 

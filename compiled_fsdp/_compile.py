@@ -69,6 +69,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 # Importing _ops registers the marker ops, so any graph the passes see runs.
 import compiled_fsdp._ops  # noqa: F401
 from compiled_fsdp import _fallback
+from compiled_fsdp.core import compat
 from compiled_fsdp._explain import record_units
 from compiled_fsdp.passes import JointPassReport, Observer, has_markers, lower_markers, run_joint_passes
 from compiled_fsdp import config as comm_config
@@ -155,7 +156,7 @@ class _SchedulePass(CustomGraphPass):
                 _notify("lowering", gm, lowering)
         report = schedule_graph(graph, passes_config.overlap)
         if report.changed:
-            pin_order(graph)
+            pin_order(graph, both_ways=compat.SIMPLE_OVERLAP and passes_config.overlap.own_order)
         if report.graph != "none":
             with _lock:
                 _schedule_reports.append(report)
@@ -169,14 +170,10 @@ class _SchedulePass(CustomGraphPass):
 
 
 def _install_schedule_pass() -> None:
-    current = inductor_config.post_grad_custom_post_pass
-    passes = (
-        tuple(current) if isinstance(current, (list, tuple))
-        else () if current is None else (current,)
-    )
+    passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
     if any(isinstance(p, _SchedulePass) for p in passes):
         return
-    inductor_config.post_grad_custom_post_pass = (*passes, _SchedulePass())
+    inductor_config.post_grad_custom_post_pass = compat.post_grad_value((*passes, _SchedulePass()))
 
 
 def install() -> None:
@@ -200,12 +197,9 @@ def uninstall() -> None:
         current = functorch_config.joint_custom_pass
         if isinstance(current, _CompiledFSDPJointPass):
             functorch_config.joint_custom_pass = current.inner
-        post = inductor_config.post_grad_custom_post_pass
-        if isinstance(post, (list, tuple)):
-            rest = tuple(p for p in post if not isinstance(p, _SchedulePass))
-            inductor_config.post_grad_custom_post_pass = (
-                None if not rest else rest[0] if len(rest) == 1 else rest
-            )
+        post = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
+        rest = tuple(p for p in post if not isinstance(p, _SchedulePass))
+        inductor_config.post_grad_custom_post_pass = compat.post_grad_value(rest)
 
 
 def add_observer(fn: Observer) -> None:

@@ -74,6 +74,10 @@ __all__ = ["DUMP_ENV", "DumpSession", "dump_graphs"]
 
 DUMP_ENV = "COMPILED_FSDP_DUMP"
 
+# What the bytecode file says where the optional depyf is not installed.
+_NO_DEPYF = ("# depyf is not installed, so the bytecode Dynamo generated is not decompiled here.\n"
+             "# Install it to get this file: pip install depyf  (or: pip install 'compiled_fsdp[debug]')\n")
+
 # structured-trace event -> (file name, what it is)
 _TRACE_FILES = {
     "dynamo_output_graph": ("01_dynamo_graph.py", "the FX graph Dynamo traced from Python (markers not yet lowered)"),
@@ -221,12 +225,14 @@ class DumpSession:
             rec.frame = f"{getattr(code, 'co_qualname', code.co_name)} " \
                         f"({code.co_filename}:{code.co_firstlineno})"
             with self._guard(rec, "depyf.decompile"):
-                import depyf  # heavy: imported only once a dump is asked for
-
-                src = depyf.decompile(new_code)
-                self._write(rec, "02_bytecode_decompiled.py",
-                            "the Python bytecode Dynamo generated for the frame, decompiled by depyf "
-                            "(calls the compiled graph, then resume functions after graph breaks)", src)
+                what = ("the Python bytecode Dynamo generated for the frame, decompiled by depyf "
+                        "(calls the compiled graph, then resume functions after graph breaks)")
+                try:
+                    import depyf  # optional and heavy: imported only once a dump is asked for
+                except ImportError:
+                    self._write(rec, "02_bytecode_decompiled.py", what, _NO_DEPYF)
+                    return None
+                self._write(rec, "02_bytecode_decompiled.py", what, depyf.decompile(new_code))
         return None
 
     def _on_pass(self, stage: str, gm: fx.GraphModule, report: Optional[Any]) -> None:

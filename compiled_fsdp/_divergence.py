@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from .config import comm
+from .core import compat
 
 __all__ = ["CollectiveMismatchError"]
 
@@ -126,7 +127,7 @@ class PendingCheck:
         self.checker, self.cp = checker, cp
         self.index = index  # its number in the step (see ``Checker.issue``)
         self.out = torch.empty(checker.world * _MSG_BYTES, dtype=torch.uint8)
-        self.work: Optional[dist.Work] = dist.all_gather_single(
+        self.work: Optional[dist.Work] = compat.all_gather_single(
             self.out, cp.encode(), group=checker.group, async_op=True)
 
     def wait(self) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
 from ._divergence import set_compiling, stable_code
+from .core import compat
 
 if TYPE_CHECKING:
     from ._param_group import FSDPParamGroup
@@ -121,12 +122,7 @@ def on_compile_end(args: CallbackArgs) -> None:
     try:
         _check_new_graph(str(args.compile_id))
     except BaseException:
-        # torch 2.13 runs end callbacks before it decrements its count of
-        # pending compiles, so an error here would leave the count at 1: no
-        # callback would run again and torch._dynamo.reset() would fail.
-        counter = "_CompilationCallbackHandler__pending_callbacks_counter"
-        if getattr(callback_handler, counter, 0) > 0:
-            setattr(callback_handler, counter, getattr(callback_handler, counter) - 1)
+        compat.end_callback_raised()
         raise
 
 

@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .core import compat
 from ._collectives import count_collective, reduce_scatter_flat
 from ._divergence import COLLECTIVE, Checkpoint, stable_code
 from ._layout import (
@@ -186,7 +187,7 @@ def unshard(
         gathered = flat.new_empty(world_size * flat.numel())
         count_collective("unbucketed_all_gather")
         _check("all-gather", module_key, param_index)
-        dist.all_gather_single(gathered, flat, group=_group(group_name))
+        compat.all_gather_single(gathered, flat, group=_group(group_name))
     # custom ops must not return an alias of an input; `gathered` is fresh.
     return unpack_gathered(EAGER, gathered, specs)[0]
 

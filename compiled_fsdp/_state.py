@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -57,6 +58,7 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from .core import compat
 from ._divergence import Checker, annotate_error
 from ._fallback import arm_compile_callbacks, is_split
 from ._param_group import FSDPParamGroup, ShardedState
@@ -199,6 +201,11 @@ class _RootContext:
             for g in reduced:  # the graph holds them now
                 for p in g.fsdp_params:
                     p.drop_kept_grad()
+            if not compat.to_local_keeps_none_grads():  # torch 2.11: see core/compat.py
+                unsynced = [p.sharded for g, flag in traced if not flag for p in g.fsdp_params
+                            if p.sharded.requires_grad and p.sharded.grad is None]
+                if unsynced:
+                    torch.autograd.Variable._execution_engine.queue_callback(partial(_no_grads, unsynced))
 
         register_multi_grad_hook(outs, pre_backward, mode="any")
 
@@ -481,6 +488,11 @@ class FSDPState:
         target = ctx.backward_prefetch_target(self)
         if target is not None and target.param_group is not None and target.param_group.needs_grad_sync:
             ctx.prefetch(target, "backward")
+
+
+def _no_grads(params: list[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = None
 
 
 def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:

@@ -35,6 +35,11 @@ class OverlapConfig:
     # Units larger than this many bytes (unsharded) split at the modules they
     # call. None: no ceiling but the root's (half of its bytes).
     unit_max_bytes: int | None = None
+    # Where Inductor has its own overlap pass (simple_overlap, torch 2.14+):
+    # True pins the schedule both ways so that pass leaves the collectives
+    # where ours put them; False lets it move them further (collectives up,
+    # waits down). See [Note: Inductor's simple_overlap] in pin.py.
+    own_order: bool = True
 
 
 overlap = OverlapConfig()

@@ -27,9 +27,11 @@ from .cost_model import ISSUES, WAIT
 from ._graph import chain_tag
 
 
-def pin_order(graph: fx.Graph) -> int:
+def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
     """Adds the control dependencies that keep ``graph``'s current placement
-    of owned collectives and waits; returns how many were added."""
+    of owned collectives and waits; returns how many were added. With
+    ``both_ways`` a collective cannot move up nor a wait down either (see
+    [Note: Inductor's simple_overlap])."""
     nodes = [n for n in graph.nodes if n.op == "call_function"]
 
     def is_compute(n: fx.Node) -> bool:
@@ -47,7 +49,15 @@ def pin_order(graph: fx.Graph) -> int:
                            and chain_tag(p) is not None), None)
             if issued is not None and issued not in n.all_input_nodes:
                 deps.setdefault(n, OrderedSet()).add(issued)
+            if both_ways:
+                nxt = next((q for q in nodes[i + 1:] if is_compute(q)), None)
+                if nxt is not None and n not in nxt.all_input_nodes:
+                    deps.setdefault(nxt, OrderedSet()).add(n)
         else:
+            if both_ways:
+                prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)
+                if prev is not None and prev not in n.all_input_nodes:
+                    deps.setdefault(n, OrderedSet()).add(prev)
             nxt = next((q for q in nodes[i + 1:] if is_compute(q)), None)
             if nxt is not None and n not in nxt.all_input_nodes:
                 deps.setdefault(nxt, OrderedSet()).add(n)

@@ -73,6 +73,16 @@ def _broken_depyf_rank(rank: int, world: int, root: str) -> bool:
     return caches() == before
 
 
+def _no_depyf_rank(rank: int, world: int, root: str) -> float:
+    """Training and the dump without depyf installed (an import of it fails)."""
+    import sys
+
+    sys.modules["depyf"] = None  # type: ignore[assignment]  # `import depyf` raises ImportError
+    with dump_graphs(root):
+        _train("aot_eager")
+    return 0.0
+
+
 def _graph_dir(root: str, rank: int) -> str:
     rank_dir = os.path.join(root, f"rank{rank}")
     graphs = sorted(d for d in os.listdir(rank_dir) if d.startswith("graph_"))
@@ -147,3 +157,17 @@ def test_depyf_failure_keeps_everything_else(tmp_path) -> None:
         assert not os.path.exists(os.path.join(gdir, "02_bytecode_decompiled.py"))
         index = open(os.path.join(root, f"rank{rank}", "index.md")).read()
         assert "FAILED" in index and "DecompilationError: forced by the test" in index
+
+
+def test_dump_without_depyf_says_what_to_install(tmp_path) -> None:
+    """depyf is optional (the ``debug`` extra): without it training and every
+    other dump file work, and the bytecode file says what to install."""
+    root = str(tmp_path / "dump")
+    run_distributed(_no_depyf_rank, 2, root)
+    for rank in range(2):
+        gdir = _graph_dir(root, rank)
+        for name in GRAPH_FILES:
+            assert os.path.getsize(os.path.join(gdir, name)) > 0, name
+        text = open(os.path.join(gdir, "02_bytecode_decompiled.py")).read()
+        assert "depyf is not installed" in text and "pip install depyf" in text, text
+        assert "FAILED" not in open(os.path.join(root, f"rank{rank}", "index.md")).read()

@@ -1,0 +1,228 @@
+"""Every difference between the torch releases compiled_fsdp supports, decided once.
+
+[Note: Supported torch releases]
+compiled_fsdp runs on torch 2.11 through 2.15 (``SUPPORTED``). The rest of
+the package calls what this module exports and never tests a torch version
+or probes torch for an attribute itself (``tests/test_compat.py`` walks the
+package's source to keep it so). Differences are found by feature detection;
+the one version test is the range check at import, which names the supported
+range instead of letting a user on another release crash deep in a trace.
+What differs, and where each choice is used:
+
+* The eager collective names: torch 2.13 renamed ``all_gather_into_tensor``
+  and ``reduce_scatter_tensor`` to ``all_gather_single`` and
+  ``reduce_scatter_single`` (pytorch#186123; the old names still work there,
+  with a deprecation warning). ``all_gather_single`` and
+  ``reduce_scatter_single`` below call whichever the installed torch has.
+* DTensor's ``to_local`` backward: torch 2.11 materializes a missing
+  gradient as zeros (2.12 added ``set_materialize_grads(False)`` there), so
+  under compile a shard the graph gives no gradient (a micro-batch without
+  gradient sync) ends with a zero ``.grad`` instead of ``None``.
+  ``to_local_keeps_none_grads()`` says which; where it does not, the runtime
+  puts ``None`` back at the end of that backward (``_state.py``).
+* Dynamo's compile-end callbacks: torch 2.11-2.15 run them before
+  decrementing the handler's count of pending compiles, so a callback that
+  raises leaves the count at 1 and no callback runs again (and
+  ``torch._dynamo.reset()`` fails). ``end_callback_raised`` puts it back.
+* Inductor's ``post_grad_custom_post_pass`` takes a list or tuple of passes
+  from torch 2.12 on; torch 2.11 calls the value itself. ``post_grad_passes``
+  and ``post_grad_value`` read and write it as a tuple on every release (on
+  2.11 several passes become one ``ChainedGraphPass`` whose ``uuid`` combines
+  theirs, so Inductor's cache stays keyed on each).
+* Inductor's scheduler-level overlap pass (``simple_overlap``, on by default
+  from torch 2.14, pytorch#184235): it moves collectives earlier and waits
+  later by adjacent swaps. ``SIMPLE_OVERLAP`` says whether this torch has it
+  (see [Note: Inductor's simple_overlap] in passes/pin.py for how the
+  project's schedule and it share the graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "SIMPLE_OVERLAP",
+    "SUPPORTED",
+    "all_gather_single",
+    "check_supported",
+    "end_callback_raised",
+    "post_grad_passes",
+    "post_grad_value",
+    "reduce_scatter_single",
+    "to_local_keeps_none_grads",
+    "torch_release",
+]
+
+# [lowest, first unsupported): the releases the compat script tests (.ci/compat).
+SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 16))
+_ALLOW_ENV = "COMPILED_FSDP_ALLOW_UNSUPPORTED_TORCH"
+
+
+def torch_release(version: Optional[str] = None) -> tuple[int, int]:
+    """``(major, minor)`` of ``version`` (default: the installed torch), e.g.
+    ``"2.15.0+cu132"`` -> ``(2, 15)``; ``"2.16.0.dev20261101"`` -> ``(2, 16)``."""
+    text = torch.__version__ if version is None else version
+    parts = str(text).split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"cannot read a torch release from {text!r}") from None
+
+
+def _range_text() -> str:
+    (lo_maj, lo_min), (hi_maj, hi_min) = SUPPORTED
+    return f"torch>={lo_maj}.{lo_min},<{hi_maj}.{hi_min}"
+
+
+def check_supported(version: Optional[str] = None) -> None:
+    """Raises ``ImportError`` naming the supported range if ``version`` (default:
+    the installed torch) is outside it. Setting ``COMPILED_FSDP_ALLOW_UNSUPPORTED_TORCH=1``
+    turns the error into a warning, for trying a release nobody has tested."""
+    text = torch.__version__ if version is None else version
+    release = torch_release(text)
+    lo, hi = SUPPORTED
+    if lo <= release < hi:
+        return
+    message = (
+        f"compiled_fsdp supports {_range_text()}; this is torch {text}. "
+        f"Install a supported release (for example `pip install 'torch>=2.11,<2.16'`), "
+        f"or set {_ALLOW_ENV}=1 to try this one untested."
+    )
+    if os.environ.get(_ALLOW_ENV) == "1":
+        warnings.warn(message, stacklevel=2)
+        return
+    raise ImportError(message)
+
+
+# --- eager collectives (pytorch#186123 renamed them in 2.13) -----------------
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> Optional[dist.Work]:
+    """``output[r * n:(r + 1) * n] = input`` of rank ``r``, for every rank of ``group``."""
+    return _ALL_GATHER(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+) -> Optional[dist.Work]:
+    """This rank's slice of ``input`` reduced over ``group`` into ``output``."""
+    return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
+
+
+# --- DTensor ----------------------------------------------------------------
+
+@functools.lru_cache(1)
+def to_local_keeps_none_grads() -> bool:
+    """Whether ``DTensor.to_local``'s backward passes a missing gradient on as
+    ``None`` (rather than materializing zeros): asked of its backward directly."""
+    import types
+
+    from torch.distributed.tensor._api import _ToTorchTensor
+
+    try:
+        return _ToTorchTensor.backward(types.SimpleNamespace(), None) == (None, None)
+    except Exception:  # noqa: BLE001 (the old backward reads the context first)
+        return False
+
+
+# --- Dynamo -----------------------------------------------------------------
+
+_PENDING = "_CompilationCallbackHandler__pending_callbacks_counter"
+
+
+def end_callback_raised() -> None:
+    """Called by a compile-end callback that is about to raise: undoes the
+    pending-compile count that Dynamo's handler would have decremented after
+    the callbacks had run (see the module's note)."""
+    from torch._dynamo.callback import callback_handler
+
+    if getattr(callback_handler, _PENDING, 0) > 0:
+        setattr(callback_handler, _PENDING, getattr(callback_handler, _PENDING) - 1)
+
+
+# --- Inductor ---------------------------------------------------------------
+
+def _sequence_of_post_grad_passes() -> bool:
+    from torch._inductor import custom_graph_pass
+
+    return hasattr(custom_graph_pass, "get_custom_graph_passes")
+
+
+class _Chained:
+    """Several post-grad passes as the one callable torch 2.11 accepts; made a
+    ``CustomGraphPass`` subclass by ``_chained_type`` (lazily: importing
+    Inductor's module is not free)."""
+
+    def __init__(self, passes: tuple) -> None:
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: Any) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Optional[Any]:
+        import hashlib
+
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        h = hashlib.sha256()
+        for p in self.passes:
+            u = p.uuid() if isinstance(p, CustomGraphPass) else None
+            if not u:
+                return None  # Inductor bypasses its cache, as for one such pass
+            h.update(repr(u).encode())
+        return h.digest()
+
+
+@functools.lru_cache(1)
+def _chained_type() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return type("ChainedGraphPass", (_Chained, CustomGraphPass), {})
+
+
+def post_grad_passes(value: Any) -> tuple:
+    """The passes in a value of ``torch._inductor.config.post_grad_custom_post_pass``."""
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    if isinstance(value, _Chained):
+        return value.passes
+    return (value,)
+
+
+def post_grad_value(passes: tuple) -> Any:
+    """What to set ``post_grad_custom_post_pass`` to so that ``passes`` run in order."""
+    if not passes:
+        return None
+    if len(passes) == 1:
+        return passes[0]
+    if _sequence_of_post_grad_passes():
+        return tuple(passes)
+    return _chained_type()(passes)
+
+
+def _has_simple_overlap() -> bool:
+    from torch._inductor import config as inductor_config
+
+    section = getattr(inductor_config, "aten_distributed_optimizations", None)
+    return section is not None and hasattr(section, "enable_simple_overlap")
+
+
+SIMPLE_OVERLAP: bool = _has_simple_overlap()
