@@ -106,7 +106,7 @@ def _summary(rounds: list[list[dict]]) -> dict:
         "round_medians_s": [max(r["step_s"] for r in rnd) for rnd in rounds],
         "per_round": rounds,
     }
-    for key in ("rss_peak_mb", "step_peak_mb", "first_step_s"):
+    for key in ("rss_peak_mb", "step_peak_mb", "tensor_peak_mb", "first_step_s"):
         if key in rounds[0][0]:
             out[key] = max(r[key] for rnd in rounds for r in rnd)
     return out
@@ -234,6 +234,7 @@ def main() -> None:
         spread = ", ".join(f"{m:.3f}" for m in res["round_medians_s"])
         print(f"{kind:22s} step {res['step_s']:.3f} s (rounds {spread})  "
               f"step-peak {res.get('step_peak_mb', float('nan')):7.1f} MiB  "
+              f"tensor-peak {res.get('tensor_peak_mb', float('nan')):7.1f} MiB  "
               f"rss {res.get('rss_peak_mb', float('nan')):7.1f} MiB", flush=True)
     ratios = _ratios({k: v["step_s"] for k, v in results["configs"].items()})
     cfg = results["configs"]
@@ -243,6 +244,7 @@ def main() -> None:
                      ("ours_compiled", "ours_compiled_nounits"), ("ours_eager_single", "ours_eager")):
         if {num, den} <= cfg.keys():
             ratios[f"step_peak {num} / {den}"] = cfg[num]["step_peak_mb"] / cfg[den]["step_peak_mb"]
+            ratios[f"tensor_peak {num} / {den}"] = cfg[num]["tensor_peak_mb"] / cfg[den]["tensor_peak_mb"]
     results["ratios"] = ratios
     for k, v in ratios.items():
         print(f"{k:52s} {v:.3f}")

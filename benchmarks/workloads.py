@@ -10,7 +10,14 @@ measured window (includes Python, torch, compiled code, glibc caches), and
 transient memory of one step (activations, gathered parameters, gradient
 buffers) once the persistent state (shards, optimizer state) exists. Limits:
 a sample can miss a peak shorter than 2 ms, and memory glibc keeps cached
-after ``free`` still counts as resident.
+after ``free`` still counts as resident. Two identical configurations
+measured 137.7 and 106.0 MiB of ``step_peak_mb`` in one run (2026-11-25), so
+it cannot compare schedules. ``tensor_peak_mb`` can: one more step under
+``torch.profiler`` with ``profile_memory=True``, whose memory events carry
+the CPU allocator's running total of bytes allocated since profiling began
+("Total Allocated"); its maximum is the step's peak of tensor memory above
+what existed before the step (as ``torch.cuda.max_memory_allocated`` minus
+the memory allocated at the step's start), exact and the same on every run.
 """
 from __future__ import annotations
 
@@ -158,6 +165,23 @@ def _schedule_summary() -> list[dict]:
     ]
 
 
+def _tensor_peak_mb(step: Callable[[], float]) -> float:
+    """See [Note: Measuring memory on CPU]."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    return max([0, *totals]) / 2**20
+
+
 def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int, n_layers: int = 8) -> dict:
     """Step times and memory of one configuration on this rank."""
     with _knobs(kind):
@@ -169,6 +193,7 @@ def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int, n_laye
     out = {
         "step_s": statistics.median(times), "times_s": times, "first_step_s": first[0],
         "rss_peak_mb": mem.peak / 2**20, "step_peak_mb": (mem.peak - before) / 2**20,
+        "tensor_peak_mb": _tensor_peak_mb(step),
     }
     if kind.startswith("ours_compiled"):
         out["schedule"] = _schedule_summary()

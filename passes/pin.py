@@ -15,6 +15,29 @@ wraps a node in the ``control_deps`` HOP with extra inputs. Each owned wait
 gets the compute node and the owned collective just before it as extra
 dependencies (it cannot move up), and the compute node just after each owned collective gets the collective
 (it cannot move down).
+
+[Note: Inductor's simple_overlap]
+From torch 2.14 Inductor's scheduler runs an overlap pass of its own by
+default (``simple_overlap``, pytorch#184235): it moves every collective up,
+past anything it does not depend on, until the previous collective, and
+every wait down until the next wait, as long as its memory estimate of the
+graph's peak does not grow. It never swaps two collectives, so the ranks
+stay matched, but it knows nothing of our schedule's memory budget: in
+a forward graph, whose estimated peak comes at the end, it hoisted every
+all-gather to the top (measured on torch 2.15, tests/test_schedule_dist.py:
+the output code read ``all_gather`` x4 before the first wait). With
+``both_ways`` the pin also keeps each owned collective after the compute
+node before it and each owned wait before the compute node after it, so
+that pass leaves our collectives where our schedule put them and still
+works on any collective we do not own. Measured both ways on torch 2.15
+(2 ranks, benchmark GPT; DESIGN.md, "Results: torch releases"): the same
+step time (paired, pinned / moved 1.009) and the same peak of tensor memory
+(398.6 vs 392.6 MiB; two identical configurations differ by as much). So
+``overlap.own_order`` (default True) pins both ways wherever this torch has
+the pass (``compat.SIMPLE_OVERLAP``): the generated code then runs the order
+our schedule chose and its report and timeline describe, within our memory
+budget whatever the model's size, and the two schedulers never act on the
+same collective.
 """
 
 from __future__ import annotations

@@ -260,3 +260,47 @@ def test_timeline_report() -> None:
         assert c["issue_s"] <= c["start_s"] <= c["end_s"] and c["exposed_s"] >= 0
     assert tl["exposed_s"] <= d["before"]["exposed_s"] + 1e-12
     assert tl["makespan_s"] <= d["before"]["makespan_s"] + 1e-12
+
+
+def _pinned(both_ways: bool) -> tuple[dict[str, list[str]], list[str]]:
+    """Schedule, pin, and return which nodes got ordering-only dependencies
+    (node -> its extra inputs) and the collectives' order afterwards."""
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    from compiled_fsdp.passes.pin import pin_order
+
+    g = _build(reduce=True)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    schedule_graph(g, OverlapConfig(cover=1e9))
+    order = [n.name for n in g.nodes if n.target in (AG, RS, WAIT)]
+    added = pin_order(g, both_ways=both_ways)
+    gm.recompile()
+    g.lint()
+    deps = {n.name: sorted(d.name for d in n.args[0]) for n in g.nodes if n.target is control_deps}
+    assert added == sum(len(v) for v in deps.values())
+    return deps, order
+
+
+def test_pin_both_ways_holds_collectives_up_and_waits_down() -> None:
+    """See [Note: Inductor's simple_overlap] in passes/pin.py: the usual pin
+    keeps waits from moving up and collectives from moving down; both ways
+    it also ties each owned collective to the compute node before it, and
+    the compute node after each owned wait to that wait, so a pass that
+    hoists collectives and sinks waits (Inductor's simple_overlap) cannot
+    move ours. Nothing else changes."""
+    one, order = _pinned(False)
+    both, order_both = _pinned(True)
+    assert order == order_both
+    # the usual pin: no collective is wrapped
+    assert not any(name.startswith(("all_gather", "reduce_scatter")) for name in one)
+    # both ways: every collective after the first compute node is held after it
+    held = [name for name in both if name.startswith(("all_gather", "reduce_scatter"))]
+    assert len(held) >= 4, both
+    for name in held:
+        assert any(d.startswith(("mm", "relu", "mul")) for d in both[name]), (name, both[name])
+    # and each dependency of the usual pin is still there
+    for name, deps in one.items():
+        assert set(deps) <= set(both.get(name, [])), (name, deps, both.get(name))
+    # some compute node now waits for a wait before it (a wait cannot sink)
+    assert any(any(d.startswith("wait") for d in deps) for name, deps in both.items()
+               if not name.startswith(("all_gather", "reduce_scatter", "wait")))
