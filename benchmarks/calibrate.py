@@ -45,7 +45,7 @@ def compute_constants() -> dict:
 
 
 def _comm_rank(rank: int, world: int) -> dict:
-    from compiled_fsdp._collectives import reduce_scatter_flat
+    from compiled_fsdp.runtime.collectives import reduce_scatter_flat
 
     fc = torch.ops._c10d_functional
     pg = torch.distributed.group.WORLD

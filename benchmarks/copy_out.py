@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from compiled_fsdp._layout import ShardSpec  # noqa: E402
+from compiled_fsdp.core.layout import ShardSpec  # noqa: E402
 from examples.gpt import bench  # noqa: E402
 
 

@@ -153,7 +153,7 @@ def _train_step(kind: str, rank: int, n_layers: int = 8) -> Callable[[], float]:
 
 
 def _schedule_summary() -> list[dict]:
-    from compiled_fsdp._compile import last_schedule_reports
+    from compiled_fsdp.compile.install import last_schedule_reports
 
     return [
         {"graph": r.graph, "changed": r.changed, "moves": len(r.moves),
@@ -237,7 +237,7 @@ def _comm_step(world: int) -> tuple[Callable[[], None], int, int]:
     is kept), one gradient reduce per bucket, as the project runs it
     (on gloo an all-to-all plus a sum, see [Note: Reduce-scatter on gloo]);
     each waited at once. Returns (step function, collective count, unsharded bytes)."""
-    from compiled_fsdp._collectives import reduce_scatter_flat
+    from compiled_fsdp.runtime.collectives import reduce_scatter_flat
 
     fc = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name

@@ -2,18 +2,18 @@
 
 See README.md for usage and DESIGN.md for how the pieces fit.
 """
-from .core import compat as _compat
+from compiled_fsdp.core import compat as _compat
 
 _compat.check_supported()  # an unsupported torch fails here, naming the range
 
-from ._api import ShardingOptions, fully_shard
-from ._divergence import CollectiveMismatchError
-from ._module import FSDPModule
-from ._policy import MixedPrecisionPolicy
-from ._explain import ModuleReport, explain
-from ._collectives import collective_bytes, collective_counts, reset_collective_counts
-from ._debug import dump_graphs
-from ._state import get_fsdp_state, iter_fsdp_states
+from compiled_fsdp.runtime.api import ShardingOptions, fully_shard
+from compiled_fsdp.runtime.divergence import CollectiveMismatchError
+from compiled_fsdp.runtime.module import FSDPModule
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
+from compiled_fsdp.tools.explain import ModuleReport, explain
+from compiled_fsdp.runtime.collectives import collective_bytes, collective_counts, reset_collective_counts
+from compiled_fsdp.tools.debug import dump_graphs
+from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states
 
 __all__ = [
     "CollectiveMismatchError",

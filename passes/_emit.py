@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from compiled_fsdp._layout import ShardSpec, pack_shards, sum_received
-from compiled_fsdp._reduce import reduce_by_all_to_all
+from compiled_fsdp.core.layout import ShardSpec, pack_shards, sum_received
+from compiled_fsdp.core.reduce import reduce_by_all_to_all
 
 from ._graph import NodeBuilder
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map
 
-from .._layout import ShardSpec
+from compiled_fsdp.core.layout import ShardSpec
 
 aten = torch.ops.aten
 

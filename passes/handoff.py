@@ -35,10 +35,10 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from compiled_fsdp._layout import (
+from compiled_fsdp.core.layout import (
     ShardSpec, cast, pack_grads, reduce_input, split_reduced, split_specs, unpack_gathered,
 )
-from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
+from compiled_fsdp.core.ops import ENTRY_KEY, NEXT_KEY
 
 from ._emit import emit_gather, emit_reduce
 from .units import Unit

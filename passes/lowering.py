@@ -36,7 +36,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from compiled_fsdp._layout import pack_grads, reduce_input, split_reduced, unpack_gathered
+from compiled_fsdp.core.layout import pack_grads, reduce_input, split_reduced, unpack_gathered
 
 from ._emit import emit_gather, emit_reduce
 from .bucketing import merge_small_buckets

@@ -51,7 +51,7 @@ def _forward_structure(gm: fx.GraphModule) -> dict:
 def _blocks_rank(rank: int, world: int, how: str, backend: str, n_blocks: int) -> dict:
     from torch._dynamo.utils import counters
 
-    from compiled_fsdp._compile import last_schedule_reports
+    from compiled_fsdp.compile.install import last_schedule_reports
 
     torch._dynamo.reset()
     counters.clear()

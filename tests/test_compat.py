@@ -190,7 +190,7 @@ def test_compose_with_a_user_post_grad_pass_and_back() -> None:
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    from compiled_fsdp import _compile
+    from compiled_fsdp.compile import install as _compile
 
     log: list = []
     user = _custom_pass("user", log)

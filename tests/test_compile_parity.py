@@ -110,8 +110,8 @@ def _inference_rank(rank: int, world: int, backend: str, blocks: bool) -> dict:
     import copy
 
     import compiled_fsdp
-    from compiled_fsdp._check_worker import max_diff
-    from compiled_fsdp._compile import clear_reports, last_reports
+    from compiled_fsdp.tools.check_worker import max_diff
+    from compiled_fsdp.compile.install import clear_reports, last_reports
 
     # A cache hit skips the passes (see [Note: AOTAutograd cache]): no report.
     torch._functorch.config.enable_autograd_cache = False

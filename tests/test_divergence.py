@@ -13,7 +13,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
-from compiled_fsdp._check_worker import max_diff, shard_specs
+from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 from _dist import run_distributed
 from examples.gpt import GPT, GPTConfig, batch, loss_fn
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from compiled_fsdp import fully_shard
-from compiled_fsdp._check_worker import local_tensor, max_diff, shard_specs
+from compiled_fsdp.tools.check_worker import local_tensor, max_diff, shard_specs
 from _dist import run_distributed
 from _models import gpt_case
 from examples.gpt import GPT, GPTConfig

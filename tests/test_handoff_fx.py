@@ -12,9 +12,9 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-import compiled_fsdp._ops  # noqa: F401  (registers the marker ops)
-from compiled_fsdp._layout import ShardSpec, bucket_offsets
-from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
+import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
+from compiled_fsdp.core.layout import ShardSpec, bucket_offsets
+from compiled_fsdp.core.ops import ENTRY_KEY, NEXT_KEY
 from compiled_fsdp.passes import lower_markers, tag_recompute
 from compiled_fsdp.passes._graph import ChainTag, chain_tag, has_markers, tangent_dependents
 from compiled_fsdp.passes.config import OverlapConfig

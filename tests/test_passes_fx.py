@@ -18,8 +18,8 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-import compiled_fsdp._ops  # noqa: F401  (registers the marker ops)
-from compiled_fsdp import _compile
+import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
+from compiled_fsdp.compile import install as _compile
 from compiled_fsdp.passes._graph import chain_tag
 from compiled_fsdp.passes import (
     FSDP_AC_GRAPH_ID,

@@ -22,7 +22,7 @@ def _case(name: str):
 def _single_rank(rank: int, world: int, case: str, backend: str) -> dict:
     from torch._dynamo.utils import counters
 
-    from compiled_fsdp._compile import clear_reports, last_reports
+    from compiled_fsdp.compile.install import clear_reports, last_reports
 
     torch._dynamo.reset()
     counters.clear()

@@ -65,10 +65,10 @@ from torch._inductor import config as inductor_config
 from torch._guards import CompileContext
 from torch._logging._internal import trace_log
 
-from compiled_fsdp import _compile
+from compiled_fsdp.compile import install as _compile
 
-from ._debug_render import GraphRecord, graph_stats, module_names, render_graph, write_index, write_readme
-from ._debug_timeline import chrome_trace, estimate_timeline
+from compiled_fsdp.tools.debug_render import GraphRecord, graph_stats, module_names, render_graph, write_index, write_readme
+from compiled_fsdp.tools.debug_timeline import chrome_trace, estimate_timeline
 
 __all__ = ["DUMP_ENV", "DumpSession", "dump_graphs"]
 

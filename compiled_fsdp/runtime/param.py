@@ -51,12 +51,12 @@ from torch._dynamo.comptime import comptime
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ._ops import ENTRY_KEY, NEXT_KEY  # (and registers torch.ops.compiled_fsdp)
-from ._layout import EAGER, ShardSpec, reduce_input
-from ._policy import MixedPrecisionPolicy
+from compiled_fsdp.core.ops import ENTRY_KEY, NEXT_KEY  # (and registers torch.ops.compiled_fsdp)
+from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
-    from ._param_group import FSDPParamGroup
+    from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
 
 class FSDPParam:

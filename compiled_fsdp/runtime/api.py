@@ -22,13 +22,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .config import comm
-from ._divergence import Checker, checker_for
-from ._module import FSDPModule, ManagedByAncestor
-from ._param import FSDPParam, install_class
-from ._param_group import FSDPParamGroup
-from ._policy import MixedPrecisionPolicy, check_policy
-from ._state import FSDPState, get_fsdp_state, iter_fsdp_states
+from compiled_fsdp.config import comm
+from compiled_fsdp.runtime.divergence import Checker, checker_for
+from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
+from compiled_fsdp.runtime.param import FSDPParam, install_class
+from compiled_fsdp.runtime.param_group import FSDPParamGroup
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, check_policy
+from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 
 Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 
@@ -242,7 +242,8 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             nested.param_group.outermost = False
     FSDPState(module, group, mp)
     install_class(module, mixin=FSDPModule)
-    from . import _compile, _debug
+    from compiled_fsdp.compile import install as _compile
+    from compiled_fsdp.tools import debug as _debug
 
     _compile.install()
     _debug.start_from_env()  # COMPILED_FSDP_DUMP: see [Note: Dump hooks] in _debug.py

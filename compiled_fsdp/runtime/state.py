@@ -58,14 +58,14 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from .core import compat
-from ._divergence import Checker, annotate_error
-from ._fallback import arm_compile_callbacks, is_split
-from ._param_group import FSDPParamGroup, ShardedState
-from ._policy import MixedPrecisionPolicy, cast_floating
+from compiled_fsdp.core import compat
+from compiled_fsdp.runtime.divergence import Checker, annotate_error
+from compiled_fsdp.compile.frames import arm_compile_callbacks, is_split
+from compiled_fsdp.runtime.param_group import FSDPParamGroup, ShardedState
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, cast_floating
 
 if TYPE_CHECKING:
-    from ._param import FSDPParam
+    from compiled_fsdp.runtime.param import FSDPParam
 
 _MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, FSDPState]" = weakref.WeakKeyDictionary()
 

@@ -67,10 +67,10 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 # Importing _ops registers the marker ops, so any graph the passes see runs.
-import compiled_fsdp._ops  # noqa: F401
-from compiled_fsdp import _fallback
+import compiled_fsdp.core.ops  # noqa: F401
+from compiled_fsdp.compile import frames as _fallback
 from compiled_fsdp.core import compat
-from compiled_fsdp._explain import record_units
+from compiled_fsdp.tools.explain import record_units
 from compiled_fsdp.passes import JointPassReport, Observer, has_markers, lower_markers, run_joint_passes
 from compiled_fsdp import config as comm_config
 from compiled_fsdp.passes import config as passes_config
@@ -128,9 +128,9 @@ def _record_units(report: JointPassReport) -> None:
 
 
 def _source_files() -> tuple[str, ...]:
-    import compiled_fsdp._layout as layout_mod
-    import compiled_fsdp._ops as ops_mod
-    import compiled_fsdp._reduce as reduce_mod
+    import compiled_fsdp.core.layout as layout_mod
+    import compiled_fsdp.core.ops as ops_mod
+    import compiled_fsdp.core.reduce as reduce_mod
     import compiled_fsdp.passes as passes_mod
 
     pdir = os.path.dirname(os.path.abspath(passes_mod.__file__))

@@ -56,8 +56,8 @@ from typing import NoReturn, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import comm
-from .core import compat
+from compiled_fsdp.config import comm
+from compiled_fsdp.core import compat
 
 __all__ = ["CollectiveMismatchError"]
 

@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ._fallback import _TRACED_FRAMES, is_split
-from ._ops import ENTRY_KEY
-from ._state import FSDPState, iter_fsdp_states, module_fqns
+from compiled_fsdp.compile.frames import _TRACED_FRAMES, is_split
+from compiled_fsdp.core.ops import ENTRY_KEY
+from compiled_fsdp.runtime.state import FSDPState, iter_fsdp_states, module_fqns
 
 
 @dataclasses.dataclass(frozen=True)

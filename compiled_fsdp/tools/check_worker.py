@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ._api import fully_shard
-from ._state import get_fsdp_state, iter_fsdp_states
+from compiled_fsdp.runtime.api import fully_shard
+from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states
 
 __all__ = ["CheckConfig", "ModelSpec", "load_model_spec", "local_tensor", "max_diff", "run_rank", "shard_specs"]
 

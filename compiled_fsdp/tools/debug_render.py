@@ -10,13 +10,13 @@ from typing import Any, Optional
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compiled_fsdp import _compile
-from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
-from compiled_fsdp._state import _MODULE_STATE
+from compiled_fsdp.compile import install as _compile
+from compiled_fsdp.core.ops import ENTRY_KEY, NEXT_KEY
+from compiled_fsdp.runtime.state import _MODULE_STATE
 
 from compiled_fsdp.passes._graph import chain_tag
 
-from ._debug_timeline import bucket_name, collective_bytes, collective_label, is_collective
+from compiled_fsdp.tools.debug_timeline import bucket_name, collective_bytes, collective_label, is_collective
 
 __all__ = ["GraphRecord", "graph_stats", "module_names", "render_graph", "write_index", "write_readme"]
 

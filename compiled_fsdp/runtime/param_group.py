@@ -96,20 +96,20 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from ._collectives import (
+from compiled_fsdp.runtime.collectives import (
     PendingCollective,
     all_gather_bucket,
     copy_out_all_gather,
     reduce_scatter_bucket,
 )
-from ._divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
-from ._layout import EAGER, bucket_offsets, split_reduced
-from ._fallback import record_handoff_trace, record_marker_trace, traced_reads
-from ._param import FSDPParam
-from ._testing import skips_grad_reduction
+from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
+from compiled_fsdp.core.layout import EAGER, bucket_offsets, split_reduced
+from compiled_fsdp.compile.frames import record_handoff_trace, record_marker_trace, traced_reads
+from compiled_fsdp.runtime.param import FSDPParam
+from compiled_fsdp._testing import skips_grad_reduction
 
 if TYPE_CHECKING:
-    from ._state import _RootContext
+    from compiled_fsdp.runtime.state import _RootContext
 
 
 # Group key -> group (naming the modules of a compiled graph's markers).

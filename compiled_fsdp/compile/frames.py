@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
-from ._divergence import set_compiling, stable_code
-from .core import compat
+from compiled_fsdp.runtime.divergence import set_compiling, stable_code
+from compiled_fsdp.core import compat
 
 if TYPE_CHECKING:
-    from ._param_group import FSDPParamGroup
+    from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
 # group key (or a block's ``entry_split_key``) -> param index -> ids of the
 # Dynamo frames whose graphs read it.
@@ -131,7 +131,7 @@ def _check_new_graph(compile_id: str) -> None:
     _, seq = _COMPILE_MARKERS.pop(compile_id, (0, []))
     if not seq:
         return
-    from ._param_group import _GROUPS
+    from compiled_fsdp.runtime.param_group import _GROUPS
 
     groups = [_GROUPS.get(key) for key, _ in seq]
     if groups[0] is None or groups[0].checker is None:

@@ -67,10 +67,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .core import compat
-from ._collectives import count_collective, reduce_scatter_flat
-from ._divergence import COLLECTIVE, Checkpoint, stable_code
-from ._layout import (
+from compiled_fsdp.core import compat
+from compiled_fsdp.runtime.collectives import count_collective, reduce_scatter_flat
+from compiled_fsdp.runtime.divergence import COLLECTIVE, Checkpoint, stable_code
+from compiled_fsdp.core.layout import (
     EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, split_specs,
     unpack_gathered,
 )
@@ -135,7 +135,7 @@ def _group(group_name: str) -> dist.ProcessGroup:
 def _check(op: str, module_key: int, param_index: int) -> None:
     """Agree on an unlowered marker's collective before issuing it; see [Note:
     Agreeing on collectives] in _divergence.py."""
-    from ._param_group import _GROUPS
+    from compiled_fsdp.runtime.param_group import _GROUPS
 
     owner = _GROUPS.get(module_key)
     if owner is not None and owner.checker is not None:

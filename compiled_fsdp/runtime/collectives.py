@@ -13,9 +13,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .core import compat
-from ._layout import EAGER, ShardSpec, pack_grads, pack_shards, sum_received, unpack_gathered
-from ._reduce import reduce_by_all_to_all
+from compiled_fsdp.core import compat
+from compiled_fsdp.core.layout import EAGER, ShardSpec, pack_grads, pack_shards, sum_received, unpack_gathered
+from compiled_fsdp.core.reduce import reduce_by_all_to_all
 
 _COUNTS: collections.Counter = collections.Counter()
 # Bytes each rank sent into the bucketed collectives, by kind.

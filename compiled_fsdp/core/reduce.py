@@ -29,7 +29,7 @@ rank, and on ``compiled_fsdp.config.comm.gloo_reduce_by_all_to_all``.
 
 from __future__ import annotations
 
-from .config import comm
+from compiled_fsdp.config import comm
 
 
 def reduce_by_all_to_all(group_name: str) -> bool:
