@@ -4,7 +4,7 @@
 
 One benchmark block's all-gather output ``[N * T]`` is split into its
 parameters as the lowering does (see [Note: Bucket layout] in
-passes/lowering.py): a strided ``[N, n_i]`` column slice per parameter, made
+compiled_fsdp/core/layout.py): a strided ``[N, n_i]`` column slice per parameter, made
 contiguous. Timed three ways: eager ``clone``, the same function compiled by
 Inductor (the code the compiled step runs), and ``torch.split_with_sizes_copy``
 (the memcpy-speed kernel FSDP2 uses). Prints milliseconds per bucket. The

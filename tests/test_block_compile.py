@@ -6,7 +6,7 @@ deep the model: the last block hands nothing over), and each block's graph
 issues the next block's gather and reduces the next block's gradient, so
 communication still overlaps across blocks. See [Note: Blocks compiled on their
 own] and [Note: Gathers handed to the next block's graph] in
-compiled_fsdp/_param_group.py."""
+compiled_fsdp/compile/entry.py."""
 from __future__ import annotations
 
 import pytest

@@ -2,7 +2,7 @@
 
 Gradient clipping, torch.distributed.checkpoint (DCP) and the distributed
 state-dict API, each against a single-process reference or the values saved,
-on real gloo ranks. See [Note: Parameters are DTensors] in compiled_fsdp/_param.py.
+on real gloo ranks. See [Note: Parameters are DTensors] in compiled_fsdp/runtime/param.py.
 """
 from __future__ import annotations
 

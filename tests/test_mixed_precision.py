@@ -1,6 +1,6 @@
 """Mixed precision: FSDP2's ``MixedPrecisionPolicy`` on both paths, against a
 single-process reference whose forward uses bf16 copies of its fp32
-parameters. See [Note: Mixed precision] in compiled_fsdp/_policy.py."""
+parameters. See [Note: Mixed precision] in compiled_fsdp/runtime/policy.py."""
 from __future__ import annotations
 
 from typing import Optional

@@ -99,11 +99,10 @@ def _code_sequence(code: str) -> list[str]:
 def _inductor_rank(rank: int, world: int) -> dict:
     from torch._inductor.utils import run_and_get_code
 
-    from compiled_fsdp.compile.install import clear_reports, last_schedule_reports
+    from compiled_fsdp.compile.install import recording
 
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
-    clear_reports()
     build, make_batch, loss = gpt_case(False)
     runs = {}
     for on in (True, False):
@@ -113,9 +112,11 @@ def _inductor_rank(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         wrap = lambda m: torch.compile(m, fullgraph=True)  # noqa: E731
         if on:
-            res, codes = run_and_get_code(run_parity, rank, build, _shard(False), make_batch, loss, 2, 1e-3, wrap)
+            with recording() as rec:
+                res, codes = run_and_get_code(run_parity, rank, build, _shard(False), make_batch, loss, 2, 1e-3,
+                                              wrap)
             res["codes"] = codes
-            res["reports"] = [r.as_dict() for r in last_schedule_reports()]
+            res["reports"] = [r.as_dict() for r in rec.schedule]
         else:
             res = run_parity(rank, build, _shard(False), make_batch, loss, 2, 1e-3, wrap)
         runs[on] = res

@@ -1,4 +1,5 @@
-"""Installs the compiled_fsdp joint-graph passes into torch.compile.
+"""Installs the compiled_fsdp graph passes into torch.compile, for as long as a
+compile needs them, and keeps what they report.
 
 [Note: Where the passes hook in]
 ``torch._functorch.config.joint_custom_pass`` is called by AOTAutograd on
@@ -6,6 +7,28 @@ the joint (forward + backward) graph before partitioning, for every
 aot_autograd backend: ``aot_eager`` and Inductor alike. It is the one hook
 that sees both the gathers and the reduce-scatters before the partitioner
 decides what to save, so lowering and recompute tagging both run there.
+Scheduling runs in Inductor's ``post_grad_custom_post_pass``, on the
+partitioned graphs ([Note: Scheduling under Inductor]). Ours runs before a
+user's joint pass (it removes our markers, which theirs would not
+understand) and after a user's post-grad passes; on a graph without markers
+ours does nothing.
+
+[Note: Passes installed while compiling]
+Both hooks are global torch config. The passes are set there only while a
+compile may need them and the previous values are restored after, so a
+program that never compiles a fully sharded module never sees them, and a
+user's own passes, read when each window opens, keep running with ours:
+
+- a Dynamo compile: its start callback opens the window, its end callback
+  closes it (frames.py; armed at ``fully_shard`` and at every root forward,
+  and by the first marker traced when a ``torch._dynamo.reset()`` cleared
+  them since);
+- a backward: AOTAutograd compiles a backward graph lazily, at its first
+  run, outside any Dynamo compile; the window opens when a compiled graph's
+  backward (or the eager runtime's part of one) starts and closes when that
+  backward ends.
+
+Windows nest (a count); ``installed()`` opens one around any code.
 
 [Note: Inference graphs]
 ``joint_custom_pass`` is *not* called for inference graphs (a frame traced
@@ -17,28 +40,21 @@ after Dynamo sees an inference graph, so its markers run their eager
 per-parameter collectives: correct, unbucketed, and counted as
 ``unbucketed_all_gather`` by ``collective_counts()``.
 
-``install()`` wraps whatever pass the user already configured: ours runs
-first (it removes our markers, which a user pass would not understand), then
-theirs. It is idempotent. On a graph without markers ours does nothing.
-
 [Note: AOTAutograd cache]
 The AOTAutograd cache key (Inductor only; ``aot_eager`` does not cache) is
 computed from the Dynamo graph, which holds the markers, and does not include
-``joint_custom_pass`` (torch 2.13 lists it in ``_save_config_ignore``). On a
+``joint_custom_pass`` (torch lists it in ``_save_config_ignore``). On a
 cache hit the joint pass does not run at all: the cached artifact already
-holds the lowered graph, and ``last_reports()`` stays empty for that compile.
-Measured: a second process compiling the same model hits the cache, gets the
-same numerics, and records no report. A change to the passes would therefore
-be served stale artifacts. To key the cache on our code, ``install()`` also
-appends a no-op ``CustomGraphPass`` to Inductor's
-``post_grad_custom_post_pass`` (a tuple is accepted there) whose ``uuid()``
-hashes the source files of the passes; Inductor puts that uuid into both the
-FX-graph and the AOTAutograd cache keys. Tests that read reports should
-still disable the cache (``torch._functorch.config.enable_autograd_cache =
-False``) or use a fresh ``TORCHINDUCTOR_CACHE_DIR``.
+holds the lowered graph, and no report is recorded for that compile. A
+change to the passes would therefore be served stale artifacts. To key the
+cache on our code, the scheduling pass's ``uuid()`` hashes the source files
+of the passes and of the core they emit (``_source_files``); Inductor puts
+that uuid into both the FX-graph and the AOTAutograd cache keys. Tests that
+read reports disable the cache (``torch._functorch.config.enable_autograd_cache
+= False``) or use a fresh ``TORCHINDUCTOR_CACHE_DIR``.
 
 [Note: Scheduling under Inductor]
-The same ``_SchedulePass`` is the scheduling pass: Inductor calls it on the
+``_SchedulePass`` is the scheduling pass: Inductor calls it on the
 partitioned forward and backward graphs after its own post-grad passes, and
 its uuid also hashes ``passes.config.overlap`` (the knobs change the output).
 Inductor keeps the relative order of collectives (its scheduler chains each
@@ -47,69 +63,99 @@ back next to their collectives; ``pin_order`` turns the schedule into control
 dependencies it must respect (see [Note: Inductor reorders for peak memory]
 in passes/pin.py). Inductor's opt-in ``reorder_for_compute_comm_overlap``
 and overlap scheduling (off by default) import triton and fail on CPU; we
-leave them off. Under ``aot_eager`` there is no
-post-partition hook (see [Note: Where scheduling runs] in passes/schedule.py):
-the partitioner's order runs. ``last_schedule_reports()`` returns what the
-pass did, with the predicted timelines (the debug dump reads them).
+leave them off. Under ``aot_eager`` there is no post-partition hook (see
+[Note: Where scheduling runs] in passes/schedule.py): the partitioner's
+order runs.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-# Importing _ops registers the marker ops, so any graph the passes see runs.
-import compiled_fsdp.core.ops  # noqa: F401
-from compiled_fsdp.compile import frames as _fallback
 from compiled_fsdp.core import compat
-from compiled_fsdp.tools.explain import record_units
-from compiled_fsdp.passes import JointPassReport, Observer, has_markers, lower_markers, run_joint_passes
-from compiled_fsdp import config as comm_config
-from compiled_fsdp.passes import config as passes_config
-from compiled_fsdp.passes.pin import pin_order
-from compiled_fsdp.passes.schedule import ScheduleReport, schedule_graph
 
 __all__ = [
-    "add_observer",
-    "clear_reports",
-    "install",
-    "is_installed",
-    "last_reports",
-    "last_schedule_reports",
-    "remove_observer",
-    "uninstall",
+    "Recording", "add_observer", "close_window", "installed", "last_reports", "last_schedule_reports",
+    "open_backward_window", "open_window", "recording", "remove_observer", "units_of",
 ]
 
 _MAX_REPORTS = 64
-_reports: collections.deque[JointPassReport] = collections.deque(maxlen=_MAX_REPORTS)
-_schedule_reports: collections.deque[ScheduleReport] = collections.deque(maxlen=_MAX_REPORTS)
-_lock = threading.Lock()
-_observers: list["Observer"] = []
-
-JointPass = Callable[[fx.GraphModule, Any], fx.GraphModule]
+_lock = threading.RLock()
 
 
-class _CompiledFSDPJointPass:
-    """The callable installed as ``joint_custom_pass``; composes with the
-    pass that was there before."""
+@dataclasses.dataclass
+class Recording:
+    """The reports of the passes that ran while ``recording()`` was open."""
 
-    def __init__(self, inner: JointPass | None) -> None:
+    joint: list = dataclasses.field(default_factory=list)  # passes.JointPassReport
+    schedule: list = dataclasses.field(default_factory=list)  # passes.ScheduleReport
+
+
+class _Reports:
+    """What the passes reported (the one owner of these records)."""
+
+    def __init__(self) -> None:
+        self.joint: collections.deque = collections.deque(maxlen=_MAX_REPORTS)
+        self.schedule: collections.deque = collections.deque(maxlen=_MAX_REPORTS)
+        self.recordings: list[Recording] = []
+        # Observer(stage, graph_module, report): the debug dump's hook.
+        self.observers: list[Callable[[str, fx.GraphModule, Any], None]] = []
+        # module_key -> {the parameters one graph read: that graph's unit lines},
+        # for ``explain()``. A graph break splits a root's parameters over several
+        # graphs; a recompile of a graph replaces its entry. Blocks compiled on
+        # their own share ``ENTRY_KEY``.
+        self.units: dict[int, dict[frozenset[int], tuple[str, ...]]] = {}
+
+    def add_joint(self, report: Any) -> None:
+        with _lock:
+            self.joint.append(report)
+            for r in self.recordings:
+                r.joint.append(report)
+            units = report.lowering.units if report.lowering is not None else []
+            for key in sorted({u.module_key for u in units}):
+                mine = [u for u in units if u.module_key == key]
+                params = frozenset(i for u in mine for i in u.param_indices)
+                self.units.setdefault(key, {})[params] = tuple(u.describe() for u in mine)
+
+    def add_schedule(self, report: Any) -> None:
+        with _lock:
+            self.schedule.append(report)
+            for r in self.recordings:
+                r.schedule.append(report)
+
+    def notify(self, stage: str, gm: fx.GraphModule, report: Any) -> None:
+        for fn in list(self.observers):
+            fn(stage, gm, report)
+
+
+_REPORTS = _Reports()
+
+
+class _JointPass:
+    """The callable set as ``joint_custom_pass`` while a window is open; runs
+    the pass that was there before after ours."""
+
+    def __init__(self, inner: Callable[[fx.GraphModule, Any], fx.GraphModule] | None) -> None:
         self.inner = inner
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
-        report = run_joint_passes(gm, _notify if _observers else None)
+        from compiled_fsdp.passes import run_joint_passes
+
+        report = run_joint_passes(gm, _REPORTS.notify if _REPORTS.observers else None)
         if report.has_markers:
-            with _lock:
-                _reports.append(report)
-            _record_units(report)
+            _REPORTS.add_joint(report)
         if self.inner is not None:
             gm = self.inner(gm, joint_inputs)
         return gm
@@ -118,27 +164,14 @@ class _CompiledFSDPJointPass:
         return f"compiled_fsdp joint pass (then {self.inner!r})"
 
 
-def _record_units(report: JointPassReport) -> None:
-    """Hands the units to ``explain()`` ([Note: Units] in passes/units.py)."""
-    units = report.lowering.units if report.lowering is not None else []
-    for key in sorted({u.module_key for u in units}):
-        mine = [u for u in units if u.module_key == key]
-        record_units(key, frozenset(i for u in mine for i in u.param_indices),
-                     tuple(u.describe() for u in mine))
-
-
 def _source_files() -> tuple[str, ...]:
-    import compiled_fsdp.core.layout as layout_mod
-    import compiled_fsdp.core.ops as ops_mod
-    import compiled_fsdp.core.reduce as reduce_mod
+    """What the graphs we emit depend on: the passes, the core they emit from, this file."""
+    import compiled_fsdp.core as core
     import compiled_fsdp.passes as passes_mod
 
-    pdir = os.path.dirname(os.path.abspath(passes_mod.__file__))
-    files = [os.path.join(pdir, f) for f in sorted(os.listdir(pdir)) if f.endswith(".py")]
-    # The lowering emits the layout and the gloo reduce of these runtime modules.
-    shared = (layout_mod.__file__, reduce_mod.__file__)
-    return (os.path.abspath(__file__), os.path.abspath(ops_mod.__file__),
-            *(os.path.abspath(f) for f in shared), *files)
+    dirs = [os.path.dirname(os.path.abspath(m.__file__)) for m in (passes_mod, core)]
+    files = [os.path.join(d, f) for d in dirs for f in sorted(os.listdir(d)) if f.endswith(".py")]
+    return (os.path.abspath(__file__), *files)
 
 
 class _SchedulePass(CustomGraphPass):
@@ -147,100 +180,133 @@ class _SchedulePass(CustomGraphPass):
     into Inductor's cache keys (see [Note: AOTAutograd cache])."""
 
     def __call__(self, graph: fx.Graph) -> None:
+        from compiled_fsdp.passes import JointPassReport, config, has_markers, lower_markers
+        from compiled_fsdp.passes.pin import pin_order
+        from compiled_fsdp.passes.schedule import schedule_graph
+
         gm = graph.owning_module
         if gm is not None and has_markers(graph):  # See [Note: Inference graphs].
             lowering = lower_markers(gm)
-            with _lock:
-                _reports.append(JointPassReport(has_markers=True, lowering=lowering))
-            if _observers:
-                _notify("lowering", gm, lowering)
-        report = schedule_graph(graph, passes_config.overlap)
+            _REPORTS.add_joint(JointPassReport(has_markers=True, lowering=lowering))
+            if _REPORTS.observers:
+                _REPORTS.notify("lowering", gm, lowering)
+        report = schedule_graph(graph, config.overlap)
         if report.changed:
-            pin_order(graph, both_ways=compat.SIMPLE_OVERLAP and passes_config.overlap.own_order)
+            # See [Note: Inductor's simple_overlap] in passes/pin.py.
+            pin_order(graph, both_ways=compat.SIMPLE_OVERLAP and config.overlap.own_order)
         if report.graph != "none":
-            with _lock:
-                _schedule_reports.append(report)
-            if _observers and graph.owning_module is not None:
-                _notify("schedule", graph.owning_module, report)
+            _REPORTS.add_schedule(report)
+            if _REPORTS.observers and gm is not None:
+                _REPORTS.notify("schedule", gm, report)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files(
-            _source_files(), "compiled_fsdp" + repr(passes_config.overlap) + repr(comm_config.comm)
-        )
+        from compiled_fsdp.passes import config
+
+        return get_hash_for_files(_source_files(), "compiled_fsdp" + repr(config.overlap))
 
 
-def _install_schedule_pass() -> None:
-    passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
-    if any(isinstance(p, _SchedulePass) for p in passes):
-        return
-    inductor_config.post_grad_custom_post_pass = compat.post_grad_value((*passes, _SchedulePass()))
+class _Window:
+    """The open windows of [Note: Passes installed while compiling]."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.saved: tuple[Any, Any] | None = None
+
+    def enter(self) -> None:
+        with _lock:
+            self.depth += 1
+            if self.depth > 1:
+                return
+            joint, post = functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass
+            self.saved = (joint, post)
+            if not isinstance(joint, _JointPass):
+                functorch_config.joint_custom_pass = _JointPass(joint if callable(joint) else None)
+            passes = compat.post_grad_passes(post)
+            if not any(isinstance(p, _SchedulePass) for p in passes):
+                inductor_config.post_grad_custom_post_pass = compat.post_grad_value((*passes, _SchedulePass()))
+
+    def exit(self) -> None:
+        with _lock:
+            if self.depth == 0:
+                return
+            self.depth -= 1
+            if self.depth == 0 and self.saved is not None:
+                functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass = self.saved
+                self.saved = None
 
 
-def install() -> None:
-    """Installs the joint pass and the compile callbacks (idempotent). Called by ``fully_shard``."""
+_WINDOW = _Window()
+
+
+def open_window() -> None:
+    """Opens a window: the passes are installed until the matching ``close_window()``."""
+    _WINDOW.enter()
+
+
+def close_window() -> None:
+    _WINDOW.exit()
+
+
+def open_backward_window() -> None:
+    """Opens a window for the backward under way; it closes when that backward ends."""
+    open_window()
+    torch.autograd.Variable._execution_engine.queue_callback(close_window)
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """The passes installed around a block of code (torch's config restored after)."""
+    open_window()
+    try:
+        yield
+    finally:
+        close_window()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Collects every report the passes make while open."""
+    rec = Recording()
     with _lock:
-        _fallback.arm_compile_callbacks()  # see [Note: Agreeing on collectives] in _divergence.py
-        _install_schedule_pass()
-        current = functorch_config.joint_custom_pass
-        if isinstance(current, _CompiledFSDPJointPass):
-            return
-        functorch_config.joint_custom_pass = _CompiledFSDPJointPass(
-            current if callable(current) else None
-        )
+        _REPORTS.recordings.append(rec)
+    try:
+        yield rec
+    finally:
+        with _lock:
+            _REPORTS.recordings.remove(rec)
 
 
-def uninstall() -> None:
-    """Restores the passes that were set before ``install()`` (if ours is
-    still the installed one)."""
+def add_observer(fn: Callable[[str, fx.GraphModule, Any], None]) -> None:
+    """Call ``fn(stage, gm, report)`` around every joint pass (see ``run_joint_passes``)
+    and after the lowering and scheduling in the post-grad pass."""
     with _lock:
-        _fallback.disarm_compile_callbacks()
-        current = functorch_config.joint_custom_pass
-        if isinstance(current, _CompiledFSDPJointPass):
-            functorch_config.joint_custom_pass = current.inner
-        post = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
-        rest = tuple(p for p in post if not isinstance(p, _SchedulePass))
-        inductor_config.post_grad_custom_post_pass = compat.post_grad_value(rest)
+        _REPORTS.observers.append(fn)
 
 
-def add_observer(fn: Observer) -> None:
-    """Call ``fn(stage, gm, report)`` around every joint pass (see ``run_joint_passes``)."""
+def remove_observer(fn: Callable[[str, fx.GraphModule, Any], None]) -> None:
     with _lock:
-        _observers.append(fn)
+        if fn in _REPORTS.observers:
+            _REPORTS.observers.remove(fn)
 
 
-def remove_observer(fn: Observer) -> None:
-    with _lock:
-        if fn in _observers:
-            _observers.remove(fn)
-
-
-def _notify(stage: str, gm: fx.GraphModule, report: Any) -> None:
-    for fn in list(_observers):
-        fn(stage, gm, report)
-
-
-def is_installed() -> bool:
-    return isinstance(functorch_config.joint_custom_pass, _CompiledFSDPJointPass)
-
-
-def last_reports() -> list[JointPassReport]:
+def last_reports() -> list:
     """Reports of the most recent joint-pass runs that saw markers, oldest
     first (bounded)."""
     with _lock:
-        return list(_reports)
+        return list(_REPORTS.joint)
 
 
-def last_schedule_reports() -> list[ScheduleReport]:
+def last_schedule_reports() -> list:
     """Reports of the most recent scheduling runs on graphs holding the
     passes' collectives (forward and backward, oldest first, bounded). Each
     has ``before``/``after`` predicted timelines; ``as_dict()`` gives plain
     dicts (seconds from the graph's start)."""
     with _lock:
-        return list(_schedule_reports)
+        return list(_REPORTS.schedule)
 
 
-def clear_reports() -> None:
+def units_of(module_key: int) -> dict[frozenset[int], tuple[str, ...]]:
+    """The units the lowering chose for ``module_key``'s parameters, per graph
+    (see [Note: Units] in passes/units.py), for ``explain()``."""
     with _lock:
-        _reports.clear()
-        _schedule_reports.clear()
-
+        return dict(_REPORTS.units.get(module_key, {}))

@@ -12,9 +12,9 @@ passes/units.py).
 ``unshard`` reads this rank's ``local_rows`` rows (the DTensor's local tensor)
 and ``reduce_grad`` returns the gradient of those rows; the padding to the
 common shard shape happens inside, with the layout functions the eager runtime
-and the lowering share ([Note: Bucket layout] in _layout.py). ``param_dtype``
+and the lowering share ([Note: Bucket layout] in layout.py). ``param_dtype``
 and ``reduce_dtype`` are the parameter's mixed-precision dtypes ([Note: Mixed
-precision] in _policy.py).
+precision] in runtime/policy.py).
 
 [Note: Accumulation without sync in graphs]
 ``sync`` and ``kept`` carry FSDP2's ``set_requires_gradient_sync`` into the
@@ -24,7 +24,7 @@ graph per flag value, no recompile when it flips back; a synced step with
 nothing kept (one micro-batch per step, evaluation) is a third graph. The flag
 takes effect at the forward, so it must not change before that forward's
 backward (FSDP2 reads it in backward): the root checks this when the backward
-starts and raises (``_RootContext.watch_compiled_backward``). A parameter that
+starts and raises (``RootContext.watch_compiled_backward``). A parameter that
 does not require grad always has ``sync=True`` and nothing kept.
 
 - ``sync=False``: ``kept`` is the parameter's *gradient sink*, a full-shape
@@ -57,73 +57,26 @@ shape. With the row count in the graph, ranks holding different rows get
 different keys, and ranks holding the same rows still share one compile.
 Tested by tests/test_compile_parity.py::test_uneven_shards_share_no_cache_entry.
 """
-
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from compiled_fsdp.core import compat
-from compiled_fsdp.runtime.collectives import count_collective, reduce_scatter_flat
-from compiled_fsdp.runtime.divergence import COLLECTIVE, Checkpoint, stable_code
+from compiled_fsdp.core import comm, registry
 from compiled_fsdp.core.layout import (
     EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, split_specs,
     unpack_gathered,
 )
+from compiled_fsdp.core.marker import GatherNext, ReduceGrad, ReduceNext, Unshard
 
-__all__ = [
-    "ENTRY_KEY", "NEXT_KEY", "UNSHARD_SCHEMA", "REDUCE_GRAD_SCHEMA", "GATHER_NEXT_SCHEMA",
-    "REDUCE_NEXT_SCHEMA", "unshard", "reduce_grad", "gather_next", "reduce_next",
-]
+__all__ = ["gather_next", "reduce_grad", "reduce_next", "unshard"]
 
 # Kept gradients an eager ``reduce_grad`` has already added (by identity); see
 # [Note: Accumulation without sync in graphs].
 _ADDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-# The ``module_key`` of a module compiled as its own frame (group keys count up
-# from 0): see [Note: Blocks compiled on their own] in _param_group.py.
-ENTRY_KEY = -1
-# The ``module_key`` of the block whose gather a block's graph hands over (see
-# [Note: Gathers handed to the next block's graph] in _param_group.py).
-NEXT_KEY = -2
-
-UNSHARD_SCHEMA = (
-    "(Tensor shard, SymInt[] full_shape, str group_name, int world_size, "
-    "int module_key, int param_index, int local_rows, bool reshard_after_forward, "
-    "str? reduce_group_name=None, ScalarType? param_dtype=None, ScalarType? reduce_dtype=None, "
-    "Tensor? kept=None, bool sync=True, bool outermost=False, Tensor? gathered=None, "
-    "int bucket_offset=0, int bucket_numel=0) -> Tensor"
-)
-REDUCE_GRAD_SCHEMA = (
-    "(Tensor grad, SymInt[] full_shape, str group_name, int world_size, "
-    "int module_key, int param_index, int local_rows, ScalarType? reduce_dtype=None, "
-    "ScalarType? grad_dtype=None, Tensor? kept=None, bool sync=True, int bucket_offset=0, "
-    "int bucket_numel=0) -> Tensor"
-)
-# ``full_shapes``: the parameters' full shapes, concatenated (each has its
-# shard's number of dimensions); ``ndims`` says how to cut them where the
-# shards are not at hand. With ``sync``, ``kept`` holds each parameter's kept
-# gradient (or None); without, ``sinks`` are the gradient sinks of the
-# parameters ``sink_params`` (those that require grad).
-GATHER_NEXT_SCHEMA = (
-    "(Tensor[] shards, Tensor?[] kept, Tensor[] sinks, int[] sink_params, int[] full_shapes, "
-    "int[] local_rows, str group_name, "
-    "int world_size, int module_key, str? reduce_group_name, ScalarType? param_dtype, "
-    "ScalarType? reduce_dtype, bool sync) -> Tensor"
-)
-REDUCE_NEXT_SCHEMA = (
-    "(Tensor grad, Tensor?[] kept, int[] full_shapes, int[] ndims, int[] local_rows, "
-    "str group_name, int world_size, int module_key, ScalarType? reduce_dtype=None, "
-    "ScalarType? grad_dtype=None, bool sync=True) -> Tensor[]"
-)
-
-
-def _spec(full_shape: Sequence[int], world_size: int) -> ShardSpec:
-    return ShardSpec(tuple(full_shape), world_size)
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -132,21 +85,13 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def _check(op: str, module_key: int, param_index: int) -> None:
-    """Agree on an unlowered marker's collective before issuing it; see [Note:
-    Agreeing on collectives] in _divergence.py."""
-    from compiled_fsdp.runtime.param_group import _GROUPS
-
-    owner = _GROUPS.get(module_key)
-    if owner is not None and owner.checker is not None:
-        owner.checker.check(Checkpoint(
-            COLLECTIVE, owner.checker.step, stable_code(op, owner.identity, param_index),
-            f"the per-parameter {op} of {owner.label}'s parameter {param_index}"))
-
-
-# ---------------------------------------------------------------------------
-# unshard
-# ---------------------------------------------------------------------------
+def _before_collective(op: str, module_key: int, param_index: int) -> None:
+    """An unlowered marker is about to communicate: its owner agrees on it
+    with the other ranks first (see [Note: Agreeing on collectives] in
+    runtime/divergence.py)."""
+    owner = registry.owner_of(module_key)
+    if owner is not None:
+        owner.before_marker_collective(op, param_index)
 
 
 def _fresh(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
@@ -156,89 +101,54 @@ def _fresh(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     return out.clone() if same else out
 
 
-@torch.library.custom_op("compiled_fsdp::unshard", mutates_args=(), schema=UNSHARD_SCHEMA)
-def unshard(
-    shard: torch.Tensor,
-    full_shape: Sequence[int],
-    group_name: str,
-    world_size: int,
-    module_key: int,
-    param_index: int,
-    local_rows: int,
-    reshard_after_forward: bool,
-    reduce_group_name: Optional[str] = None,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None,
-    kept: Optional[torch.Tensor] = None,
-    sync: bool = True,
-    outermost: bool = False,
-    gathered: Optional[torch.Tensor] = None,
-    bucket_offset: int = 0,
-    bucket_numel: int = 0,
-) -> torch.Tensor:
-    specs = [_spec(full_shape, world_size)]
-    if gathered is not None:  # handed over: see [Note: Gathers handed to the next block's graph]
-        flat = torch.ops._c10d_functional.wait_tensor(gathered)
-        return _fresh(unpack_gathered(EAGER, flat, specs, [bucket_offset], bucket_numel)[0], gathered)
-    flat = pack_shards(EAGER, [shard], specs, [param_dtype])
+def _reduced(flat: torch.Tensor, world_size: int, group_name: str, by_all_to_all: bool) -> torch.Tensor:
+    """The summed ``[T]`` of a packed ``[N * T]`` gradient, reduced now."""
     if world_size == 1:
+        return flat.clone()
+    return comm.reduce_scatter_flat(flat, _group(group_name), by_all_to_all, async_op=False).wait()
+
+
+# ---------------------------------------------------------------------------
+# unshard
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op(Unshard.qualname(), mutates_args=(), schema=Unshard.schema())
+def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = Unshard.bind(args, kwargs)
+    specs = [ShardSpec(tuple(m.full_shape), m.world_size)]
+    if m.gathered is not None:  # handed over: see [Note: Gathers handed to the next block's graph]
+        flat = torch.ops._c10d_functional.wait_tensor(m.gathered)
+        return _fresh(unpack_gathered(EAGER, flat, specs, [m.bucket_offset], m.bucket_numel)[0], m.gathered)
+    flat = pack_shards(EAGER, [m.shard], specs, [m.param_dtype])
+    if m.world_size == 1:
         gathered = flat.clone()
     else:
-        gathered = flat.new_empty(world_size * flat.numel())
-        count_collective("unbucketed_all_gather")
-        _check("all-gather", module_key, param_index)
-        compat.all_gather_single(gathered, flat, group=_group(group_name))
+        comm.count("unbucketed_all_gather")
+        _before_collective("all-gather", m.module_key, m.param_index)
+        gathered = comm.all_gather_flat(flat, _group(m.group_name), async_op=False).wait()
     # custom ops must not return an alias of an input; `gathered` is fresh.
     return unpack_gathered(EAGER, gathered, specs)[0]
 
 
 @unshard.register_fake
-def _unshard_fake(
-    shard: torch.Tensor,
-    full_shape: Sequence[int],
-    group_name: str,
-    world_size: int,
-    module_key: int,
-    param_index: int,
-    local_rows: int,
-    reshard_after_forward: bool,
-    reduce_group_name: Optional[str] = None,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None,
-    kept: Optional[torch.Tensor] = None,
-    sync: bool = True,
-    outermost: bool = False,
-    gathered: Optional[torch.Tensor] = None,
-    bucket_offset: int = 0,
-    bucket_numel: int = 0,
-) -> torch.Tensor:
-    return shard.new_empty(list(full_shape), dtype=param_dtype or shard.dtype)
-
-
-_UNSHARD_ARGS = [a.name for a in torch.ops.compiled_fsdp.unshard.default._schema.arguments]
+def _unshard_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = Unshard.bind(args, kwargs)
+    return m.shard.new_empty(list(m.full_shape), dtype=m.param_dtype or m.shard.dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    a = dict(zip(_UNSHARD_ARGS, inputs))
-    # The gradient is reduced on the reduce group when there is one; see
-    # [Note: A second group for reduce-scatters] in _api.py.
-    ctx.args = (list(a["full_shape"]), a["reduce_group_name"] or a["group_name"], a["world_size"],
-                a["module_key"], a["param_index"], a["local_rows"], a["reduce_dtype"], a["shard"].dtype)
-    ctx.sync = a["sync"]
-    ctx.kept = a["kept"] if ctx.sync else None  # see [Note: Accumulation without sync in graphs]
-    # Read from a handed-over gather: its gradient goes back there, packed.
-    ctx.handed = a["gathered"] is not None
-    ctx.bucket = (a["bucket_offset"], a["bucket_numel"]) if ctx.handed else (0, 0)
+    ctx.read = Unshard.bind(inputs, {})
+    ctx.grad_dtype = ctx.read.shard.dtype
 
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
-    offset, numel = ctx.bucket
-    g = torch.ops.compiled_fsdp.reduce_grad(grad, *ctx.args, kept=ctx.kept, sync=ctx.sync,
-                                            bucket_offset=offset, bucket_numel=numel)
+    read = ctx.read
+    g = ReduceGrad.call(**ReduceGrad.of_read(read, grad, ctx.grad_dtype).values())
     # The shard's gradient, or (without sync) the sink's, or the handed-over
     # gather's; none for the rest.
-    receiver = "gathered" if ctx.handed else "shard" if ctx.sync else "kept"
-    return tuple(g if name == receiver else None for name in _UNSHARD_ARGS)
+    receiver = "gathered" if read.gathered is not None else "shard" if read.sync else "kept"
+    return tuple(g if name == receiver else None for name in Unshard.names())
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -249,67 +159,40 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op(
-    "compiled_fsdp::reduce_grad", mutates_args=(), schema=REDUCE_GRAD_SCHEMA
-)
-def reduce_grad(
-    grad: torch.Tensor,
-    full_shape: Sequence[int],
-    group_name: str,
-    world_size: int,
-    module_key: int,
-    param_index: int,
-    local_rows: int,
-    reduce_dtype: Optional[torch.dtype] = None,
-    grad_dtype: Optional[torch.dtype] = None,
-    kept: Optional[torch.Tensor] = None,
-    sync: bool = True,
-    bucket_offset: int = 0,
-    bucket_numel: int = 0,
-) -> torch.Tensor:
-    specs = [_spec(full_shape, world_size)]
-    if bucket_numel:  # the gradient of a handed-over gather: this parameter's columns
-        return _fresh(pack_grads(EAGER, [grad], specs, [bucket_offset], bucket_numel), grad)
-    if not sync:  # the full gradient for the sink; see [Note: Accumulation without sync in graphs]
-        full = cast(EAGER, grad, reduce_dtype)
-        return full.clone() if full is grad else full
+@torch.library.custom_op(ReduceGrad.qualname(), mutates_args=(), schema=ReduceGrad.schema())
+def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = ReduceGrad.bind(args, kwargs)
+    specs = [ShardSpec(tuple(m.full_shape), m.world_size)]
+    if m.bucket_numel:  # the gradient of a handed-over gather: this parameter's columns
+        return _fresh(pack_grads(EAGER, [m.grad], specs, [m.bucket_offset], m.bucket_numel), m.grad)
+    if not m.sync:  # the full gradient for the sink; see [Note: Accumulation without sync in graphs]
+        full = cast(EAGER, m.grad, m.reduce_dtype)
+        return full.clone() if full is m.grad else full
+    kept = m.kept
     if kept is not None:  # added once, however many reads: see the note
         if kept in _ADDED:
             kept = None
         else:
             _ADDED[kept] = None
-    flat = pack_grads(EAGER, [reduce_input(EAGER, grad, kept, reduce_dtype)], specs)
-    if world_size == 1:
-        summed = flat.clone()
-    else:
-        count_collective("unbucketed_reduce_scatter")
-        _check("reduce-scatter", module_key, param_index)
-        summed = reduce_scatter_flat(flat, _group(group_name), async_op=False).wait()
+    flat = pack_grads(EAGER, [reduce_input(EAGER, m.grad, kept, m.reduce_dtype)], specs)
+    if m.world_size > 1:
+        comm.count("unbucketed_reduce_scatter")
+        _before_collective("reduce-scatter", m.module_key, m.param_index)
+    summed = _reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all)
     # Sum then divide, cut to the local rows: the bucketed path's steps.
-    return split_reduced(EAGER, summed, specs, [local_rows], [grad_dtype])[0]
+    return split_reduced(EAGER, summed, specs, [m.local_rows], [m.grad_dtype])[0]
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(
-    grad: torch.Tensor,
-    full_shape: Sequence[int],
-    group_name: str,
-    world_size: int,
-    module_key: int,
-    param_index: int,
-    local_rows: int,
-    reduce_dtype: Optional[torch.dtype] = None,
-    grad_dtype: Optional[torch.dtype] = None,
-    kept: Optional[torch.Tensor] = None,
-    sync: bool = True,
-    bucket_offset: int = 0,
-    bucket_numel: int = 0,
-) -> torch.Tensor:
-    if bucket_numel:
-        return grad.new_empty([world_size * bucket_numel])
-    if not sync:
-        return grad.new_empty(list(full_shape), dtype=reduce_dtype or grad.dtype)
-    return grad.new_empty([local_rows, *_spec(full_shape, world_size).rest], dtype=grad_dtype or grad.dtype)
+def _reduce_grad_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = ReduceGrad.bind(args, kwargs)
+    grad = m.grad
+    if m.bucket_numel:
+        return grad.new_empty([m.world_size * m.bucket_numel])
+    if not m.sync:
+        return grad.new_empty(list(m.full_shape), dtype=m.reduce_dtype or grad.dtype)
+    rest = ShardSpec(tuple(m.full_shape), m.world_size).rest
+    return grad.new_empty([m.local_rows, *rest], dtype=m.grad_dtype or grad.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -317,135 +200,79 @@ def _reduce_grad_fake(
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("compiled_fsdp::gather_next", mutates_args=(), schema=GATHER_NEXT_SCHEMA)
-def gather_next(
-    shards: Sequence[torch.Tensor],
-    kept: Sequence[Optional[torch.Tensor]],
-    sinks: Sequence[torch.Tensor],
-    sink_params: Sequence[int],
-    full_shapes: Sequence[int],
-    local_rows: Sequence[int],
-    group_name: str,
-    world_size: int,
-    module_key: int,
-    reduce_group_name: Optional[str],
-    param_dtype: Optional[torch.dtype],
-    reduce_dtype: Optional[torch.dtype],
-    sync: bool,
-) -> torch.Tensor:
+def _next_specs(m: GatherNext) -> list[ShardSpec]:
+    return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size)
+
+
+@torch.library.custom_op(GatherNext.qualname(), mutates_args=(), schema=GatherNext.schema())
+def gather_next(*args: Any, **kwargs: Any) -> torch.Tensor:
     """One module's bucketed all-gather, returned *not waited*: whoever reads
     it waits (``unshard(gathered=...)``)."""
-    specs = split_specs(full_shapes, [s.dim() for s in shards], world_size)
-    flat = pack_shards(EAGER, list(shards), specs, [param_dtype] * len(specs))
-    if world_size == 1:
+    m = GatherNext.bind(args, kwargs)
+    specs = _next_specs(m)
+    flat = pack_shards(EAGER, list(m.shards), specs, [m.param_dtype] * len(specs))
+    if m.world_size == 1:
         return flat.clone()
-    count_collective("all_gather")
-    _check("all-gather", module_key, -1)
-    return torch.ops._c10d_functional.all_gather_into_tensor(flat, world_size, group_name)
+    comm.count("all_gather")
+    _before_collective("all-gather", m.module_key, -1)
+    return torch.ops._c10d_functional.all_gather_into_tensor(flat, m.world_size, m.group_name)
 
 
 @gather_next.register_fake
-def _gather_next_fake(
-    shards: Sequence[torch.Tensor],
-    kept: Sequence[Optional[torch.Tensor]],
-    sinks: Sequence[torch.Tensor],
-    sink_params: Sequence[int],
-    full_shapes: Sequence[int],
-    local_rows: Sequence[int],
-    group_name: str,
-    world_size: int,
-    module_key: int,
-    reduce_group_name: Optional[str],
-    param_dtype: Optional[torch.dtype],
-    reduce_dtype: Optional[torch.dtype],
-    sync: bool,
-) -> torch.Tensor:
-    specs = split_specs(full_shapes, [s.dim() for s in shards], world_size)
-    total = sum(s.shard_numel for s in specs)
-    return shards[0].new_empty([world_size * total], dtype=param_dtype or shards[0].dtype)
-
-
-_GATHER_NEXT_ARGS = [a.name for a in torch.ops.compiled_fsdp.gather_next.default._schema.arguments]
+def _gather_next_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = GatherNext.bind(args, kwargs)
+    total = sum(s.shard_numel for s in _next_specs(m))
+    return m.shards[0].new_empty([m.world_size * total], dtype=m.param_dtype or m.shards[0].dtype)
 
 
 def _gather_next_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    a = dict(zip(_GATHER_NEXT_ARGS, inputs))
-    shards = a["shards"]
-    ctx.args = (list(a["full_shapes"]), [s.dim() for s in shards], list(a["local_rows"]),
-                a["reduce_group_name"] or a["group_name"], a["world_size"], a["module_key"],
-                a["reduce_dtype"], shards[0].dtype)
-    ctx.sync = a["sync"]
-    ctx.kept = list(a["kept"])
-    ctx.sink_params = list(a["sink_params"])
+    ctx.gather = GatherNext.bind(inputs, {})
     # Autograd wants a gradient of each input's structure: a list for a list
     # of tensors (an empty one too), None for anything else (a list with a
-    # None in it is one opaque argument). (The schema has no defaults: a
-    # trailing argument equal to its default would not count as an input.)
-    ctx.lists = {name: len(v) for name, v in a.items()
+    # None in it is one opaque argument).
+    ctx.lists = {name: len(v) for name, v in ctx.gather.values().items()
                  if isinstance(v, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in v)}
 
 
 def _gather_next_backward(ctx, grad):  # type: ignore[no-untyped-def]
     # With sync: the kept gradients are added and the sum reduced, the shards
     # get their part. Without: the sinks get the full gradients.
-    grads = torch.ops.compiled_fsdp.reduce_next(
-        grad, ctx.kept if ctx.sync else [], *ctx.args, sync=ctx.sync)
-    given = {"shards": list(grads)} if ctx.sync else {"sinks": [grads[i] for i in ctx.sink_params]}
+    gather = ctx.gather
+    grads = ReduceNext.call(**ReduceNext.of_gather(gather, grad).values())
+    given = ({"shards": list(grads)} if gather.sync
+             else {"sinks": [grads[i] for i in gather.sink_params]})
     return tuple(given.get(name, [None] * ctx.lists[name] if name in ctx.lists else None)
-                 for name in _GATHER_NEXT_ARGS)
+                 for name in GatherNext.names())
 
 
 gather_next.register_autograd(_gather_next_backward, setup_context=_gather_next_setup_context)
 
 
-@torch.library.custom_op("compiled_fsdp::reduce_next", mutates_args=(), schema=REDUCE_NEXT_SCHEMA)
-def reduce_next(
-    grad: torch.Tensor,
-    kept: Sequence[Optional[torch.Tensor]],
-    full_shapes: Sequence[int],
-    ndims: Sequence[int],
-    local_rows: Sequence[int],
-    group_name: str,
-    world_size: int,
-    module_key: int,
-    reduce_dtype: Optional[torch.dtype] = None,
-    grad_dtype: Optional[torch.dtype] = None,
-    sync: bool = True,
-) -> list[torch.Tensor]:
+@torch.library.custom_op(ReduceNext.qualname(), mutates_args=(), schema=ReduceNext.schema())
+def reduce_next(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
     """The backward of ``gather_next``: ``grad`` is the full gradient of the
     whole bucket, in the gather's layout."""
-    specs = split_specs(full_shapes, ndims, world_size)
-    if not sync:  # the full gradients, for the sinks
-        full = cast(EAGER, grad, reduce_dtype)
+    m = ReduceNext.bind(args, kwargs)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size)
+    if not m.sync:  # the full gradients, for the sinks
+        full = cast(EAGER, m.grad, m.reduce_dtype)
         return [f.clone() for f in unpack_gathered(EAGER, full, specs)]
-    kept_flat = pack_grads(EAGER, list(kept), specs) if any(k is not None for k in kept) else None
-    flat = reduce_input(EAGER, grad, kept_flat, reduce_dtype)
-    if world_size == 1:
-        summed = flat.clone()
-    else:
-        count_collective("reduce_scatter")
-        _check("reduce-scatter", module_key, -1)
-        summed = reduce_scatter_flat(flat, _group(group_name), async_op=False).wait()
-    dtypes = [grad_dtype] * len(specs)
-    return [g.clone() for g in split_reduced(EAGER, summed, specs, list(local_rows), dtypes)]
+    kept = list(m.kept)
+    kept_flat = pack_grads(EAGER, kept, specs) if any(k is not None for k in kept) else None
+    flat = reduce_input(EAGER, m.grad, kept_flat, m.reduce_dtype)
+    if m.world_size > 1:
+        comm.count("reduce_scatter")
+        _before_collective("reduce-scatter", m.module_key, -1)
+    summed = _reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all)
+    dtypes = [m.grad_dtype] * len(specs)
+    return [g.clone() for g in split_reduced(EAGER, summed, specs, list(m.local_rows), dtypes)]
 
 
 @reduce_next.register_fake
-def _reduce_next_fake(
-    grad: torch.Tensor,
-    kept: Sequence[Optional[torch.Tensor]],
-    full_shapes: Sequence[int],
-    ndims: Sequence[int],
-    local_rows: Sequence[int],
-    group_name: str,
-    world_size: int,
-    module_key: int,
-    reduce_dtype: Optional[torch.dtype] = None,
-    grad_dtype: Optional[torch.dtype] = None,
-    sync: bool = True,
-) -> list[torch.Tensor]:
-    specs = split_specs(full_shapes, ndims, world_size)
-    if not sync:
-        return [grad.new_empty(list(s.full_shape), dtype=reduce_dtype or grad.dtype) for s in specs]
-    return [grad.new_empty([rows, *s.rest], dtype=grad_dtype or grad.dtype)
-            for s, rows in zip(specs, local_rows)]
+def _reduce_next_fake(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    m = ReduceNext.bind(args, kwargs)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size)
+    if not m.sync:
+        return [m.grad.new_empty(list(s.full_shape), dtype=m.reduce_dtype or m.grad.dtype) for s in specs]
+    return [m.grad.new_empty([rows, *s.rest], dtype=m.grad_dtype or m.grad.dtype)
+            for s, rows in zip(specs, m.local_rows)]

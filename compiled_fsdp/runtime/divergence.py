@@ -141,7 +141,7 @@ class Checker:
     on collectives])."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        # Weakly: see [Note: Process groups at exit] in _launch.py.
+        # Weakly: see [Note: Process groups at exit] in tools/launch.py.
         self._group = weakref.ref(group)
         self.world = group.size()
         self.ranks = dist.get_process_group_ranks(group)
@@ -224,7 +224,7 @@ class Checker:
     def _fail(self, message: str) -> NoReturn:
         """Raise ``message``, first telling the ranks that come later. The check
         stays issued: its group must outlive the process (see [Note: Process
-        groups at exit] in _launch.py)."""
+        groups at exit] in tools/launch.py)."""
         _ABANDONED.append(self.group)
         _store().set(_FAILED, f"{_rank()}|{message}")
         raise CollectiveMismatchError(message)

@@ -14,106 +14,33 @@ end-of-backward callback, so every reduce-scatter has finished when
 freeing a buffer's storage after forward (reshard) and refilling it before
 backward is seen by autograd's saved tensors; the refill preserves the version
 counter, as FSDP2 does.
-
-[Note: Blocks compiled on their own]
-torchtitan compiles each block, not the model: ``block.compile()`` (or
-``torch.compile(block)`` in the parent's place) after ``fully_shard``, the root
-running eagerly. Dynamo then runs the block's hooks as Python and compiles its
-``forward`` as a frame of its own, and every identical block reuses that frame's
-graph: Dynamo's cache is keyed on the code object and passes the guards of
-another block of the same structure. So compile time does not grow with depth,
-provided nothing in the traced graph names the block.
-
-The pre-forward hook recognises the pattern (the module's own call is compiled
-while the root runs eagerly; ``_state.py``) and leaves the group to the graph,
-as the root does under ``torch.compile(model)``: ``compiled_entry`` is set for
-the duration of the forward, the parameter reads emit markers, and the passes
-lower them to in-graph collectives. Those markers carry ``ENTRY_KEY`` instead of
-the group's key (the n-th ``fully_shard`` call, a different constant per block
-that Dynamo would guard on, recompiling per block and falling back to eager past
-its recompile limit); everything else in the marker is the same for identical
-blocks. ``ENTRY_KEY`` means "the module this frame was compiled for"; a fully
-sharded module nested inside the block is traced inline and keeps its own key
-(so such blocks recompile per block). The passes compare keys for equality only.
-
-A graph break inside such a block splits its forward into frames, and those
-frames are reused by every identical block too, so a split is recorded under a
-key the blocks share (``entry_split_key``: the class and parameter shapes); a
-split block falls back to the eager runtime from the next step on, as a split
-root does ([Note: Fallback decision rule] in _fallback.py). Tested by
-tests/test_block_compile.py.
-
-[Note: Gathers handed to the next block's graph]
-Inside one graph a block can overlap its collectives only with its own compute.
-So that blocks compiled on their own keep the overlap across blocks that one
-graph for the whole model has, each block's forward graph issues the *next*
-block's all-gather and hands it over unwaited:
-
-- While Dynamo traces block i, its first parameter read also traces
-  ``compiled_fsdp::gather_next`` on block i+1's shards (``handoff_next``) and
-  stores the result in block i+1's ``handoff_in`` (a side effect Dynamo
-  replays after every run of the graph). The lowering makes it the bucket's
-  pack and an ``all_gather_into_tensor`` with no wait: it runs while block i
-  computes. Block i+1's parameter reads pass ``handoff_in`` to their markers
-  (``gathered``), and its graph waits on it right before the first use.
-- Autograd places the gradients: the gather's backward is the reduce-scatter,
-  so block i+1's reduce-scatter runs in block i's backward graph, issued when
-  that graph starts and overlapping block i's backward compute. Block i+1's
-  backward graph returns its gradient packed in the gather's layout.
-  ``gather_next`` also carries block i+1's kept gradients and sync flag, so
-  accumulation without sync works as in a single graph (the casts and adds
-  of [Note: Bucket layout] commute with the packing, so the result equals the
-  eager runtime's exactly, up to the sign of a zero).
-- The first block's gather is issued eagerly by the module before it (the
-  root's pre-forward), whose eager backward reduces it.
-- The backward re-gather of a block that reshards after forward stays in its
-  own backward graph, from its saved shards: there is no channel that hands a
-  tensor from one backward graph to the next.
-- Which block is next: the previous iteration's forward order, the one the
-  eager runtime prefetches by; in the first step the modules' order in the
-  model. Only a module predicted to compile its own frame gets a handoff
-  (``FSDPState.predicts_own_frame``). The last block issues nothing, so its
-  graph is a second variant (Dynamo guards ``handoff_next``), compiled once.
-- A wrong prediction stays correct. A block handed nothing gathers itself (a
-  variant compiled when first needed). A handoff its module did not read (it
-  ran eagerly, or not at all) is waited and dropped (``drop_handoff``); its
-  backward then reduces zeros into that module's gradients, and the root puts
-  back ``None`` where the module had no gradient and did not run (and where
-  a module that ran did not read the parameter: ``params_left_unread``). Kept
-  gradients the dropped handoff carried are left to that backward to reduce;
-  a gather issued eagerly (whose backward never runs once dropped) leaves
-  them to the module (tests/test_no_sync.py, ``untraced_last``).
-
-Tested by tests/test_handoff.py.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
-import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from compiled_fsdp.runtime.collectives import (
-    PendingCollective,
-    all_gather_bucket,
-    copy_out_all_gather,
-    reduce_scatter_bucket,
-)
-from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
+from compiled_fsdp.core import registry, rules
+from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, bucket_offsets, split_reduced
-from compiled_fsdp.compile.frames import record_handoff_trace, record_marker_trace, traced_reads
+from compiled_fsdp.runtime.collectives import all_gather_bucket, copy_out_all_gather, reduce_scatter_bucket
+from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from compiled_fsdp.runtime.param import FSDPParam
-from compiled_fsdp._testing import skips_grad_reduction
 
 if TYPE_CHECKING:
-    from compiled_fsdp.runtime.state import _RootContext
+    from compiled_fsdp.runtime.state import RootContext
 
 
-# Group key -> group (naming the modules of a compiled graph's markers).
-_GROUPS: "weakref.WeakValueDictionary[int, FSDPParamGroup]" = weakref.WeakValueDictionary()
+class Phase(enum.Enum):
+    """Where a root's iteration is (see [Note: Roots and iterations] in state.py)."""
+
+    IDLE = "idle"  # between forwards (or in backward)
+    FORWARD = "forward"  # the root's forward runs eagerly, now
+    COMPILED_FORWARD = "compiled forward"  # the root's forward runs under Dynamo, now
 
 
 class ShardedState(enum.Enum):
@@ -142,6 +69,8 @@ class _UnshardFn(torch.autograd.Function):
 
 
 class FSDPParamGroup:
+    """One ``fully_shard`` application's parameters, communicated together."""
+
     def __init__(
         self,
         fsdp_params: list[FSDPParam],
@@ -152,53 +81,39 @@ class FSDPParamGroup:
         name: str,
         checker: Optional[Checker] = None,
         *,
+        reduce_by_all_to_all: bool,
         hand_over_gathers: bool,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
         self.group_name = process_group.group_name
-        # See [Note: A second group for reduce-scatters] in _api.py.
+        # See [Note: A second group for reduce-scatters] in api.py.
         self.reduce_group = reduce_group
         self.reduce_group_name = reduce_group.group_name
+        # See [Note: Reduce-scatter on gloo] in core/comm.py (decided at fully_shard).
+        self.reduce_by_all_to_all = reduce_by_all_to_all
         self.key = key
         self.name = name
         self.fqn = name  # the module's name under its root, set at the root's lazy init
         self.reshard_after_forward = reshard_after_forward
-        # See [Note: Gradient accumulation without sync] in _module.py.
+        # See [Note: Gradient accumulation without sync] in module.py.
         self.reduce_grads = True
         self.reshard_after_backward = True
-        # No fully sharded module contains this one (yet): see ``reshards_after_forward``.
+        # No fully sharded module contains this one (yet): see [Note: The reshard rule].
         self.outermost = True
+        # Whether blocks compiled on their own may hand this module its gather
+        # (config.comm.hand_over_gathers, agreed at fully_shard).
+        self.hand_over_gathers = hand_over_gathers
         self.specs = [p.spec for p in fsdp_params]
-        # This forward's graph is compiled for this module alone, and identical
-        # blocks share it: see [Note: Blocks compiled on their own].
-        self.compiled_entry = False
-        self.entry_split_key = ("entry", name, tuple(s.full_shape for s in self.specs))
-        # See [Note: Gathers handed to the next block's graph]: this module's
-        # gathered bucket, issued (not waited) by whoever ran before it; the
-        # module whose gather this module's graph issues, while it runs.
-        self.hand_over_gathers = hand_over_gathers  # may be handed its gather (agreed at fully_shard)
-        self.handoff_in: Optional[torch.Tensor] = None
-        self.handoff_next: Optional[FSDPParamGroup] = None
-        self.handoff_traced = False  # this forward's trace issued handoff_next's gather
-        self._handed_eagerly: Optional[torch.Tensor] = None  # the handoff_in issued outside a graph
-        self._handoff_read: Optional[torch.Tensor] = None  # the handoff_in this forward reads
-        # (per parameter: where it lies in the gathered bucket of [Note: Bucket layout])
+        # Per parameter: where it lies in the group's gathered bucket ([Note: Bucket layout]).
         self.bucket_numel = sum(s.shard_numel for s in self.specs)
-        self._full_shapes = tuple(d for s in self.specs for d in s.full_shape)
-        self._local_rows = tuple(p.local_rows for p in fsdp_params)
-        self.record_handoff_trace = lambda ctx: record_handoff_trace(self)
         for i, (p, offset) in enumerate(zip(fsdp_params, bucket_offsets(self.specs))):
             p.group, p.index, p.bucket_offset = self, i, offset
-            # Run by comptime when Dynamo traces this parameter's marker (a function
-            # object that exists before tracing, as comptime requires).
-            p.record_trace = lambda ctx, i=i: record_marker_trace(key, i)
-            p.record_entry_trace = lambda ctx, i=i: record_marker_trace(key, i, self.entry_split_key)
         self.state = ShardedState.SHARDED
-        # See [Note: Agreeing on collectives] in _divergence.py.
+        # See [Note: Agreeing on collectives] in divergence.py.
         self.checker = checker
         self.check_number = checker.register() if checker is not None else -1
-        _GROUPS[key] = self
+        registry.register_owner(self)
         self._pending_gather: Optional[PendingCollective] = None
         self._gather_check: Optional[PendingCheck] = None
         self._pending_reduce: Optional[tuple[PendingCollective, list[FSDPParam]]] = None
@@ -208,16 +123,15 @@ class FSDPParamGroup:
         # Autograd outputs of this iteration's _UnshardFn, reused by later calls.
         self._iter_views: Optional[tuple[torch.Tensor, ...]] = None
         self.needs_grad_sync = False  # a backward was registered for this iteration
-        # The root's _RootContext (see [Note: Roots and iterations]), set at lazy init.
-        self.ctx: Optional["_RootContext"] = None
+        # The root's RootContext (see [Note: Roots and iterations]), set at lazy init.
+        self.ctx: Optional["RootContext"] = None
+        # The compile layer's state for this group (see [Note: The compiled path]).
+        self.compiled: Any = None
 
     @property
     def reshards_after_forward(self) -> bool:
-        """The policy in effect: an outermost module (the root) never reshards after
-        forward, since its backward starts right after (FSDP2 does the same). Decided
-        from structure, so the eager runtime and the markers agree even when the
-        root's hooks never run as Python."""
-        return self.reshard_after_forward and not self.outermost
+        """See [Note: The reshard rule] in core/rules.py."""
+        return rules.reshards_after_forward(self.reshard_after_forward, self.outermost)
 
     @property
     def label(self) -> str:
@@ -236,80 +150,16 @@ class FSDPParamGroup:
 
     def forward_active(self) -> bool:
         """Whether the eager runtime is inside a forward of this group's root."""
-        return self.ctx is not None and self.ctx.in_forward
+        return self.ctx is not None and self.ctx.phase is Phase.FORWARD
 
-    # -- handoff: see [Note: Gathers handed to the next block's graph] --------
-    def gather_next_op(self, module_key: int) -> torch.Tensor:
-        """This module's bucketed all-gather, not waited, with what its
-        backward needs (kept gradients or sinks, the sync flag): traced into
-        the graph of the module before it (``module_key=NEXT_KEY``), or run
-        eagerly by it (the group's own key)."""
-        sync = self.reduce_grads
-        params = self.fsdp_params
-        # (the sinks of [Note: Accumulation without sync in graphs] in _ops.py)
-        kept = [p.kept_grad() for p in params] if sync else [None] * len(params)
-        sink_params = [] if sync else [i for i, p in enumerate(params) if p.sharded.requires_grad]
-        first = params[0]
-        return torch.ops.compiled_fsdp.gather_next(
-            [p.sharded.to_local() for p in params], kept, [params[i].grad_sink for i in sink_params],
-            sink_params, self._full_shapes,
-            self._local_rows, self.group_name, self.specs[0].world_size,
-            module_key, self.reduce_group_name, first.param_dtype, first.reduce_dtype, sync)
-
-    def reset_handoff(self) -> None:
-        """At an iteration's start: nothing handed over yet."""
-        self.handoff_in = self.handoff_next = self._handed_eagerly = None
-
-    def hand_over_eagerly(self) -> None:
-        """Issue this module's handoff now, outside any graph (by the root, or
-        for a module whose predecessor's frame ran untraced)."""
-        self.handoff_in = self._handed_eagerly = self.gather_next_op(self.key)
-
-    def begin_compiled_entry(self, handoff_next: Optional["FSDPParamGroup"]) -> None:
-        """Before a forward compiled for this module alone: what its graph
-        reads (``handoff_in``) and hands over (``handoff_next``'s gather)."""
-        self.compiled_entry = True
-        self.handoff_next = handoff_next
-        self.handoff_traced = False
-        self._handoff_read = self.handoff_in
-
-    def end_compiled_entry(self) -> Optional["FSDPParamGroup"]:
-        """After that forward: forget the handoff it read (the graph holds what
-        its backward needs); returns the module it handed a gather to."""
-        self.compiled_entry = False
-        if self.handoff_in is self._handoff_read:  # (not one handed over since, to a second call)
-            self.handoff_in = self._handed_eagerly = None
-        self._handoff_read = None
-        handed, self.handoff_next = self.handoff_next, None
-        return handed
-
-    def params_left_unread(self) -> list[FSDPParam]:
-        """Called in the post-forward of a forward compiled for this module
-        alone: the parameters its graph did not read although it read a
-        handed-in gather, whose backward reduces a zero gradient for them
-        (none in one graph or the eager runtime). From what the markers
-        recorded at trace time for this structure."""
-        if self._handoff_read is None:
-            return []
-        read = traced_reads(self.entry_split_key)
-        return [p for p in self.fsdp_params if p.index not in read]
-
-    def drop_handoff(self) -> bool:
-        """A gather handed to this module that its forward does not read (it
-        runs eagerly, or did not run): wait for it and let it go. Issued by a
-        graph, that graph's backward still runs and adds the kept gradients the
-        gather carried, so they are no longer this module's to reduce; issued
-        eagerly, its backward never runs and they stay. Returns whether there
-        was one."""
-        if self.handoff_in is None:
-            return False
-        torch.ops._c10d_functional.wait_tensor(self.handoff_in)
-        by_graph = self.handoff_in is not self._handed_eagerly
-        self.handoff_in = self._handed_eagerly = None
-        if by_graph and self.reduce_grads:
-            for p in self.fsdp_params:
-                p.drop_kept_grad()
-        return True
+    def before_marker_collective(self, op: str, param_index: int) -> None:
+        """A marker of this group that no pass lowered is about to issue ``op``
+        eagerly (core/ops.py): agree on it first."""
+        if self.checker is not None:
+            what = (f"the per-parameter {op} of {self.label}'s parameter {param_index}" if param_index >= 0
+                    else f"the {op} of {self.label}'s bucket")
+            self.checker.check(Checkpoint(
+                COLLECTIVE, self.checker.step, stable_code(op, self.identity, param_index), what))
 
     # -- all-gather ----------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -377,12 +227,13 @@ class FSDPParamGroup:
             return
         owned = [(p, p.take_unsharded_grad(g)) for p, g in zip(self.fsdp_params, grads)]
         owned = [(p, g) for p, g in owned if g is not None]
-        if not owned or skips_grad_reduction(self.fqn):
+        if not owned:
             return
         params = [p for p, _ in owned]
         self._reduce_check = self._issue_check("reduce-scatter")
         # take_unsharded_grad cast them to the reduce dtype: see [Note: Mixed precision].
-        pending = reduce_scatter_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group)
+        pending = reduce_scatter_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group,
+                                        self.reduce_by_all_to_all)
         self._pending_reduce = (pending, params)
         if self.ctx is not None:
             self.ctx.on_reduce_issued(self)

@@ -1,6 +1,6 @@
 """Compiled-vs-eager numerics checker.
 
-    python -m compiled_fsdp.check --model examples.gpt:tiny --world-size 2 --steps 5
+    python -m compiled_fsdp.check --world-size 2 --steps 5 [--model module:factory]
 
 launches ``--world-size`` gloo ranks itself and trains, from the same seed and
 on the same batches, the single-process unsharded reference and each variant:
@@ -13,16 +13,17 @@ sharded module whose gradient diverges. Exit status 0 within tolerance, 1
 outside, 2 when a rank failed or hung.
 
 [Note: Model protocol]
-``--model module:factory``: ``factory()`` returns the ``nn.Module`` (called
-after ``torch.manual_seed(0)``, once per variant; it must build the same
-weights every time). Three optional hooks are looked up on the factory
-object, then in its module, then fall back to the GPT ones in
-``examples/gpt.py``:
+``--model module:factory`` (default: the tiny GPT of
+``compiled_fsdp/tools/models.py``, which ``examples.gpt`` re-exports):
+``factory()`` returns the ``nn.Module`` (called after
+``torch.manual_seed(0)``, once per variant; it must build the same weights
+every time). Three optional hooks are looked up on the factory object, then
+in its module, then fall back to the GPT ones:
 
 * ``make_batch(model, batch_size, seed) -> tuple``: the model's positional
-  inputs (default: ``(examples.gpt.batch(model.cfg, batch_size, seed),)``);
+  inputs (default: ``(models.batch(model.cfg, batch_size, seed),)``);
 * ``loss_fn(output, *inputs) -> Tensor``: a scalar, the *mean* over the batch
-  (default: ``examples.gpt.loss_fn``, next-token cross entropy);
+  (default: ``models.loss_fn``, next-token cross entropy);
 * ``shard(model)``: applies ``fully_shard`` (default: each of
   ``model.layers``, then the root).
 
@@ -134,7 +135,8 @@ def verdict(results: dict[str, Any], tol: dict[str, float], variants: list[str])
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m compiled_fsdp.check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="module:factory, e.g. examples.gpt:tiny")
+    p.add_argument("--model", default="compiled_fsdp.tools.models:tiny",
+                   help="module:factory (default: the package's tiny GPT; examples.gpt:tiny is the same)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
