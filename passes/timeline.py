@@ -150,7 +150,8 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
     """Predicts the timeline of running ``order`` (see [Note: Timeline model]).
     ``foreign``: every collective is communication (else only the passes'
     own, the rest cost as compute); ``joint``: ``order`` is a joint graph's
-    nodes, with forward and backward phases and the re-gathers."""
+    nodes, with forward and backward phases and the re-gathers, and the
+    timeline lists its ``steps`` (the dump's trace)."""
     tl = Timeline()
     t, queue_end = 0.0, 0.0
     events: dict[fx.Node, CommEvent] = {}
@@ -183,7 +184,8 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             unowned.add(n)
             events[n] = CommEvent(kind=kind, module_key=-1, unit=0, bytes=collective_bytes(n),
                                   issue_s=t, start_s=start, end_s=queue_end, wait_s=-1.0, exposed_s=0.0)
-        tl.steps.append(Step(n.name, "communication", kind, start, dur, regather, events[n].bytes))
+        if joint:
+            tl.steps.append(Step(n.name, "communication", kind, start, dur, regather, events[n].bytes))
         tl.comm_s += dur
 
     for n in order:
@@ -211,7 +213,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             ev = events[n.args[0]]
             ev.wait_s = t
             ev.exposed_s = max(0.0, ev.end_s - t)
-            if ev.exposed_s > 0:
+            if joint and ev.exposed_s > 0:
                 tl.steps.append(Step(n.name, "compute", "wait", t, ev.exposed_s))
             t += ev.exposed_s
             tl.exposed_s += ev.exposed_s
@@ -221,7 +223,8 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         dt = cost.compute_time(n)
         if dt <= 0.0:
             continue
-        tl.steps.append(Step(n.name, "compute", "compute", t, dt))
+        if joint:
+            tl.steps.append(Step(n.name, "compute", "compute", t, dt))
         span = spans.get(current)
         if span is None:
             span = spans[current] = ModuleSpan(*current, t, t, 0.0, None, None, 0.0)

@@ -54,9 +54,12 @@ _TRACED_FRAMES: dict[Hashable, dict[int, set[int]]] = {}
 # Compile id -> (trace attempt, the markers traced in it, in order), until the
 # compile ends: see ``_on_compile_end``.
 _COMPILE_MARKERS: dict[str, tuple[int, list[tuple[int, int]]]] = {}
-# Whether a Dynamo compile is under way in this thread (its window: see
-# [Note: Passes installed while compiling] in install.py).
-_WINDOW = threading.local()
+# Whether a Dynamo compile is under way (its window: see [Note: Passes
+# installed while compiling] in install.py). Global, as Dynamo's count of
+# pending compiles is: its start and end callbacks run in whichever thread
+# starts the first and ends the last of concurrent compiles.
+_WINDOW_OPEN = [False]
+_WINDOW_LOCK = threading.Lock()
 
 
 def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable] = None) -> None:
@@ -117,7 +120,7 @@ def ensure_window() -> None:
     """Called while Dynamo traces a marker: a compile that started with the
     callbacks unregistered (a reset since the last root forward) opens its
     window now, and closes it at its end like any other."""
-    if not getattr(_WINDOW, "open", False):
+    if not _WINDOW_OPEN[0]:
         arm()
         _on_compile_start(None)
 
@@ -125,8 +128,10 @@ def ensure_window() -> None:
 def _on_compile_start(args: Optional[CallbackArgs]) -> None:
     """Dynamo's compile-start callback: peers waiting at a check wait on, and
     the passes are installed for this compile."""
-    _WINDOW.open = True
-    install.open_window()
+    with _WINDOW_LOCK:
+        if not _WINDOW_OPEN[0]:
+            _WINDOW_OPEN[0] = True
+            install.open_window()
     set_compiling(True)
 
 
@@ -135,9 +140,10 @@ def _on_compile_end(args: CallbackArgs) -> None:
     an order no earlier graph did is checked against the other ranks before it
     runs. See [Note: Agreeing on collectives] in runtime/divergence.py."""
     try:
-        if getattr(_WINDOW, "open", False):
-            _WINDOW.open = False
-            install.close_window()
+        with _WINDOW_LOCK:
+            if _WINDOW_OPEN[0]:
+                _WINDOW_OPEN[0] = False
+                install.close_window()
         _check_new_graph(str(args.compile_id))
     except BaseException:
         compat.end_callback_raised()

@@ -16,8 +16,9 @@ ours does nothing.
 [Note: Passes installed while compiling]
 Both hooks are global torch config. The passes are set there only while a
 compile may need them and the previous values are restored after, so a
-program that never compiles a fully sharded module never sees them, and a
-user's own passes, read when each window opens, keep running with ours:
+program that has not called ``fully_shard`` never sees them, and a user's
+own passes, read when a window opens (or set inside one), keep running
+with ours:
 
 - a Dynamo compile: its start callback opens the window, its end callback
   closes it (frames.py; armed at ``fully_shard`` and at every root forward,
@@ -26,7 +27,7 @@ user's own passes, read when each window opens, keep running with ours:
 - a backward: AOTAutograd compiles a backward graph lazily, at its first
   run, outside any Dynamo compile; the window opens when a compiled graph's
   backward (or the eager runtime's part of one) starts and closes when that
-  backward ends.
+  backward ends (or, if it raised, when the next step starts).
 
 Windows nest (a count); ``installed()`` opens one around any code.
 
@@ -118,11 +119,13 @@ class _Reports:
         # their own share ``ENTRY_KEY``.
         self.units: dict[int, dict[frozenset[int], tuple[str, ...]]] = {}
 
-    def add_joint(self, report: Any) -> None:
+    def add_joint(self, report: Any, units_for_explain: bool = True) -> None:
         with _lock:
             self.joint.append(report)
             for r in self.recordings:
                 r.joint.append(report)
+            if not units_for_explain:
+                return
             units = report.lowering.units if report.lowering is not None else []
             for key in sorted({u.module_key for u in units}):
                 mine = [u for u in units if u.module_key == key]
@@ -187,7 +190,8 @@ class _SchedulePass(CustomGraphPass):
         gm = graph.owning_module
         if gm is not None and has_markers(graph):  # See [Note: Inference graphs].
             lowering = lower_markers(gm)
-            _REPORTS.add_joint(JointPassReport(has_markers=True, lowering=lowering))
+            # (explain() describes the training graphs' units)
+            _REPORTS.add_joint(JointPassReport(has_markers=True, lowering=lowering), units_for_explain=False)
             if _REPORTS.observers:
                 _REPORTS.notify("lowering", gm, lowering)
         report = schedule_graph(graph, config.overlap)
@@ -211,17 +215,18 @@ class _Window:
     def __init__(self) -> None:
         self.depth = 0
         self.saved: tuple[Any, Any] | None = None
+        self.backward = 0  # windows opened for a backward, not closed yet
 
     def enter(self) -> None:
         with _lock:
+            if self.depth == 0:
+                self.saved = (functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass)
             self.depth += 1
-            if self.depth > 1:
-                return
-            joint, post = functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass
-            self.saved = (joint, post)
+            # (at every depth: a pass the user set inside a window keeps ours too)
+            joint = functorch_config.joint_custom_pass
             if not isinstance(joint, _JointPass):
                 functorch_config.joint_custom_pass = _JointPass(joint if callable(joint) else None)
-            passes = compat.post_grad_passes(post)
+            passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
             if not any(isinstance(p, _SchedulePass) for p in passes):
                 inductor_config.post_grad_custom_post_pass = compat.post_grad_value((*passes, _SchedulePass()))
 
@@ -248,9 +253,28 @@ def close_window() -> None:
 
 
 def open_backward_window() -> None:
-    """Opens a window for the backward under way; it closes when that backward ends."""
-    open_window()
-    torch.autograd.Variable._execution_engine.queue_callback(close_window)
+    """Opens a window for the backward under way; it closes when that backward
+    ends, or, if that backward raised (autograd then runs no end callback),
+    at the next step's start (``close_backward_windows``)."""
+    torch.autograd.Variable._execution_engine.queue_callback(_close_backward_window)
+    with _lock:
+        _WINDOW.backward += 1
+        _WINDOW.enter()
+
+
+def _close_backward_window() -> None:
+    with _lock:
+        if _WINDOW.backward > 0:
+            _WINDOW.backward -= 1
+            _WINDOW.exit()
+
+
+def close_backward_windows() -> None:
+    """Closes the windows of backwards that raised (a step starts: none is under way)."""
+    with _lock:
+        while _WINDOW.backward > 0:
+            _WINDOW.backward -= 1
+            _WINDOW.exit()
 
 
 @contextlib.contextmanager

@@ -75,6 +75,7 @@ class TorchCompilePath(CompiledPath):
 
     def on_step(self, ctx: RootContext) -> None:
         frames.arm()  # (again after a torch._dynamo.reset())
+        install.close_backward_windows()
         _root(ctx).backward_checked = False
         for g in ctx.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             entry_of(g).reset()
@@ -291,7 +292,6 @@ def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPPar
     root = _root(ctx)
 
     def pre_backward(grads: Any) -> None:
-        install.open_backward_window()  # this backward's graph may compile now
         if ctx.checker is not None and not root.backward_checked:
             # See [Note: Agreeing on collectives] in runtime/divergence.py.
             root.backward_checked = True
@@ -316,6 +316,7 @@ def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPPar
         for g in reduced:  # the graph holds them now
             for p in g.fsdp_params:
                 p.drop_kept_grad()
+        install.open_backward_window()  # this backward's graph may compile now
         if not compat.to_local_keeps_none_grads():  # torch 2.11: see core/compat.py
             unsynced = [p.sharded for g, flag in traced if not flag for p in g.fsdp_params
                         if p.sharded.requires_grad and p.sharded.grad is None]

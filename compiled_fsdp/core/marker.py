@@ -133,6 +133,7 @@ class _OneParameter:
     group_name: str
     reshard_after_forward: Optional[bool]
     outermost: bool
+    reduce_by_all_to_all: bool
 
     @property
     def spec(self) -> ShardSpec:
@@ -145,8 +146,9 @@ class _OneParameter:
         The reshard rule] in core/rules.py (the passes apply it per unit)."""
         return rules.reshards_after_forward(bool(self.reshard_after_forward), self.outermost)
 
-    def bucket_signature(self) -> tuple[str, int]:
-        return (self.group_name, self.world_size)
+    def bucket_signature(self) -> tuple[str, int, bool]:
+        """What every marker of one bucket shares: its group and how it reduces."""
+        return (self.group_name, self.world_size, self.reduce_by_all_to_all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,14 +228,15 @@ class ReduceGrad(Marker, _OneParameter):
     reduce_group_name: ClassVar[None] = None
 
     @classmethod
-    def of_read(cls, read: Unshard, grad: Any, grad_dtype: torch.dtype) -> "ReduceGrad":
-        """The backward of ``read``: reduced on its reduce group."""
+    def of_read(cls, read: Unshard, grad: Any, grad_dtype: torch.dtype, handed: bool) -> "ReduceGrad":
+        """The backward of ``read`` (``handed``: it read a handed-over gather),
+        reduced on its reduce group."""
         return cls(grad=grad, full_shape=list(read.full_shape), group_name=read.reduce_group,
                    world_size=read.world_size, module_key=read.module_key, param_index=read.param_index,
                    local_rows=read.local_rows, reduce_dtype=read.reduce_dtype, grad_dtype=grad_dtype,
                    kept=read.kept if read.sync else None, sync=read.sync,
-                   bucket_offset=read.bucket_offset if read.gathered is not None else 0,
-                   bucket_numel=read.bucket_numel if read.gathered is not None else 0,
+                   bucket_offset=read.bucket_offset if handed else 0,
+                   bucket_numel=read.bucket_numel if handed else 0,
                    reduce_by_all_to_all=read.reduce_by_all_to_all)
 
 

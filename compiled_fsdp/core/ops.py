@@ -59,6 +59,7 @@ Tested by tests/test_compile_parity.py::test_uneven_shards_share_no_cache_entry.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -138,16 +139,19 @@ def _unshard_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    ctx.read = Unshard.bind(inputs, {})
-    ctx.grad_dtype = ctx.read.shard.dtype
+    read = Unshard.bind(inputs, {})
+    ctx.grad_dtype, ctx.handed = read.shard.dtype, read.gathered is not None
+    # Without the shard and the handed-in bucket: only what the backward reads
+    # (the kept gradient with sync) stays alive until then.
+    ctx.read = dataclasses.replace(read, shard=None, gathered=None, kept=read.kept if read.sync else None)
 
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
     read = ctx.read
-    g = ReduceGrad.call(**ReduceGrad.of_read(read, grad, ctx.grad_dtype).values())
+    g = ReduceGrad.call(**ReduceGrad.of_read(read, grad, ctx.grad_dtype, ctx.handed).values())
     # The shard's gradient, or (without sync) the sink's, or the handed-over
     # gather's; none for the rest.
-    receiver = "gathered" if read.gathered is not None else "shard" if read.sync else "kept"
+    receiver = "gathered" if ctx.handed else "shard" if read.sync else "kept"
     return tuple(g if name == receiver else None for name in Unshard.names())
 
 

@@ -45,6 +45,7 @@ Tested by tests/test_divergence.py.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 import time
@@ -223,9 +224,9 @@ class Checker:
 
     def _fail(self, message: str) -> NoReturn:
         """Raise ``message``, first telling the ranks that come later. The check
-        stays issued: its group must outlive the process (see [Note: Process
-        groups at exit] in tools/launch.py)."""
-        _ABANDONED.append(self.group)
+        stays issued: its group is never destroyed (``_abandon``; see [Note:
+        Process groups at exit] in tools/launch.py)."""
+        _abandon(self.group)
         _store().set(_FAILED, f"{_rank()}|{message}")
         raise CollectiveMismatchError(message)
 
@@ -319,8 +320,19 @@ def _describe(cp: Checkpoint) -> str:
     return f"{cp.what} in step {cp.step}"
 
 
-# Check groups with a collective left waiting; never destroyed before exit.
+# Check groups with a collective left waiting: never destroyed.
 _ABANDONED: list[dist.ProcessGroup] = []
+
+
+def _abandon(group: dist.ProcessGroup) -> None:
+    """A gloo group whose collective still waits for a peer cannot be destroyed
+    (its destructor joins the threads that wait, after ``destroy_process_group``
+    too), and the interpreter's teardown at exit would destroy it, blocking the
+    exit until the peer's process ends: a deadlock when that peer waits for
+    this process's other groups to close. So it is kept alive for good: one
+    reference more than anything holds, which nothing releases."""
+    _ABANDONED.append(group)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 # Ranks tuple -> its checker, created at fully_shard (see ``checker_for``).
 _CHECKERS: dict[tuple[int, ...], Checker] = {}
 

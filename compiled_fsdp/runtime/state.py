@@ -65,7 +65,11 @@ from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, cast_floating
 
 __all__ = ["FSDPState", "Path", "get_fsdp_state", "iter_fsdp_states", "module_fqns"]
 
-_MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, FSDPState]" = weakref.WeakKeyDictionary()
+# Module -> its state, both weakly: the module keeps its state alive through its
+# hooks (bound methods of the state), so a model nobody references is freed
+# with its groups (a strong value would keep every sharded model, and its
+# process groups, alive to the end of the process).
+_MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[FSDPState]]" = weakref.WeakKeyDictionary()
 
 
 class Path(enum.Enum):
@@ -90,14 +94,15 @@ def module_fqns(root: nn.Module) -> dict[nn.Module, str]:
 
 def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
     """The state of ``module`` if ``fully_shard`` was applied to it, else None."""
-    return _MODULE_STATE.get(module)
+    ref = _MODULE_STATE.get(module)
+    return None if ref is None else ref()
 
 
 def iter_fsdp_states(module: nn.Module) -> list["FSDPState"]:
     """States of ``module``'s subtree (itself included) in ``module.modules()`` order."""
     out = []
     for m in module.modules():
-        st = _MODULE_STATE.get(m)
+        st = get_fsdp_state(m)
         if st is not None:
             out.append(st)
     return out
@@ -225,7 +230,7 @@ class FSDPState:
         # How the last forward ran (see compiled_fsdp.explain) and in which step.
         self.path: Optional[Path] = None
         self.path_step = -1
-        _MODULE_STATE[module] = self
+        _MODULE_STATE[module] = weakref.ref(self)
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         module.register_forward_hook(_annotate_failed_forward, always_call=True)
