@@ -45,7 +45,8 @@ def compute_constants() -> dict:
 
 
 def _comm_rank(rank: int, world: int) -> dict:
-    from compiled_fsdp._collectives import reduce_scatter_flat
+    from compiled_fsdp.config import comm
+    from compiled_fsdp.core.comm import reduce_scatter_flat, uses_all_to_all
 
     fc = torch.ops._c10d_functional
     pg = torch.distributed.group.WORLD
@@ -59,7 +60,7 @@ def _comm_rank(rank: int, world: int) -> dict:
             fc.wait_tensor(fc.all_gather_into_tensor(shard, world, group))
 
         def reduce() -> None:
-            reduce_scatter_flat(full, pg).wait()
+            reduce_scatter_flat(full, pg, uses_all_to_all(pg, comm.gloo_reduce_by_all_to_all)).wait()
 
         def rs() -> None:
             fc.wait_tensor(fc.reduce_scatter_tensor(full, "sum", world, group))

@@ -4,7 +4,7 @@
 
 One benchmark block's all-gather output ``[N * T]`` is split into its
 parameters as the lowering does (see [Note: Bucket layout] in
-passes/lowering.py): a strided ``[N, n_i]`` column slice per parameter, made
+compiled_fsdp/core/layout.py): a strided ``[N, n_i]`` column slice per parameter, made
 contiguous. Timed three ways: eager ``clone``, the same function compiled by
 Inductor (the code the compiled step runs), and ``torch.split_with_sizes_copy``
 (the memcpy-speed kernel FSDP2 uses). Prints milliseconds per bucket. The
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from compiled_fsdp._layout import ShardSpec  # noqa: E402
+from compiled_fsdp.core.layout import ShardSpec  # noqa: E402
 from examples.gpt import bench  # noqa: E402
 
 

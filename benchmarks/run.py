@@ -41,7 +41,7 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   comm_only              the step's collectives alone (same buckets and count)
   overlap_limit          compute_compiled with comm_only on a second thread at
                          the same time: the best any overlap can do here
-                         (see [Note: The overlap limit] in workloads.py)
+                         (see [Note: The overlap limit] in benchmarks/workloads.py)
 
 [Note: Benchmark rounds]
 On this 2-core VM a configuration's step time drifts by 10-20% over minutes
@@ -181,7 +181,7 @@ def _ratios(c: dict[str, float]) -> dict[str, float]:
     if {"compute_compiled", "comm_only"} <= c.keys():
         both = c["compute_compiled"] + c["comm_only"]
         for who in ("ours_compiled", "overlap_limit"):
-            if who in c:  # see [Note: The overlap limit] in workloads.py
+            if who in c:  # see [Note: The overlap limit] in benchmarks/workloads.py
                 out[f"fraction of comm_only hidden ({who})"] = (both - c[who]) / c["comm_only"]
     return out
 

@@ -153,7 +153,7 @@ def _train_step(kind: str, rank: int, n_layers: int = 8) -> Callable[[], float]:
 
 
 def _schedule_summary() -> list[dict]:
-    from compiled_fsdp._compile import last_schedule_reports
+    from compiled_fsdp.compile.install import last_schedule_reports
 
     return [
         {"graph": r.graph, "changed": r.changed, "moves": len(r.moves),
@@ -237,7 +237,8 @@ def _comm_step(world: int) -> tuple[Callable[[], None], int, int]:
     is kept), one gradient reduce per bucket, as the project runs it
     (on gloo an all-to-all plus a sum, see [Note: Reduce-scatter on gloo]);
     each waited at once. Returns (step function, collective count, unsharded bytes)."""
-    from compiled_fsdp._collectives import reduce_scatter_flat
+    from compiled_fsdp.config import comm
+    from compiled_fsdp.core.comm import reduce_scatter_flat, uses_all_to_all
 
     fc = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
@@ -253,7 +254,8 @@ def _comm_step(world: int) -> tuple[Callable[[], None], int, int]:
             if kind == "ag":
                 fc.wait_tensor(fc.all_gather_into_tensor(shards[n], world, group))
             else:
-                reduce_scatter_flat(fulls[n], dist.group.WORLD).wait()
+                reduce_scatter_flat(fulls[n], dist.group.WORLD,
+                                    uses_all_to_all(dist.group.WORLD, comm.gloo_reduce_by_all_to_all)).wait()
 
     return step, len(plan), sum(n * world * 4 for _, n in plan)
 
@@ -317,7 +319,7 @@ def overlap_limit_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
 
 def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int) -> dict:
     """Several configurations in one process pair, alternating step by step.
-    See [Note: Paired steps] in run.py."""
+    See [Note: Paired steps] in benchmarks/run.py."""
     fns: dict[str, Callable[[], float]] = {}
     for kind in kinds:
         with _knobs(kind):  # compiles now, under this kind's knobs

@@ -127,7 +127,7 @@ def main() -> None:
         raise SystemExit("the reloaded checkpoint differs from the saved parameters")
     dist.destroy_process_group()
     # Free the model's process groups now, not at interpreter exit (see
-    # [Note: Process groups at exit] in compiled_fsdp/_launch.py).
+    # [Note: Process groups at exit] in compiled_fsdp/tools/launch.py).
     del model, step_fn, opt, model_sd, optim_sd, state
     gc.collect()
 

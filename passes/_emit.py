@@ -1,6 +1,6 @@
 """The collectives the lowering emits, one definition each: a bucket's
 all-gather and its gradient reduce, built from the layout functions of
-compiled_fsdp/_layout.py ([Note: Bucket layout]). The bucket lowering
+compiled_fsdp/core/layout.py ([Note: Bucket layout]). The bucket lowering
 (lowering.py) and the handoff between blocks' graphs (handoff.py) both use
 them."""
 
@@ -11,8 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from compiled_fsdp._layout import ShardSpec, pack_shards, sum_received
-from compiled_fsdp._reduce import reduce_by_all_to_all
+from compiled_fsdp.core.layout import ShardSpec, pack_shards, sum_received
 
 from ._graph import NodeBuilder
 
@@ -28,11 +27,12 @@ def emit_gather(
     return b(c10d.all_gather_into_tensor.default, packed, world_size, group_name)
 
 
-def emit_reduce(b: NodeBuilder, flat: fx.Node, world_size: int, group_name: str) -> fx.Node:
+def emit_reduce(b: NodeBuilder, flat: fx.Node, world_size: int, group_name: str, by_all_to_all: bool) -> fx.Node:
     """The summed ``[T]`` of a packed ``[N * T]`` gradient bucket, waited: a
-    ``reduce_scatter_tensor``, or on gloo an all-to-all and a local sum (see
-    [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py)."""
-    if reduce_by_all_to_all(group_name):
+    ``reduce_scatter_tensor``, or (``by_all_to_all``, as the markers say) an
+    all-to-all and a local sum (see [Note: Reduce-scatter on gloo] in
+    compiled_fsdp/core/comm.py)."""
+    if by_all_to_all:
         total = b.value(flat).numel() // world_size
         splits = [total] * world_size
         a2a = b(c10d.all_to_all_single.default, flat, splits, splits, group_name)

@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map
 
-from .._layout import ShardSpec
+from compiled_fsdp.core.marker import MARKERS, GatherNext, Marker, ReduceGrad, ReduceNext, Unshard
 
 aten = torch.ops.aten
 
-UNSHARD_OP_NAME = "compiled_fsdp::unshard"
-REDUCE_GRAD_OP_NAME = "compiled_fsdp::reduce_grad"
+UNSHARD_OP_NAME = Unshard.qualname()
+REDUCE_GRAD_OP_NAME = ReduceGrad.qualname()
 # A block's graph hands the next block's gather over (see [Note: Gathers handed
-# to the next block's graph] in compiled_fsdp/_param_group.py).
-GATHER_NEXT_OP_NAME = "compiled_fsdp::gather_next"
-REDUCE_NEXT_OP_NAME = "compiled_fsdp::reduce_next"
+# to the next block's graph] in compiled_fsdp/compile/entry.py).
+GATHER_NEXT_OP_NAME = GatherNext.qualname()
+REDUCE_NEXT_OP_NAME = ReduceNext.qualname()
 
 # Key under which passes record their own bookkeeping in node.meta.
 META_KEY = "compiled_fsdp"
@@ -67,111 +67,39 @@ def has_markers(graph: fx.Graph) -> bool:
     return any(_op_name(n) in _MARKER_OPS for n in graph.nodes)
 
 
-@dataclasses.dataclass(frozen=True)
-class MarkerArgs:
-    """The static arguments of one marker node (shared by both ops)."""
-
-    full_shape: tuple[int, ...]
-    group_name: str
-    world_size: int
-    module_key: int
-    param_index: int
-    # The user's policy (None for reduce_grad); ``reshards`` is the eager
-    # runtime's, which the passes apply per unit (see units.py).
-    reshard_after_forward: bool | None
-    # unshard only: the group its gradient is reduced on (None: ``group_name``).
-    reduce_group_name: str | None = None
-    # How many rows of the parameter this rank holds (the shard's dim 0).
-    local_rows: int = 0
-    # Mixed precision (see [Note: Mixed precision] in compiled_fsdp/_policy.py):
-    # unshard: the gathered dtype; both: the reduce dtype; reduce_grad: the
-    # dtype of the reduced shard gradient.
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    grad_dtype: torch.dtype | None = None
-    # False: the gradient is kept, not reduced (see [Note: Accumulation without
-    # sync in graphs] in compiled_fsdp/_ops.py).
-    sync: bool = True
-    # unshard only: no fully sharded module contains the parameter's (the root's
-    # parameters); the passes split such an application into units (units.py).
-    outermost: bool = False
-    # Read from a handed-over gather (see [Note: Gathers handed to the next
-    # block's graph]): the parameter's columns in its module's bucket, and
-    # the bucket's width per rank (0: not handed over).
-    bucket_offset: int = 0
-    bucket_numel: int = 0
-
-    @property
-    def reshards(self) -> bool:
-        """Whether the whole application reshards after forward (the eager
-        runtime's rule: the outermost one does not)."""
-        return bool(self.reshard_after_forward) and not self.outermost
-
-    @property
-    def spec(self) -> ShardSpec:
-        """The parameter's layout; see [Note: Shard layout] in compiled_fsdp/_layout.py."""
-        return ShardSpec(self.full_shape, self.world_size)
-
-    def bucket_signature(self) -> tuple[str, int]:
-        return (self.group_name, self.world_size)
-
-
-def bind_args(node: fx.Node) -> dict[str, Any]:
-    """The marker's arguments by name (defaults filled in), from its op's schema
-    (compiled_fsdp/_ops.py)."""
-    schema = node.target._schema.arguments
-    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
-    bound.update(zip((a.name for a in schema), node.args))
-    bound.update(node.kwargs)
-    return bound
+# The static arguments of a marker node, parsed (see [Note: The marker
+# contract] in compiled_fsdp/core/marker.py).
+MarkerArgs = Union[Unshard, ReduceGrad]
 
 
 def marker_kept(node: fx.Node) -> fx.Node | None:
     """The marker's ``kept`` input: the gradient sink (``sync=False``) or the
     gradient kept from earlier micro-batches; see [Note: Accumulation without
-    sync in graphs] in compiled_fsdp/_ops.py."""
-    kept = bind_args(node).get("kept")
+    sync in graphs] in compiled_fsdp/core/ops.py."""
+    kept = _marker_type(node).bind(node.args, dict(node.kwargs)).kept
     return kept if isinstance(kept, fx.Node) else None
 
 
 def marker_gathered(node: fx.Node) -> fx.Node | None:
     """An ``unshard`` marker's handed-over gather (a graph input), or None."""
-    gathered = bind_args(node).get("gathered")
+    gathered = Unshard.bind(node.args, dict(node.kwargs)).gathered
     return gathered if isinstance(gathered, fx.Node) else None
 
 
+def _marker_type(node: fx.Node) -> type[Marker]:
+    name = _op_name(node)
+    return next(m for m in MARKERS if m.qualname() == name)
+
+
 def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
-    """Returns (tensor input node, static args). Raises ValueError when an
-    argument is symbolic (the passes only bucket static shapes)."""
-    bound = bind_args(node)
-    shape = bound["full_shape"]
-    if not all(isinstance(s, int) for s in shape):
-        raise ValueError(f"symbolic full_shape {shape!r}")
-    for key in ("world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel"):
-        if not isinstance(bound[key], int):
-            raise ValueError(f"symbolic {key} {bound[key]!r}")
-    inp = bound[node.target._schema.arguments[0].name]
+    """Returns (tensor input node, static args) of an ``unshard`` or
+    ``reduce_grad`` node. Raises ValueError when an argument is symbolic (the
+    passes only bucket static shapes)."""
+    args = _marker_type(node).parse(node)
+    inp = args.shard if isinstance(args, Unshard) else args.grad
     if not isinstance(inp, fx.Node):
         raise ValueError("marker input is not a graph node")
-    return inp, MarkerArgs(
-        full_shape=tuple(shape),
-        group_name=str(bound["group_name"]),
-        world_size=int(bound["world_size"]),
-        module_key=int(bound["module_key"]),
-        param_index=int(bound["param_index"]),
-        reshard_after_forward=(
-            bool(bound["reshard_after_forward"]) if "reshard_after_forward" in bound else None
-        ),
-        reduce_group_name=bound.get("reduce_group_name"),
-        local_rows=int(bound["local_rows"]),
-        param_dtype=bound.get("param_dtype"),
-        reduce_dtype=bound.get("reduce_dtype"),
-        grad_dtype=bound.get("grad_dtype"),
-        sync=bool(bound["sync"]),
-        outermost=bool(bound.get("outermost", False)),
-        bucket_offset=int(bound["bucket_offset"]),
-        bucket_numel=int(bound["bucket_numel"]),
-    )
+    return inp, args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +195,7 @@ class NodeBuilder:
     @staticmethod
     def value(node: Any) -> Any:
         """The fake value a node stands for (so layout functions in
-        compiled_fsdp/_layout.py can build nodes; see [Note: Bucket layout])."""
+        compiled_fsdp/core/layout.py can build nodes; see [Note: Bucket layout])."""
         return node.meta["val"] if isinstance(node, fx.Node) else node
 
 
@@ -392,11 +320,3 @@ def erase_nodes(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
     order = node_order(graph)
     for n in sorted(nodes, key=lambda x: order[x], reverse=True):
         graph.erase_node(n)
-
-
-def users_in_order(node: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
-    return sorted(node.users, key=lambda u: order[u])
-
-
-def sorted_keys(d: dict[Any, Any]) -> Sequence[Any]:
-    return sorted(d.keys())

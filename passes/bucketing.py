@@ -68,6 +68,7 @@ def _compatible(a, b) -> bool:  # noqa: ANN001
     return (
         a.group_name == b.group_name
         and a.world_size == b.world_size
+        and a.by_all_to_all == b.by_all_to_all
         and a.reshard_after_forward == b.reshard_after_forward
         and a.comm_dtype == b.comm_dtype
     )

@@ -2,7 +2,7 @@
 
 Set them before the first compile: ``compiled_fsdp.passes.config.overlap.schedule
 = False``. Their values are part of Inductor's cache key (see
-``compiled_fsdp._compile._SchedulePass``), so changing them recompiles.
+``_SchedulePass`` in compiled_fsdp/compile/install.py), so changing them recompiles.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ c10d = torch.ops._c10d_functional
 AG = c10d.all_gather_into_tensor.default
 RS = c10d.reduce_scatter_tensor.default
 # On gloo a gradient bucket is reduced by an all-to-all plus a local sum (see
-# [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py); it plays the reduce-scatter's part.
+# [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py); it plays the reduce-scatter's part.
 A2A = c10d.all_to_all_single.default
 ISSUES = (AG, RS, A2A)  # the collectives the passes issue (each has one wait)
 WAIT = c10d.wait_tensor.default
@@ -54,19 +54,15 @@ class CommConstants:
 
 
 # [Note: Calibrated constants]
-# CPU / gloo: measured 2026-11-22 with benchmarks/calibrate.py on the project's
-# 2-core CPU machine (torch 2.13.0 CPU build), 1 thread per process, 2 gloo
-# ranks on loopback. See DESIGN.md "Overlap" for the raw numbers.
+# CPU / gloo: measured with benchmarks/calibrate.py on the project's 2-core
+# CPU machine, 1 thread per process, 2 gloo ranks on loopback (the raw figures
+# and their date: benchmarks/RESULTS.md). The gradient reduce is priced as it
+# runs on gloo (all-to-all + sum, see [Note: Reduce-scatter on gloo] in
+# compiled_fsdp/core/comm.py). Links are the 2-rank figure / 2.
 # CUDA / NCCL: not measured here (no GPU); vendor figures for one H100 SXM
 # node (bf16 dense ~60% of 989 TFLOP/s, HBM3 3.35 TB/s at ~70%, NVLink 4
 # ~370 GB/s bus bandwidth, ~10 us NCCL latency per step). Re-run the
 # calibration on the target before trusting them.
-# Measured: matmul 69-118 GFLOP/s, elementwise 10.4-11.8 GB/s; 2-rank fit
-# (relative error) all_gather alpha 338-363 us, 0.81-0.84 GB/s of unsharded
-# buffer; the gradient reduce as it runs on gloo (all-to-all + sum, see
-# [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py) alpha 273 us, 1.21 GB/s
-# (gloo's own reduce_scatter_tensor: 468-484 us, 0.58-0.74 GB/s); link =
-# 2-rank figure / 2.
 CPU_COMPUTE = ComputeConstants(flops_per_s=8.0e10, bytes_per_s=1.05e10)
 GLOO_COMM = {
     "all_gather": CommConstants(alpha_s=3.4e-4, link_bytes_per_s=4.2e8),
@@ -146,7 +142,7 @@ class CostModel:
         if target is torch.ops.aten.constant_pad_nd.default:
             # From the output alone: a shard's pad reads fewer rows on some ranks,
             # and every rank must estimate the same ([Note: Rank-independent graphs]
-            # in compiled_fsdp/_layout.py).
+            # in compiled_fsdp/core/layout.py).
             return 2 * node_bytes(node) / self.compute.bytes_per_s
         moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)
         return moved / self.compute.bytes_per_s

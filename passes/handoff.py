@@ -1,6 +1,6 @@
 """Lowering of the gathers handed from one block's graph to the next (see
 [Note: Gathers handed to the next block's graph] in
-compiled_fsdp/_param_group.py).
+compiled_fsdp/compile/entry.py).
 
 A block compiled on its own has up to four kinds of handoff nodes in its joint
 graph, each lowered with the layout functions the eager runtime uses ([Note:
@@ -35,10 +35,10 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from compiled_fsdp._layout import (
+from compiled_fsdp.core.layout import (
     ShardSpec, cast, pack_grads, reduce_input, split_reduced, split_specs, unpack_gathered,
 )
-from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
+from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, ReduceNext, Unshard
 
 from ._emit import emit_gather, emit_reduce
 from .units import Unit
@@ -47,7 +47,6 @@ from ._graph import (
     MarkerArgs,
     NodeBuilder,
     accumulation_root,
-    bind_args,
     chain_meta,
     erase_nodes,
     is_gather_next,
@@ -96,7 +95,8 @@ def is_handoff_marker(node: fx.Node) -> bool:
     gather (the bucket lowering leaves those to this pass)."""
     if not (is_unshard(node) or is_reduce_grad(node)):
         return False
-    return bool(bind_args(node).get("bucket_numel"))
+    marker = Unshard if is_unshard(node) else ReduceGrad
+    return bool(marker.bind(node.args, dict(node.kwargs)).bucket_numel)
 
 
 def plan_handoff(graph: fx.Graph) -> HandoffPlan:
@@ -153,32 +153,29 @@ def _meta(src: fx.Node, role: str, module_key: int, reshard: bool | None) -> dic
 
 
 def _apply_issue(graph: fx.Graph, n: fx.Node) -> None:
-    a = bind_args(n)
-    shards = list(a["shards"])
-    specs = split_specs(a["full_shapes"], [s.meta["val"].dim() for s in shards], int(a["world_size"]))
+    a = GatherNext.parse(n)
+    shards = list(a.shards)
+    specs = split_specs(a.full_shapes, [s.meta["val"].dim() for s in shards], a.world_size)
     b = NodeBuilder(graph, _meta(n, "handoff_issue", NEXT_KEY, None))
     with graph.inserting_before(n):
-        gathered = emit_gather(b, shards, specs, [a["param_dtype"]] * len(specs), int(a["world_size"]),
-                               str(a["group_name"]))
+        gathered = emit_gather(b, shards, specs, [a.param_dtype] * len(specs), a.world_size, a.group_name)
     n.replace_all_uses_with(gathered)
     graph.erase_node(n)
 
 
 def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
-    a = bind_args(n)
-    specs = split_specs(a["full_shapes"], a["ndims"], int(a["world_size"]))
-    world, group = int(a["world_size"]), str(a["group_name"])
-    b = NodeBuilder(graph, _meta(n, "reduce_chain" if a["sync"] else "keep_chain", NEXT_KEY, None))
+    a = ReduceNext.parse(n)
+    specs = split_specs(a.full_shapes, a.ndims, a.world_size)
+    b = NodeBuilder(graph, _meta(n, "reduce_chain" if a.sync else "keep_chain", NEXT_KEY, None))
     with graph.inserting_before(n):
-        if not a["sync"]:  # the full gradients, for the sinks
-            results = unpack_gathered(b, cast(b, a["grad"], a["reduce_dtype"]), specs)
+        if not a.sync:  # the full gradients, for the sinks
+            results = unpack_gathered(b, cast(b, a.grad, a.reduce_dtype), specs)
         else:
-            kept = list(a["kept"])
+            kept = list(a.kept)
             kept_flat = pack_grads(b, kept, specs) if any(k is not None for k in kept) else None
-            flat = reduce_input(b, a["grad"], kept_flat, a["reduce_dtype"])
-            summed = emit_reduce(b, flat, world, group)
-            results = split_reduced(b, summed, specs, list(a["local_rows"]),
-                                    [a["grad_dtype"]] * len(specs))
+            flat = reduce_input(b, a.grad, kept_flat, a.reduce_dtype)
+            summed = emit_reduce(b, flat, a.world_size, a.group_name, a.reduce_by_all_to_all)
+            results = split_reduced(b, summed, specs, list(a.local_rows), [a.grad_dtype] * len(specs))
     for u in list(n.users):
         assert u.target is operator.getitem, u
         u.replace_all_uses_with(results[u.args[1]])

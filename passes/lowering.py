@@ -4,12 +4,12 @@ Each application's parameters are cut into units first ([Note: Units] in
 units.py); a unit is one gather bucket and one reduce bucket, before the
 bucketing merges small ones across applications ([Note: Bucket threshold]).
 
-The bucket layout is [Note: Bucket layout] in compiled_fsdp/_layout.py: the
+The bucket layout is [Note: Bucket layout] in compiled_fsdp/core/layout.py: the
 lowering calls the same layout functions as the eager runtime, with its
 ``NodeBuilder`` as the emitter, so the compiled step's results are bitwise the
 eager runtime's. The gradient bucket is summed by ``reduce_scatter_tensor`` (on
 gloo by an all-to-all and a local sum, see [Note: Reduce-scatter on gloo] in
-compiled_fsdp/_reduce.py).
+compiled_fsdp/core/comm.py).
 
 [Note: Duplicate markers]
 Dynamo emits one ``unshard`` per parameter *read*, so one param can have
@@ -36,7 +36,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from compiled_fsdp._layout import pack_grads, reduce_input, split_reduced, unpack_gathered
+from compiled_fsdp.core.layout import pack_grads, reduce_input, split_reduced, unpack_gathered
 
 from ._emit import emit_gather, emit_reduce
 from .bucketing import merge_small_buckets
@@ -79,13 +79,16 @@ class Slot:
 @dataclasses.dataclass
 class BucketPlan:
     # "gather" | "reduce" | "keep" (a gradient kept without sync: no collective;
-    # see [Note: Accumulation without sync in graphs] in compiled_fsdp/_ops.py)
+    # see [Note: Accumulation without sync in graphs] in compiled_fsdp/core/ops.py)
     kind: str
     module_key: int
     group_name: str
     world_size: int
     reshard_after_forward: bool | None
     slots: list[Slot]  # sorted by (module order in the bucket, param_index)
+    # reduce buckets: an all-to-all and a local sum (the markers say; see
+    # [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)
+    by_all_to_all: bool = False
     unit: int = 0  # module_key's unit (see units.py)
     # Every (module_key, unit) in the bucket; more than one after bucketing
     # merged small ones.
@@ -116,7 +119,7 @@ class BucketPlan:
 
 def _comm_dtype(kind: str, slot: Slot) -> torch.dtype:
     """The gathered (compute) dtype, or the reduce dtype, of one slot; see
-    [Note: Mixed precision] in compiled_fsdp/_policy.py."""
+    [Note: Mixed precision] in compiled_fsdp/runtime/policy.py."""
     wanted = slot.args.param_dtype if kind == "gather" else slot.args.reduce_dtype
     return wanted or slot.inputs[0].meta["val"].dtype
 
@@ -192,7 +195,7 @@ def _group_markers(
             _, a = parse_marker(n)
         except ValueError as e:
             if kind != "keep":  # (reported once, under its reduce)
-                key = n.args[4] if len(n.args) > 4 and isinstance(n.args[4], int) else -1
+                key = _marker_key(n)
                 skipped.append((kind, key, str(e)))
                 by_module.pop(key, None)
             continue
@@ -201,6 +204,14 @@ def _group_markers(
         by_module[a.module_key].append(n)
     bad = {k for (_, k, _) in skipped}
     return {k: v for k, v in by_module.items() if k not in bad}, skipped
+
+
+def _marker_key(n: fx.Node) -> int:
+    """The module key of a marker whose arguments do not parse (-1: unknown)."""
+    names = [a.name for a in n.target._schema.arguments]
+    bound = {**dict(zip(names, n.args)), **n.kwargs}
+    key = bound.get("module_key")
+    return key if isinstance(key, int) else -1
 
 
 def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPlan:
@@ -216,7 +227,7 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         if slot is None:
             slots[a.param_index] = Slot(args=a, markers=[m], inputs=[inp], kept=marker_kept(m))
             continue
-        if a != slot.args:
+        if a.static_values() != slot.args.static_values():
             raise _Skip(f"param {a.param_index}: markers disagree on arguments")
         if kind == "gather" and through_identity_views(inp) is not through_identity_views(slot.inputs[0]):
             raise _Skip(f"param {a.param_index}: markers read different shard nodes")
@@ -242,6 +253,7 @@ def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPl
         world_size=first.world_size,
         reshard_after_forward=None,  # gathers: set per unit by _by_unit
         slots=ordered,
+        by_all_to_all=first.reduce_by_all_to_all,
         units=[(module_key, 0)],
     )
 
@@ -373,7 +385,8 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         grads = [reduce_input(b, _summed(b, s), s.kept, s.args.reduce_dtype) for s in plan.slots]
         if plan.kind == "keep":  # the full gradients, for the sinks
             return _replace_roots(graph, plan, grads)
-        summed = emit_reduce(b, pack_grads(b, grads, specs), plan.world_size, plan.group_name)
+        summed = emit_reduce(b, pack_grads(b, grads, specs), plan.world_size, plan.group_name,
+                             plan.by_all_to_all)
         results = split_reduced(b, summed, specs, [s.args.local_rows for s in plan.slots],
                                 [s.args.grad_dtype for s in plan.slots])
     _replace_roots(graph, plan, results)

@@ -7,7 +7,7 @@ memory budget.
 Scheduling must see the partitioned graphs: the partitioner re-places nodes
 (recomputed gathers go right before their first backward use), so an order set
 in the joint graph does not survive. Under Inductor the pass runs as (part of)
-``torch._inductor.config.post_grad_custom_post_pass`` (see ``_compile.py``).
+``torch._inductor.config.post_grad_custom_post_pass`` (see compiled_fsdp/compile/install.py).
 torch 2.13 has no post-partition hook that runs under ``aot_eager``: AOTAutograd
 calls ``joint_custom_pass`` before ``partition_fn`` and hands the two graphs
 straight to the backend's ``fw_compiler``/``bw_compiler`` (``boxed_nop`` for
@@ -28,7 +28,7 @@ the owned collectives of each process group in their original order -- one
 queue per group, so the per-group order is unchanged by construction, while
 collectives of two groups may pass each other (a backward all-gather passes the
 previous module's reduce-scatter: see [Note: A second group for reduce-scatters]
-in compiled_fsdp/_api.py) -- each as soon as:
+in compiled_fsdp/runtime/api.py) -- each as soon as:
   * their inputs exist (a reduce-scatter right after its last gradient);
   * no collective the passes do not own lies before them in the original order
     and is still unemitted (a foreign collective is a barrier: everything issued
@@ -40,7 +40,7 @@ in compiled_fsdp/_api.py) -- each as soon as:
 A collective needed right away is issued regardless (that is the original
 placement). A *handoff* (the next block's gather, which the next block's graph
 waits on: [Note: Gathers handed to the next block's graph] in
-compiled_fsdp/_param_group.py) has no wait here: it is issued as soon as its
+compiled_fsdp/compile/entry.py) has no wait here: it is issued as soon as its
 inputs exist and its group's order allows, whatever is in flight, and is not
 counted in flight nor waited at a barrier (the graph returns it, so it is
 alive to the end either way; tests/test_handoff_fx.py). Finally the estimated peak
@@ -55,7 +55,7 @@ Once a collective is waited, its whole tail runs at once: the tail only
 re-lays out or shrinks what the collective returned (slices and the copy-out
 of a gather; on gloo the sum over ranks that turns the all-to-all's ``[N, T]``
 receive buffer into the ``[T]`` gradient shard, see [Note: Reduce-scatter on
-gloo] in compiled_fsdp/_reduce.py), so running it frees the collective's buffers. Left
+gloo] in compiled_fsdp/core/comm.py), so running it frees the collective's buffers. Left
 lazy, the reduce's tail ran where the gradients are used -- the graph's end --
 and every module's full receive buffer stayed alive until then. Measured on
 the benchmark GPT (2 ranks): the backward schedule then raised the estimated

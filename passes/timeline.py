@@ -12,18 +12,29 @@ most recently waited on (graph order), which is exact for the blocks of a
 forward graph and approximate for backward prologues/epilogues ("-1": before
 any gather). ``ModuleSpan`` is per (module_key, unit).
 
-This is the form the debug dump turns into a Chrome trace: every time is in
-seconds from the graph's start, ``dataclasses.asdict`` gives plain dicts.
+The one model of a graph's run, for the scheduling pass's reports (a
+partitioned graph, the collectives the passes own) and for the debug dump's
+predicted timeline (``simulate(..., joint=True, foreign=True)``: a joint
+graph, whose backward is what depends on a tangent input; every collective,
+a foreign one or a leftover marker priced like an all-gather or a
+reduce-scatter of its bytes; a gather chain tagged ``MUST_RECOMPUTE``
+issued again right before the first backward node that reads it, as the
+partitioner places the re-gather). ``steps`` lists every costed node on its
+track (compute, communication, exposed waits) for the dump's Chrome trace
+(tools/debug_timeline.py only formats it); every time is in seconds from
+the graph's start, ``dataclasses.asdict`` gives plain dicts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
-from ._graph import chain_tag
-from .cost_model import AG, ISSUES, WAIT, CostModel, node_bytes
+from ._graph import chain_tag, is_reduce_grad, is_unshard, tangent_dependents
+from .cost_model import A2A, AG, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
 
 
 @dataclasses.dataclass
@@ -55,6 +66,20 @@ class ModuleSpan:
 
 
 @dataclasses.dataclass
+class Step:
+    """One costed node on one track: ``compute`` (an op, or ``wait`` for the
+    time compute is blocked: exposed communication) or ``communication``."""
+
+    node: str  # the node's name in its graph
+    track: str  # "compute" | "communication"
+    kind: str  # "compute" | "wait" | "all_gather" | "reduce_scatter" | a foreign collective's op
+    start_s: float
+    dur_s: float
+    regather: bool = False  # a gather chain issued again in backward (reshard after forward)
+    bytes: int = 0  # a collective's unsharded bytes
+
+
+@dataclasses.dataclass
 class Timeline:
     makespan_s: float = 0.0
     compute_s: float = 0.0
@@ -62,45 +87,144 @@ class Timeline:
     exposed_s: float = 0.0
     comms: list[CommEvent] = dataclasses.field(default_factory=list)
     modules: list[ModuleSpan] = dataclasses.field(default_factory=list)
+    steps: list[Step] = dataclasses.field(default_factory=list)
+    # (name, start, end) of "forward" and "backward" in a joint graph
+    phases: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def simulate(order: list[fx.Node], cost: CostModel) -> Timeline:
-    """Predicts the timeline of running ``order`` (see [Note: Timeline model])."""
+def is_collective(node: fx.Node) -> bool:
+    """A collective that moves data (not its wait): ours, a foreign one, or a leftover marker."""
+    if node.op != "call_function":
+        return False
+    if is_unshard(node) or is_reduce_grad(node):
+        return True
+    ns = getattr(node.target, "namespace", None)
+    return ns == "_c10d_functional" and "wait_tensor" not in str(node.target)
+
+
+def is_reduce(node: fx.Node) -> bool:
+    """A reduce-scatter, a reduce marker, or our all-to-all reduce (gloo; see
+    [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)."""
+    return ("reduce_scatter" in str(node.target) or is_reduce_grad(node)
+            or (node.target is A2A and chain_tag(node) is not None))
+
+
+def collective_kind(node: fx.Node) -> str:
+    """"all_gather", "reduce_scatter" (markers and our gloo all-to-all
+    included) or, for a collective we do not know, the op's name."""
+    if "all_gather" in str(node.target) or is_unshard(node):
+        return "all_gather"
+    return "reduce_scatter" if is_reduce(node) else str(node.target)
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Bytes of the full (unsharded) side: a gather's output, a reduce-scatter's input."""
+    if is_reduce(node):
+        src = node.args[0]
+        return tensor_bytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
+    return tensor_bytes(node.meta.get("val"))
+
+
+def _world_size(node: fx.Node) -> int:
+    for a in node.args[1:]:
+        if isinstance(a, int) and not isinstance(a, bool) and a > 1:
+            return a
+    return 2
+
+
+def _comm_s(node: fx.Node, cost: CostModel) -> float:
+    """A lowered bucket costs what the cost model estimates for it; a leftover
+    marker (one parameter) or a collective we do not own is priced like an
+    all-gather or reduce-scatter of its bytes."""
+    seconds = cost.collective_time(node)
+    if not seconds:
+        kind = "reduce_scatter" if is_reduce(node) else "all_gather"
+        seconds = cost.comm_time(kind, collective_bytes(node), _world_size(node))
+    return seconds
+
+
+def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, foreign: bool = False) -> Timeline:
+    """Predicts the timeline of running ``order`` (see [Note: Timeline model]).
+    ``foreign``: every collective is communication (else only the passes'
+    own, the rest cost as compute); ``joint``: ``order`` is a joint graph's
+    nodes, with forward and backward phases and the re-gathers, and the
+    timeline lists its ``steps`` (the dump's trace)."""
     tl = Timeline()
     t, queue_end = 0.0, 0.0
     events: dict[fx.Node, CommEvent] = {}
+    unowned: set[fx.Node] = set()  # collectives the passes do not own (``foreign`` only)
     spans: dict[tuple[int, int], ModuleSpan] = {}
     current = (-1, 0)
-    for n in order:
+    backward = tangent_dependents(order[0].graph) if joint and order else set()
+    regathered: set = set()
+    phase_start, phase = 0.0, "forward"
+
+    earlier: list[CommEvent] = []  # a chain's forward gather, when it is issued again
+
+    def issue(n: fx.Node, regather: bool = False) -> None:
+        nonlocal queue_end
+        if n in events:
+            earlier.append(events.pop(n))
         info = chain_tag(n)
+        dur = cost.collective_time(n) if not foreign else _comm_s(n, cost)
+        start = max(t, queue_end)
+        queue_end = start + dur
+        kind = collective_kind(n)
         if n.target in ISSUES and info is not None:
-            dur = cost.collective_time(n)
-            start = max(t, queue_end)
-            queue_end = start + dur
             buf = n if n.target is AG else n.args[0]
-            assert isinstance(buf, fx.Node)
             events[n] = CommEvent(
                 kind="all_gather" if n.target is AG else "reduce_scatter",
                 module_key=info.module_key, unit=info.unit, bytes=node_bytes(buf),
                 issue_s=t, start_s=start, end_s=queue_end, wait_s=-1.0, exposed_s=0.0,
             )
-            tl.comm_s += dur
+        else:
+            unowned.add(n)
+            events[n] = CommEvent(kind=kind, module_key=-1, unit=0, bytes=collective_bytes(n),
+                                  issue_s=t, start_s=start, end_s=queue_end, wait_s=-1.0, exposed_s=0.0)
+        if joint:
+            tl.steps.append(Step(n.name, "communication", kind, start, dur, regather, events[n].bytes))
+        tl.comm_s += dur
+
+    for n in order:
+        if n.op != "call_function":
+            continue
+        if joint and n in backward:
+            if phase == "forward":
+                tl.phases.append(("forward", phase_start, t))
+                phase_start, phase = t, "backward"
+            for inp in n.all_input_nodes:  # the re-gather of a resharded chain
+                tag = chain_tag(inp)
+                if (tag is not None and tag not in regathered
+                        and inp.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
+                    regathered.add(tag)
+                    c = next((c for c in order if is_collective(c) and chain_tag(c) == tag), None)
+                    if c is not None:
+                        issue(c, regather=True)
+                        t = max(t, events[c].end_s)
+        info = chain_tag(n)
+        owned = n.target in ISSUES and info is not None
+        if owned or (foreign and is_collective(n)):
+            issue(n)
             continue
         if n.target is WAIT and isinstance(n.args[0], fx.Node) and n.args[0] in events:
             ev = events[n.args[0]]
             ev.wait_s = t
             ev.exposed_s = max(0.0, ev.end_s - t)
+            if joint and ev.exposed_s > 0:
+                tl.steps.append(Step(n.name, "compute", "wait", t, ev.exposed_s))
             t += ev.exposed_s
             tl.exposed_s += ev.exposed_s
-            if ev.kind == "all_gather":
+            if ev.kind == "all_gather" and n.args[0] not in unowned:
                 current = (ev.module_key, ev.unit)
             continue
         dt = cost.compute_time(n)
         if dt <= 0.0:
             continue
+        if joint:
+            tl.steps.append(Step(n.name, "compute", "compute", t, dt))
         span = spans.get(current)
         if span is None:
             span = spans[current] = ModuleSpan(*current, t, t, 0.0, None, None, 0.0)
@@ -109,8 +233,12 @@ def simulate(order: list[fx.Node], cost: CostModel) -> Timeline:
         t += dt
         tl.compute_s += dt
     tl.makespan_s = max(t, queue_end)
-    tl.comms = list(events.values())
-    for ev in tl.comms:
+    if joint:
+        tl.phases.append((phase, phase_start, tl.makespan_s))
+    tl.comms = earlier + list(events.values())
+    for n, ev in events.items():
+        if n in unowned:
+            continue
         key = (ev.module_key, ev.unit)
         span = spans.get(key)
         if span is None:

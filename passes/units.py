@@ -32,8 +32,8 @@ single ``fully_shard(model)`` gathers and reduces layer by layer:
    are not neighbours when the user nested the blocks in between).
 5. Every unit reshards after forward as the user asked, except the root's unit
    whose last forward use comes last: backward needs it first, so re-gathering
-   it would be a wasted gather. This is the eager runtime's rule for the root
-   (``FSDPParamGroup.reshards_after_forward``), applied to the unit it is for.
+   it would be a wasted gather. This is [Note: The reshard rule]
+   (compiled_fsdp/core/rules.py), applied to the unit it is for.
    A tied embedding and head land in one unit (the embedding's), used first and
    last, so it stays gathered through forward as the root's bucket did before.
    In a graph that holds only part of the root's forward (a graph break in
@@ -60,6 +60,8 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch.fx as fx
+
+from compiled_fsdp.core import rules
 
 from .bucketing import group_small
 
@@ -202,17 +204,18 @@ def choose_units(
     last_use = [max(s.last for p in g for s in p.slots) for g in groups]
     units = []
     for i, g in enumerate(groups):
-        keep = outermost and last_use[i] == max(last_use)
+        used_last = last_use[i] == max(last_use)
+        reshards = rules.reshards_after_forward(reshard, outermost, used_last)  # [Note: The reshard rule]
         reason = "; ".join(p.reason for p in g)
         if len(g) > 1:
             reason = f"small neighbours merged (< {bucket_bytes} B): {reason}"
-        if keep and reshard and len(groups) > 1:
+        if reshard and not reshards and len(groups) > 1:
             reason += "; not resharded: used last in forward, first in backward"
         units.append(Unit(
             module_key=module_key, index=i,
             param_indices=tuple(sorted(s.param_index for p in g for s in p.slots)),
             modules=tuple(_name(p.path, p.own) for p in g), nbytes=sum(p.nbytes for p in g),
-            reshard_after_forward=reshard and not keep, reason=reason,
+            reshard_after_forward=reshards, reason=reason,
         ))
     return units
 

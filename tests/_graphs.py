@@ -62,7 +62,7 @@ def count(gm: fx.GraphModule, target: Any) -> int:
 
 def count_reduces(gm: fx.GraphModule) -> int:
     """Gradient reduces: reduce-scatters, or on gloo the all-to-alls that stand
-    in for them (see [Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py)."""
+    in for them (see [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)."""
     return count(gm, RS) + count(gm, A2A)
 
 

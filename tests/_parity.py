@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import compiled_fsdp
-from compiled_fsdp._check_worker import max_diff, shard_specs
+from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 
 
 def run_parity(

@@ -6,7 +6,7 @@ deep the model: the last block hands nothing over), and each block's graph
 issues the next block's gather and reduces the next block's gradient, so
 communication still overlaps across blocks. See [Note: Blocks compiled on their
 own] and [Note: Gathers handed to the next block's graph] in
-compiled_fsdp/_param_group.py."""
+compiled_fsdp/compile/entry.py."""
 from __future__ import annotations
 
 import pytest
@@ -51,7 +51,7 @@ def _forward_structure(gm: fx.GraphModule) -> dict:
 def _blocks_rank(rank: int, world: int, how: str, backend: str, n_blocks: int) -> dict:
     from torch._dynamo.utils import counters
 
-    from compiled_fsdp._compile import last_schedule_reports
+    from compiled_fsdp.compile.install import last_schedule_reports
 
     torch._dynamo.reset()
     counters.clear()

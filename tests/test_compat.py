@@ -185,30 +185,21 @@ def test_post_grad_passes_compose_under_inductor() -> None:
 
 
 def test_compose_with_a_user_post_grad_pass_and_back() -> None:
-    """``install()`` appends the scheduling pass after a user's post-grad pass
-    and ``uninstall()`` gives the user's back, on every release."""
-    from torch._functorch import config as functorch_config
+    """A window of the compile layer appends the scheduling pass after a
+    user's post-grad pass and gives the user's back when it closes, on every
+    release (2.11 takes one pass: they are chained there)."""
     from torch._inductor import config as inductor_config
 
-    from compiled_fsdp import _compile
+    from compiled_fsdp.compile import install
 
     log: list = []
     user = _custom_pass("user", log)
-    old_joint, old_post = functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass
-    was_installed = _compile.is_installed()
+    old_post = inductor_config.post_grad_custom_post_pass
     try:
-        if was_installed:
-            _compile.uninstall()
         inductor_config.post_grad_custom_post_pass = user
-        _compile.install()
-        passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
-        assert passes[0] is user and type(passes[1]).__name__ == "_SchedulePass" and len(passes) == 2
-        _compile.install()  # idempotent
-        assert len(compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)) == 2
-        _compile.uninstall()
+        with install.installed():
+            passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
+            assert passes[0] is user and type(passes[1]).__name__ == "_SchedulePass" and len(passes) == 2
         assert inductor_config.post_grad_custom_post_pass is user
     finally:
-        functorch_config.joint_custom_pass = old_joint
         inductor_config.post_grad_custom_post_pass = old_post
-        if was_installed:
-            _compile.install()

@@ -110,8 +110,8 @@ def _inference_rank(rank: int, world: int, backend: str, blocks: bool) -> dict:
     import copy
 
     import compiled_fsdp
-    from compiled_fsdp._check_worker import max_diff
-    from compiled_fsdp._compile import clear_reports, last_reports
+    from compiled_fsdp.tools.check_worker import max_diff
+    from compiled_fsdp.compile.install import recording
 
     # A cache hit skips the passes (see [Note: AOTAutograd cache]): no report.
     torch._functorch.config.enable_autograd_cache = False
@@ -124,16 +124,16 @@ def _inference_rank(rank: int, world: int, backend: str, blocks: bool) -> dict:
         for block in model.layers:
             block.compile(backend=backend, fullgraph=True)
     runner = model if blocks else torch.compile(model, backend=backend, fullgraph=True)
-    clear_reports()
     out = []
-    for step in range(2):
-        (tokens,) = make_batch(step)
-        compiled_fsdp.reset_collective_counts()
-        with torch.no_grad():
-            logits = runner(tokens)
-        out.append((max_diff(logits, ref(tokens)), compiled_fsdp.collective_counts()))
-    return {"steps": out, "gather_buckets": [r.lowering.count("gather") for r in last_reports()],
-            "handoffs": [sorted(r.lowering.handoffs) for r in last_reports()],
+    with recording() as rec:
+        for step in range(2):
+            (tokens,) = make_batch(step)
+            compiled_fsdp.reset_collective_counts()
+            with torch.no_grad():
+                logits = runner(tokens)
+            out.append((max_diff(logits, ref(tokens)), compiled_fsdp.collective_counts()))
+    return {"steps": out, "gather_buckets": [r.lowering.count("gather") for r in rec.joint],
+            "handoffs": [sorted(r.lowering.handoffs) for r in rec.joint],
             "params": len(list(ref.parameters()))}
 
 

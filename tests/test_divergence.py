@@ -1,6 +1,6 @@
 """Ranks that diverge get a clear error on every rank in bounded time; ranks that
 merely differ in shapes get none. See [Note: Agreeing on collectives] in
-compiled_fsdp/_divergence.py. Every case runs under the launcher's timeout, so a
+compiled_fsdp/runtime/divergence.py. Every case runs under the launcher's timeout, so a
 regression that hangs fails the test instead of CI."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
-from compiled_fsdp._check_worker import max_diff, shard_specs
+from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 from _dist import run_distributed
 from examples.gpt import GPT, GPTConfig, batch, loss_fn
 

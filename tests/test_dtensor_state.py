@@ -2,7 +2,7 @@
 
 Gradient clipping, torch.distributed.checkpoint (DCP) and the distributed
 state-dict API, each against a single-process reference or the values saved,
-on real gloo ranks. See [Note: Parameters are DTensors] in compiled_fsdp/_param.py.
+on real gloo ranks. See [Note: Parameters are DTensors] in compiled_fsdp/runtime/param.py.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from compiled_fsdp import fully_shard
-from compiled_fsdp._check_worker import local_tensor, max_diff, shard_specs
+from compiled_fsdp.tools.check_worker import local_tensor, max_diff, shard_specs
 from _dist import run_distributed
 from _models import gpt_case
 from examples.gpt import GPT, GPTConfig

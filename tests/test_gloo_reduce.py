@@ -1,5 +1,5 @@
 """On gloo, gradient buckets are reduced by an all-to-all and a local sum (see
-[Note: Reduce-scatter on gloo] in compiled_fsdp/_reduce.py), in the eager runtime
+[Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py), in the eager runtime
 and in the lowered graphs alike."""
 from __future__ import annotations
 

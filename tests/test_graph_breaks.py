@@ -1,6 +1,6 @@
 """Graph breaks: the modules a break touches fall back to the eager runtime,
 everything else stays compiled, and every parameter is communicated exactly once
-per use window. See [Note: Fallback decision rule] in compiled_fsdp/_fallback.py."""
+per use window. See [Note: Fallback decision rule] in compiled_fsdp/compile/frames.py."""
 from __future__ import annotations
 
 import pytest

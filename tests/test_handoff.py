@@ -1,6 +1,6 @@
 """Blocks compiled on their own hand the next block's gather to its graph (see
 [Note: Gathers handed to the next block's graph] in
-compiled_fsdp/_param_group.py): what is specific to that handoff, each against
+compiled_fsdp/compile/entry.py): what is specific to that handoff, each against
 the single-process reference after 3 AdamW steps. The pattern itself (graph
 reuse, where each collective runs) is tests/test_block_compile.py."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Pure-FX tests of the handoff between blocks' graphs ([Note: Gathers handed
-to the next block's graph] in compiled_fsdp/_param_group.py; passes/handoff.py)
+to the next block's graph] in compiled_fsdp/compile/entry.py; passes/handoff.py)
 on a hand-built joint graph: a block that reads two of its three parameters
 from a gather handed to it and hands the next block's gather over, traced with
 make_fx through autograd with the tangents as inputs, as AOTAutograd builds
@@ -12,9 +12,9 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-import compiled_fsdp._ops  # noqa: F401  (registers the marker ops)
-from compiled_fsdp._layout import ShardSpec, bucket_offsets
-from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
+import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
+from compiled_fsdp.core.layout import ShardSpec, bucket_offsets
+from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY
 from compiled_fsdp.passes import lower_markers, tag_recompute
 from compiled_fsdp.passes._graph import ChainTag, chain_tag, has_markers, tangent_dependents
 from compiled_fsdp.passes.config import OverlapConfig
@@ -40,7 +40,7 @@ def _joint(reshard: bool, kept: bool) -> fx.GraphModule:
                                             bucket_offset=OFFSETS[2], **kw)
         nxt = torch.ops.compiled_fsdp.gather_next(
             [n_w, n_b], [k_w, k_b] if kept else [None, None], [], [], [5, 4, 4], [3, 2], GROUP, N,
-            NEXT_KEY, None, None, None, True)
+            NEXT_KEY, None, None, None, True, False)
         out = torch.nn.functional.linear(x, w, b).tanh()
         grads = torch.autograd.grad([out, nxt], [s_w, s_b, n_w, n_b, gathered, x], [t_out, t_next],
                                     allow_unused=True)
@@ -120,7 +120,7 @@ def test_handoff_lowering(reshard: bool) -> None:
 def test_handoff_without_sync_unpacks_for_the_sinks() -> None:
     def fn(n_w, sink, t_next):
         nxt = torch.ops.compiled_fsdp.gather_next([n_w], [None], [sink], [0], [5, 4], [3], GROUP, N,
-                                                  NEXT_KEY, None, None, torch.float32, False)
+                                                  NEXT_KEY, None, None, torch.float32, False, False)
         return (nxt, *torch.autograd.grad([nxt], [n_w, sink], [t_next], allow_unused=True))
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(3, 4, requires_grad=True),

@@ -1,6 +1,6 @@
 """Meta-device init: build under ``torch.device("meta")``, ``fully_shard``,
 ``to_empty``, then initialize or load. See [Note: Meta-device init] in
-compiled_fsdp/_param.py."""
+compiled_fsdp/runtime/param.py."""
 from __future__ import annotations
 
 import pytest

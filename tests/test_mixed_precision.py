@@ -1,6 +1,6 @@
 """Mixed precision: FSDP2's ``MixedPrecisionPolicy`` on both paths, against a
 single-process reference whose forward uses bf16 copies of its fp32
-parameters. See [Note: Mixed precision] in compiled_fsdp/_policy.py."""
+parameters. See [Note: Mixed precision] in compiled_fsdp/runtime/policy.py."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from compiled_fsdp import MixedPrecisionPolicy, fully_shard
-from compiled_fsdp._check_worker import shard_specs
+from compiled_fsdp.tools.check_worker import shard_specs
 from _dist import run_distributed
 from _graphs import AG, GraphCapture, saved_gathered
 from _models import gpt_case

@@ -1,6 +1,6 @@
 """Gradient accumulation without sync: FSDP2's ``set_requires_gradient_sync`` /
 ``set_reshard_after_backward``, in the eager runtime and inside compiled graphs.
-See [Note: Gradient accumulation without sync] in compiled_fsdp/_module.py."""
+See [Note: Gradient accumulation without sync] in compiled_fsdp/runtime/module.py."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +12,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from compiled_fsdp._check_worker import max_diff, shard_specs
+from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 from _dist import run_distributed
 from _graphs import GraphCapture
 from _models import gpt_case
@@ -125,7 +125,7 @@ def test_compiled_accumulation_without_sync(bf16: bool, variant: str) -> None:
     graphs in all (one per flag value, both made in the first step, none
     after); per step the graphs run exactly one reduce-scatter per module (in
     the synced backward) and no eager collective. See [Note: Accumulation
-    without sync in graphs] in compiled_fsdp/_ops.py. Frozen parameters get no
+    without sync in graphs] in compiled_fsdp/core/ops.py. Frozen parameters get no
     gradient sink. A forward with sync on whose backward never runs (e.g. a
     validation loss) leaves the kept gradients for the next synced backward."""
     for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", bf16, variant, timeout=600):
@@ -180,7 +180,7 @@ def test_accumulation_without_sync_blocks_untraced_last() -> None:
     eagerly (by the root, then by each block falling back) are dropped, and the
     gradients the earlier micro-batches kept are still reduced, by the blocks'
     eager runtime: bitwise equal to the reference ([Note: Gathers handed to
-    the next block's graph] in compiled_fsdp/_param_group.py)."""
+    the next block's graph] in compiled_fsdp/compile/entry.py)."""
     for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", False,
                                "blocks+untraced_last", timeout=600):
         assert max(res["grad"]) == 0.0 and max(res["param"]) == 0.0, res

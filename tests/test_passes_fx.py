@@ -18,8 +18,8 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-import compiled_fsdp._ops  # noqa: F401  (registers the marker ops)
-from compiled_fsdp import _compile
+import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
+from compiled_fsdp.compile import install as _compile
 from compiled_fsdp.passes._graph import chain_tag
 from compiled_fsdp.passes import (
     FSDP_AC_GRAPH_ID,
@@ -250,7 +250,7 @@ def _uneven_world_3(rank: int) -> fx.GraphModule:
 def test_uneven_shards_world_3() -> None:
     """Rank 2 of 3 holds no row of a 1-row parameter and one of a 5-row one: the
     bucket pads them to the common shard shape, and every rank's graph runs the
-    same ops (see [Note: Rank-independent graphs] in compiled_fsdp/_layout.py)."""
+    same ops (see [Note: Rank-independent graphs] in compiled_fsdp/core/layout.py)."""
     graphs = [_uneven_world_3(rank) for rank in range(3)]
     for rank, gm in enumerate(graphs):
         ag = _calls(gm, c10d.all_gather_into_tensor.default)[0]
@@ -315,9 +315,15 @@ def test_lowered_graph_matches_markers_numerically(single_rank_group: str) -> No
         torch.testing.assert_close(r, e, rtol=0, atol=0)
 
 
-def test_install_is_idempotent_and_composes() -> None:
+def test_windows_install_compose_and_restore() -> None:
+    """See [Note: Passes installed while compiling] in compiled_fsdp/compile/install.py:
+    a window installs our joint pass before a user's (theirs still runs) and
+    our scheduling pass after theirs; windows nest; the last one to close
+    restores exactly what the user had."""
     from torch._functorch import config as fc
     from torch._inductor import config as ic
+
+    from compiled_fsdp.core import compat
 
     seen = []
 
@@ -328,23 +334,20 @@ def test_install_is_idempotent_and_composes() -> None:
     old_joint, old_post = fc.joint_custom_pass, ic.post_grad_custom_post_pass
     try:
         fc.joint_custom_pass = user_pass
-        _compile.install()
-        _compile.install()
-        assert _compile.is_installed()
-        assert fc.joint_custom_pass.inner is user_pass
-        from compiled_fsdp.core import compat
-
-        assert len(compat.post_grad_passes(ic.post_grad_custom_post_pass)) == 1 + (0 if old_post is None else 1)
-        _compile.clear_reports()
-        gm = _two_module_graph()
-        out = fc.joint_custom_pass(gm, None)
-        assert out is gm and seen == [gm] and _markers(gm) == []
-        assert len(_compile.last_reports()) == 1
-        gm2 = _joint(lambda w, x: (x @ w).sum(), [[4, 2]], 1, [torch.randn(3, 4)])
-        fc.joint_custom_pass(gm2, None)
-        assert len(_compile.last_reports()) == 1  # no markers -> no report
-        _compile.uninstall()
-        assert fc.joint_custom_pass is user_pass and not _compile.is_installed()
+        with _compile.installed():
+            with _compile.installed():  # nested: one install
+                assert fc.joint_custom_pass.inner is user_pass
+                assert len(compat.post_grad_passes(ic.post_grad_custom_post_pass)) == 1 + (old_post is not None)
+            assert fc.joint_custom_pass is not user_pass  # still open
+            with _compile.recording() as rec:
+                gm = _two_module_graph()
+                out = fc.joint_custom_pass(gm, None)
+                assert out is gm and seen == [gm] and _markers(gm) == []
+                assert len(rec.joint) == 1
+                gm2 = _joint(lambda w, x: (x @ w).sum(), [[4, 2]], 1, [torch.randn(3, 4)])
+                fc.joint_custom_pass(gm2, None)
+                assert len(rec.joint) == 1  # no markers -> no report
+        assert fc.joint_custom_pass is user_pass
         assert ic.post_grad_custom_post_pass == old_post
     finally:
         fc.joint_custom_pass, ic.post_grad_custom_post_pass = old_joint, old_post

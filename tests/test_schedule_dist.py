@@ -56,7 +56,7 @@ def _aot_rank(rank: int, world: int, per_norm: bool, bucket_bytes: int) -> dict:
     res = run_parity(rank, build, _shard(per_norm), make_batch, loss,
                      wrap=lambda m: torch.compile(m, backend=sched.backend, fullgraph=True))
     res["reports"] = [r.as_dict() for r in sched.reports]
-    from compiled_fsdp._compile import last_reports
+    from compiled_fsdp.compile.install import last_reports
 
     res["buckets"] = [(b.kind, b.module_keys) for b in last_reports()[-1].lowering.buckets]
     return res
@@ -99,11 +99,10 @@ def _code_sequence(code: str) -> list[str]:
 def _inductor_rank(rank: int, world: int) -> dict:
     from torch._inductor.utils import run_and_get_code
 
-    from compiled_fsdp._compile import clear_reports, last_schedule_reports
+    from compiled_fsdp.compile.install import recording
 
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
-    clear_reports()
     build, make_batch, loss = gpt_case(False)
     runs = {}
     for on in (True, False):
@@ -113,9 +112,11 @@ def _inductor_rank(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         wrap = lambda m: torch.compile(m, fullgraph=True)  # noqa: E731
         if on:
-            res, codes = run_and_get_code(run_parity, rank, build, _shard(False), make_batch, loss, 2, 1e-3, wrap)
+            with recording() as rec:
+                res, codes = run_and_get_code(run_parity, rank, build, _shard(False), make_batch, loss, 2, 1e-3,
+                                              wrap)
             res["codes"] = codes
-            res["reports"] = [r.as_dict() for r in last_schedule_reports()]
+            res["reports"] = [r.as_dict() for r in rec.schedule]
         else:
             res = run_parity(rank, build, _shard(False), make_batch, loss, 2, 1e-3, wrap)
         runs[on] = res

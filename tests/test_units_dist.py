@@ -22,22 +22,22 @@ def _case(name: str):
 def _single_rank(rank: int, world: int, case: str, backend: str) -> dict:
     from torch._dynamo.utils import counters
 
-    from compiled_fsdp._compile import clear_reports, last_reports
+    from compiled_fsdp.compile.install import recording
 
     torch._dynamo.reset()
     counters.clear()
     torch._functorch.config.enable_autograd_cache = False  # a cache hit skips the passes
     torch._inductor.config.fx_graph_cache = False
-    clear_reports()
     build, make_batch, loss = _case(case)
     capture = GraphCapture() if backend == "aot_eager" else None
-    res = run_parity(
-        rank, build, fully_shard, make_batch, loss, steps=3,
-        wrap=lambda m: torch.compile(m, backend=capture.backend if capture else backend, fullgraph=True),
-        graph_counts=capture.take_runtime if capture else None,
-        after_step=lambda m: [(r.fqn, r.path, r.units) for r in explain(m)],
-    )
-    (joint,) = last_reports()  # one joint graph, compiled once
+    with recording() as rec:
+        res = run_parity(
+            rank, build, fully_shard, make_batch, loss, steps=3,
+            wrap=lambda m: torch.compile(m, backend=capture.backend if capture else backend, fullgraph=True),
+            graph_counts=capture.take_runtime if capture else None,
+            after_step=lambda m: [(r.fqn, r.path, r.units) for r in explain(m)],
+        )
+    (joint,) = rec.joint  # one joint graph, compiled once
     low = joint.lowering
     res["units"] = [(u.modules, u.reshard_after_forward) for u in low.units]
     res["buckets"] = [(b.kind, b.reshard_after_forward) for b in low.buckets]

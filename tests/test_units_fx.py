@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-import compiled_fsdp._ops  # noqa: F401  (registers the marker ops)
+import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
 from compiled_fsdp.passes import plan_lowering, run_joint_passes
 from compiled_fsdp.passes._graph import chain_tag, is_unshard, parse_marker
 from compiled_fsdp.passes.config import overlap

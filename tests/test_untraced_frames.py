@@ -1,7 +1,7 @@
 """Frames ``torch.compile`` leaves to run eagerly still gather: every way a
 compiled model's forward can end up untraced trains exactly like the eager
 runtime, with one reduction per gradient. See [Note: Untraced root frames] in
-compiled_fsdp/_state.py."""
+compiled_fsdp/compile/path.py."""
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +28,7 @@ def _shard(model: torch.nn.Module) -> None:
 
 def _rank(rank: int, world: int, way: str) -> dict:
     # "blocks_...": each block compiled on its own, the root eager (see [Note:
-    # Blocks compiled on their own] in compiled_fsdp/_param_group.py).
+    # Blocks compiled on their own] in compiled_fsdp/compile/entry.py).
     per_block = way.startswith("blocks_")
     way = way.removeprefix("blocks_")
     # Tied embedding and head, uneven rows; untied with a disabled block, whose

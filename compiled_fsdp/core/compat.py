@@ -19,7 +19,7 @@ What differs, and where each choice is used:
   under compile a shard the graph gives no gradient (a micro-batch without
   gradient sync) ends with a zero ``.grad`` instead of ``None``.
   ``to_local_keeps_none_grads()`` says which; where it does not, the runtime
-  puts ``None`` back at the end of that backward (``_state.py``).
+  puts ``None`` back at the end of that backward (compile/path.py).
 * Dynamo's compile-end callbacks: torch 2.11-2.15 run them before
   decrementing the handler's count of pending compiles, so a callback that
   raises leaves the count at 1 and no callback runs again (and

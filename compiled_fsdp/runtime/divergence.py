@@ -45,6 +45,7 @@ Tested by tests/test_divergence.py.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 import time
@@ -56,8 +57,8 @@ from typing import NoReturn, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import comm
-from .core import compat
+from compiled_fsdp.config import comm
+from compiled_fsdp.core import compat
 
 __all__ = ["CollectiveMismatchError"]
 
@@ -141,7 +142,7 @@ class Checker:
     on collectives])."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        # Weakly: see [Note: Process groups at exit] in _launch.py.
+        # Weakly: see [Note: Process groups at exit] in tools/launch.py.
         self._group = weakref.ref(group)
         self.world = group.size()
         self.ranks = dist.get_process_group_ranks(group)
@@ -223,9 +224,9 @@ class Checker:
 
     def _fail(self, message: str) -> NoReturn:
         """Raise ``message``, first telling the ranks that come later. The check
-        stays issued: its group must outlive the process (see [Note: Process
-        groups at exit] in _launch.py)."""
-        _ABANDONED.append(self.group)
+        stays issued: its group is never destroyed (``_abandon``; see [Note:
+        Process groups at exit] in tools/launch.py)."""
+        _abandon(self.group)
         _store().set(_FAILED, f"{_rank()}|{message}")
         raise CollectiveMismatchError(message)
 
@@ -319,8 +320,19 @@ def _describe(cp: Checkpoint) -> str:
     return f"{cp.what} in step {cp.step}"
 
 
-# Check groups with a collective left waiting; never destroyed before exit.
+# Check groups with a collective left waiting: never destroyed.
 _ABANDONED: list[dist.ProcessGroup] = []
+
+
+def _abandon(group: dist.ProcessGroup) -> None:
+    """A gloo group whose collective still waits for a peer cannot be destroyed
+    (its destructor joins the threads that wait, after ``destroy_process_group``
+    too), and the interpreter's teardown at exit would destroy it, blocking the
+    exit until the peer's process ends: a deadlock when that peer waits for
+    this process's other groups to close. So it is kept alive for good: one
+    reference more than anything holds, which nothing releases."""
+    _ABANDONED.append(group)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 # Ranks tuple -> its checker, created at fully_shard (see ``checker_for``).
 _CHECKERS: dict[tuple[int, ...], Checker] = {}
 

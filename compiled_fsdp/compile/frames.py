@@ -3,7 +3,7 @@ eager hook runtime, and why.
 
 [Note: Fallback decision rule]
 Dynamo decides, not us, where a graph ends; the rule follows from where the
-module's hooks run (see [Note: Hooks under Dynamo] in _state.py):
+module's hooks run (see [Note: Hooks under Dynamo] in runtime/state.py):
 
 - A module whose call Dynamo inlines into a graph (hooks traced to nothing) is
   **compiled**: its parameter reads emit markers, lowered to one bucketed
@@ -33,31 +33,40 @@ each child is inlined whole into one fragment.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
-from ._divergence import set_compiling, stable_code
-from .core import compat
+from compiled_fsdp.compile import install
+from compiled_fsdp.core import compat, registry
+from compiled_fsdp.runtime.divergence import set_compiling, stable_code
+from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-if TYPE_CHECKING:
-    from ._param_group import FSDPParamGroup
+__all__ = ["arm", "ensure_window", "is_split", "record_handoff_trace", "record_marker_trace",
+           "traced_reads", "was_traced"]
 
-# group key (or a block's ``entry_split_key``) -> param index -> ids of the
+# group key (or a block's entry split key) -> param index -> ids of the
 # Dynamo frames whose graphs read it.
 _TRACED_FRAMES: dict[Hashable, dict[int, set[int]]] = {}
 # Compile id -> (trace attempt, the markers traced in it, in order), until the
-# compile ends: see ``on_compile_end``.
+# compile ends: see ``_on_compile_end``.
 _COMPILE_MARKERS: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+# Whether a Dynamo compile is under way (its window: see [Note: Passes
+# installed while compiling] in install.py). Global, as Dynamo's count of
+# pending compiles is: its start and end callbacks run in whichever thread
+# starts the first and ends the last of concurrent compiles.
+_WINDOW_OPEN = [False]
+_WINDOW_LOCK = threading.Lock()
 
 
 def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable] = None) -> None:
     """Called at Dynamo trace time (through ``comptime``) when a marker is emitted.
     ``split_key``: what the frames are recorded under, when not ``key`` (a block
     compiled as its own frame: see [Note: Blocks compiled on their own] in
-    _param_group.py)."""
+    entry.py)."""
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame = compile_id.frame_id if compile_id is not None else -1
     by_index = _TRACED_FRAMES.setdefault(key if split_key is None else split_key, {})
@@ -68,6 +77,11 @@ def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable
 def traced_reads(key: Hashable) -> set[int]:
     """The parameter indices some traced frame read, recorded under ``key``."""
     return set(_TRACED_FRAMES.get(key, ()))
+
+
+def was_traced(key: Hashable) -> bool:
+    """Whether any graph read a parameter recorded under ``key``."""
+    return key in _TRACED_FRAMES
 
 
 def _append_to_sequence(key: int, param_index: int) -> None:
@@ -83,43 +97,53 @@ def _append_to_sequence(key: int, param_index: int) -> None:
     _COMPILE_MARKERS[str(compile_id)] = (trace.attempt, seq)
 
 
-def record_handoff_trace(group: "FSDPParamGroup") -> None:
+def record_handoff_trace(next_key: int) -> None:
     """Called at trace time (through ``comptime``) when a block's graph issues
     the next block's gather: part of the graph's collectives for [Note:
     Agreeing on collectives] (as a read of the whole bucket, index -1), not a
     read of that block's parameters in this frame. See [Note: Gathers handed
-    to the next block's graph] in _param_group.py."""
-    if group.handoff_next is not None:
-        _append_to_sequence(group.handoff_next.key, -1)
+    to the next block's graph] in entry.py."""
+    _append_to_sequence(next_key, -1)
 
 
-def arm_compile_callbacks() -> None:
-    """Register the two callbacks below with Dynamo unless they are (again
+def arm() -> None:
+    """Register the compile callbacks with Dynamo unless they are (again
     after ``torch._dynamo.reset()``, which clears every registration). Called
     by ``fully_shard`` and at each root forward, before Dynamo compiles it."""
-    if on_compile_start not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(on_compile_start)
-    if on_compile_end not in callback_handler.end_callbacks:
-        callback_handler.register_end_callback(on_compile_end)
+    if _on_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_on_compile_start)
+    if _on_compile_end not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(_on_compile_end)
 
 
-def disarm_compile_callbacks() -> None:
-    if on_compile_start in callback_handler.start_callbacks:
-        callback_handler.remove_start_callback(on_compile_start)
-    if on_compile_end in callback_handler.end_callbacks:
-        callback_handler.remove_end_callback(on_compile_end)
+def ensure_window() -> None:
+    """Called while Dynamo traces a marker: a compile that started with the
+    callbacks unregistered (a reset since the last root forward) opens its
+    window now, and closes it at its end like any other."""
+    if not _WINDOW_OPEN[0]:
+        arm()
+        _on_compile_start(None)
 
 
-def on_compile_start(args: CallbackArgs) -> None:
-    """Dynamo's compile-start callback: peers waiting at a check wait on."""
+def _on_compile_start(args: Optional[CallbackArgs]) -> None:
+    """Dynamo's compile-start callback: peers waiting at a check wait on, and
+    the passes are installed for this compile."""
+    with _WINDOW_LOCK:
+        if not _WINDOW_OPEN[0]:
+            _WINDOW_OPEN[0] = True
+            install.open_window()
     set_compiling(True)
 
 
-def on_compile_end(args: CallbackArgs) -> None:
+def _on_compile_end(args: CallbackArgs) -> None:
     """Dynamo's compile-end callback: a frame that reads sharded parameters in
     an order no earlier graph did is checked against the other ranks before it
-    runs. See [Note: Agreeing on collectives] in _divergence.py."""
+    runs. See [Note: Agreeing on collectives] in runtime/divergence.py."""
     try:
+        with _WINDOW_LOCK:
+            if _WINDOW_OPEN[0]:
+                _WINDOW_OPEN[0] = False
+                install.close_window()
         _check_new_graph(str(args.compile_id))
     except BaseException:
         compat.end_callback_raised()
@@ -131,15 +155,14 @@ def _check_new_graph(compile_id: str) -> None:
     _, seq = _COMPILE_MARKERS.pop(compile_id, (0, []))
     if not seq:
         return
-    from ._param_group import _GROUPS
-
-    groups = [_GROUPS.get(key) for key, _ in seq]
-    if groups[0] is None or groups[0].checker is None:
+    groups = [registry.owner_of(key) for key, _ in seq]
+    first = groups[0]
+    if not isinstance(first, FSDPParamGroup) or first.checker is None:
         return
     names = ["?" if g is None else g.label for g in groups]
     modules = [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
     code = stable_code(tuple((None if g is None else g.identity, index) for g, (_, index) in zip(groups, seq)))
-    groups[0].checker.check_graph(code, "a new compiled graph reading " + ", ".join(modules))
+    first.checker.check_graph(code, "a new compiled graph reading " + ", ".join(modules))
 
 
 def is_split(key: Hashable) -> bool:

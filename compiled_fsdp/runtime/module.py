@@ -13,7 +13,7 @@ step changes the shards. Tested by tests/test_no_sync.py.
 """
 from __future__ import annotations
 
-from ._state import get_fsdp_state, iter_fsdp_states
+from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states
 
 
 class FSDPModule:

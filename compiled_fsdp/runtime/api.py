@@ -2,7 +2,7 @@
 
 [Note: Ownership]
 Each application of ``fully_shard`` owns the parameters of its subtree that no
-nested application already owns (the seeds' "fully sharded module"): apply it to
+nested application already owns (the "fully sharded module" of pytorch#90933): apply it to
 the blocks first, then to the root, which picks up the leftovers (embedding,
 final norm, head). A parameter object reachable from several modules (a tied
 weight) is one managed parameter with several owners, as long as all of them
@@ -22,13 +22,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .config import comm
-from ._divergence import Checker, checker_for
-from ._module import FSDPModule, ManagedByAncestor
-from ._param import FSDPParam, install_class
-from ._param_group import FSDPParamGroup
-from ._policy import MixedPrecisionPolicy, check_policy
-from ._state import FSDPState, get_fsdp_state, iter_fsdp_states
+from compiled_fsdp.config import comm
+from compiled_fsdp.core.comm import uses_all_to_all
+from compiled_fsdp.runtime.extension import compiled_path
+from compiled_fsdp.runtime.divergence import Checker, checker_for
+from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
+from compiled_fsdp.runtime.param import FSDPParam, install_class
+from compiled_fsdp.runtime.param_group import FSDPParamGroup
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, check_policy
+from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 
 Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 
@@ -54,15 +56,17 @@ class ShardingOptions:
     # parameters' device type (see ``mesh_for``).
     mesh: Optional[DeviceMesh] = None
     # What the user passed as ``mp_policy``; checked (on every rank together) by
-    # ``_shard_one``. See [Note: Mixed precision] in _policy.py.
+    # ``_shard_one``. See [Note: Mixed precision] in policy.py.
     mp_policy: object = None
     # Checks that the ranks' collectives pair up, or None (checks off). See
-    # [Note: Agreeing on collectives] in _divergence.py.
+    # [Note: Agreeing on collectives] in divergence.py.
     checker: Optional[Checker] = None
-    # ``config.comm.hand_over_gathers`` as agreed at this ``fully_shard`` (read
-    # then, like the settings above, not at each step). See [Note: Gathers
-    # handed to the next block's graph] in _param_group.py.
+    # ``config.comm.hand_over_gathers`` and ``gloo_reduce_by_all_to_all`` as
+    # agreed at this ``fully_shard`` (read then, like the settings above, not
+    # at each step): see [Note: Gathers handed to the next block's graph] in
+    # compile/entry.py and [Note: Reduce-scatter on gloo] in core/comm.py.
     hand_over_gathers: bool = True
+    gloo_reduce_by_all_to_all: bool = True
 
     def mesh_for(self, device_type: str) -> DeviceMesh:
         """The mesh the parameters' DTensors live on."""
@@ -124,11 +128,12 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
     group = options.process_group
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
     return replace(options, reduce_group=reduce_group, checker=checker_for(group),
-                   hand_over_gathers=comm.hand_over_gathers)
+                   hand_over_gathers=comm.hand_over_gathers,
+                   gloo_reduce_by_all_to_all=comm.gloo_reduce_by_all_to_all)
 
 
 # Gather group name -> its reduce group, created once per gather group. Weakly:
-# see [Note: Process groups at exit] in _launch.py.
+# see [Note: Process groups at exit] in tools/launch.py.
 _REDUCE_GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
 
 
@@ -225,6 +230,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
         group = FSDPParamGroup(
             fsdp_params, options.process_group, options.reduce_group, next(_KEYS),
             options.reshard_after_forward, type(module).__name__, options.checker,
+            reduce_by_all_to_all=uses_all_to_all(options.reduce_group, options.gloo_reduce_by_all_to_all),
             hand_over_gathers=options.hand_over_gathers,
         )
         by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
@@ -234,7 +240,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
         for m, names in by_module.items():
             install_class(m, names, mixin=None if m is module else ManagedByAncestor)
             m.register_load_state_dict_post_hook(_reset_after_load(list(names.values())))
-    for m in module.modules():  # See seed 002: Dynamo traces these unspecialized.
+    for m in module.modules():  # Dynamo traces FSDP-managed modules unspecialized (pytorch#127843).
         m._is_fsdp_managed_module = True
         m._fsdp_use_orig_params = True
     for nested in iter_fsdp_states(module):
@@ -242,16 +248,13 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             nested.param_group.outermost = False
     FSDPState(module, group, mp)
     install_class(module, mixin=FSDPModule)
-    from . import _compile, _debug
-
-    _compile.install()
-    _debug.start_from_env()  # COMPILED_FSDP_DUMP: see [Note: Dump hooks] in _debug.py
+    compiled_path().on_fully_shard(group)
     return module
 
 
 def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup) -> str:
     """The device type of the parameters' mesh. For a model built on ``meta``
-    (see [Note: Meta-device init] in _param.py) it is the device the process
+    (see [Note: Meta-device init] in param.py) it is the device the process
     group communicates on: CUDA for NCCL, else CPU."""
     if param.device.type != "meta":
         return param.device.type
@@ -285,7 +288,7 @@ def _validate(
             f"fully_shard({type(module).__name__}): its parameters are on several devices {devices}; "
             "move the module to one device (e.g. module.to(device)) before fully_shard."
         )
-    # One bucket carries one dtype (see [Note: Mixed precision] in _policy.py).
+    # One bucket carries one dtype (see [Note: Mixed precision] in policy.py).
     dtypes = {str(mp.compute_dtype(p.dtype)): places[0][2] for p, places in owners.items()}
     if len(dtypes) > 1:
         examples = ", ".join(f"{fqn!r} ({dtype})" for dtype, fqn in sorted(dtypes.items()))

@@ -1,7 +1,7 @@
 """``compiled_fsdp.explain``: after a step, which fully sharded modules ran
 compiled and which fell back to the eager runtime, and why, and the units
-each one communicates in. See [Note: Fallback decision rule] in _fallback.py
-and [Note: Units] in passes/units.py."""
+each one communicates in. See [Note: Fallback decision rule] in
+compile/frames.py and [Note: Units] in passes/units.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ._fallback import _TRACED_FRAMES, is_split
-from ._ops import ENTRY_KEY
-from ._state import FSDPState, iter_fsdp_states, module_fqns
+from compiled_fsdp.compile import frames, install
+from compiled_fsdp.core.marker import ENTRY_KEY
+from compiled_fsdp.runtime.state import FSDPState, Path, iter_fsdp_states, module_fqns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,18 +32,6 @@ class ModuleReport:
         return line + "".join(f"\n{'':<24} {u}" for u in self.units)
 
 
-# module_key -> {the parameters one graph read: that graph's unit lines},
-# recorded by _compile.py after each joint pass (plain strings: the runtime
-# does not import the passes). A graph break splits a root's parameters over
-# several graphs; a recompile of a graph replaces its entry. Blocks compiled on
-# their own share ``ENTRY_KEY``.
-_UNITS: dict[int, dict[frozenset[int], tuple[str, ...]]] = {}
-
-
-def record_units(module_key: int, params: frozenset[int], lines: tuple[str, ...]) -> None:
-    _UNITS.setdefault(module_key, {})[params] = lines
-
-
 _EAGER_UNIT = ("unit 0: the whole module, one bucket (the eager runtime communicates each fully_shard "
                "application at once; nest fully_shard per layer for layer-by-layer eager communication)",)
 
@@ -58,21 +46,22 @@ def explain(model: nn.Module) -> list[ModuleReport]:
     for state in iter_fsdp_states(model):
         path = _last_path(state)
         reason = None
+        last = state.last_path()
         if path == "fallback":
             group = state.param_group
-            if state.untraced:
+            if last is Path.UNTRACED:
                 reason = _UNTRACED
-            elif state.is_root and group is not None and is_split(group.key):
+            elif state.is_root and group is not None and frames.is_split(group.key):
                 brk = _break_reason(state.module)
                 reason = _SPLIT + (f"; the break: {brk}" if brk else "")
             else:
                 reason = _break_reason(state.module)
         group = state.param_group
         # A block compiled on its own shares its graph: see [Note: Blocks compiled
-        # on their own] in _param_group.py.
-        key = ENTRY_KEY if state.own_frame and state.path_step == state.ctx.step else getattr(group, "key", None)
-        if path == "compiled" and key in _UNITS:
-            graphs = _UNITS[key]
+        # on their own] in compile/entry.py.
+        key = ENTRY_KEY if last is Path.OWN_FRAME else getattr(group, "key", None)
+        graphs = install.units_of(key) if key is not None else {}
+        if path == "compiled" and graphs:
             units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params]
                           if key != ENTRY_KEY or max(params) < len(group.fsdp_params))
         else:
@@ -85,7 +74,7 @@ def explain(model: nn.Module) -> list[ModuleReport]:
 
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
              "as FlopCounterMode, the recompile limit, a disabled or failed compile); see "
-             "[Note: Untraced root frames]")
+             "[Note: Untraced root frames] in compile/path.py")
 
 
 _SPLIT = ("a parameter of the root was traced in more than one Dynamo frame, so in-graph collectives "
@@ -93,11 +82,11 @@ _SPLIT = ("a parameter of the root was traced in more than one Dynamo frame, so 
 
 
 def _last_path(state: FSDPState) -> str:
-    ctx = state.ctx
-    if ctx is not None and state.path_step == ctx.step and state.last_path is not None:
-        return state.last_path
+    last = state.last_path()
+    if last is not None:
+        return "compiled" if last.compiled else "fallback" if last in (Path.FALLBACK, Path.UNTRACED) else "eager"
     group = state.param_group
-    if group is not None and group.key in _TRACED_FRAMES:
+    if group is not None and frames.was_traced(group.key):
         return "compiled"
     return "not run"
 

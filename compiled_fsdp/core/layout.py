@@ -18,7 +18,7 @@ The reduce-scatter input is built the same way from the full gradients
 zero-padded to ``N * shard_d0`` rows; its ``[T]`` result (summed over ranks) is
 divided by ``N`` and cut per parameter back to the local rows.
 
-With a mixed-precision policy ([Note: Mixed precision] in _policy.py) a shard is
+With a mixed-precision policy ([Note: Mixed precision] in runtime/policy.py) a shard is
 cast to its compute dtype before its pad, a gradient to its reduce dtype before
 the pack (``reduce_input``, which also adds what was kept without sync), and a
 reduced shard to the parameter's dtype after the cut: the casts are layout
@@ -83,7 +83,7 @@ class ShardSpec:
     def local_dim0(self, rank: int) -> int:
         """Rows of the unpadded parameter that ``rank`` holds: ``torch.chunk``'s
         (and DTensor ``Shard(0)``'s) split, so trailing ranks may hold fewer
-        rows, or none. See [Note: Parameters are DTensors] in _param.py."""
+        rows, or none. See [Note: Parameters are DTensors] in runtime/param.py."""
         return max(0, min(self.shard_dim0, self.dim0 - rank * self.shard_dim0))
 
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
@@ -238,7 +238,7 @@ def _zeros(op: Emit, like: Any, shape: list[int]) -> Any:
 def sum_received(op: Emit, received: Any, world: int) -> Any:
     """The reduce-scatter's sum, from an all-to-all's ``[N * T]`` output (every
     rank's ``[T]`` for this rank, in rank order); see [Note: Reduce-scatter on
-    gloo] in _reduce.py."""
+    gloo] in comm.py."""
     total = op.value(received).numel() // world
     return op(aten.sum.dim_IntList, op(aten.view.default, received, [world, total]), [0])
 

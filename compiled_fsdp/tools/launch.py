@@ -28,10 +28,12 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     project's caches hold its own groups only weakly, so collecting right after
     ``destroy_process_group`` destroys every group while the interpreter is
     alive. A check group with a collective left waiting (a check that raised)
-    is the exception: destroying it blocks until gloo's own timeout, so
-    ``_divergence`` keeps it referenced to the end. See DESIGN.md, Results:
-    clean exit. ``faulthandler`` prints every thread's Python stack if a rank
-    aborts anyway."""
+    is the exception: destroying it blocks until its peer's process ends (its
+    destructor joins gloo's threads), so runtime/divergence.py keeps it alive
+    for good (the interpreter's teardown destroyed it before, blocking the
+    exit when the modules happened to be torn down in the wrong order).
+    ``faulthandler`` prints every thread's Python stack if a rank aborts
+    anyway."""
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

@@ -10,13 +10,14 @@ from typing import Any, Optional
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compiled_fsdp import _compile
-from compiled_fsdp._ops import ENTRY_KEY, NEXT_KEY
-from compiled_fsdp._state import _MODULE_STATE
+from compiled_fsdp.compile import install
+from compiled_fsdp.core import registry
+from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY
 
 from compiled_fsdp.passes._graph import chain_tag
 
-from ._debug_timeline import bucket_name, collective_bytes, collective_label, is_collective
+from compiled_fsdp.passes.timeline import collective_bytes, is_collective
+from compiled_fsdp.tools.debug_timeline import bucket_name, collective_label
 
 __all__ = ["GraphRecord", "graph_stats", "module_names", "render_graph", "write_index", "write_readme"]
 
@@ -40,15 +41,13 @@ class GraphRecord:
 
 def module_names() -> dict[int, str]:
     """module_key (the n-th ``fully_shard`` call) -> ``fqn (Class)``; the root is ``<root>``."""
-    # See [Note: Blocks compiled on their own] in _param_group.py.
+    # See [Note: Blocks compiled on their own] in compile/entry.py.
     out = {ENTRY_KEY: "the module this frame was compiled for (a block compiled on its own; "
                       "every identical block runs this graph)",
-           # See [Note: Gathers handed to the next block's graph] in _param_group.py.
+           # See [Note: Gathers handed to the next block's graph] in compile/entry.py.
            NEXT_KEY: "the module after it (its gather handed over, its gradient reduced here)"}
-    for module, state in list(_MODULE_STATE.items()):
-        g = state.param_group
-        if g is not None:
-            out[g.key] = f"{g.fqn or '<root>'} ({g.name})"
+    for g in registry.owners():
+        out[g.key] = f"{g.label} ({g.name})"
     return out
 
 
@@ -105,7 +104,7 @@ def _render_report(obj: Any, names: dict[int, str]) -> str:
 def _joint_report(rec: GraphRecord) -> Any:
     """The ``last_reports()`` entry that holds the reports this graph's observers saw."""
     mine = {id(r) for _, r in rec.pass_reports}
-    for report in reversed(_compile.last_reports()):
+    for report in reversed(install.last_reports()):
         if dataclasses.is_dataclass(report) and any(
             id(getattr(report, f.name)) in mine for f in dataclasses.fields(report)
         ):

@@ -11,7 +11,7 @@ patched:
   handler (``trace_structured`` checks ``trace_log.handlers``). We add a
   handler for the dump's lifetime; ``TORCH_TRACE`` keeps working beside it.
   Under ``aot_eager`` there is no Inductor output code, and the index says so.
-* ``compiled_fsdp._compile.add_observer``: the joint graph before and after
+* ``compiled_fsdp.compile.install.add_observer``: the joint graph before and after
   each of our passes, with each pass's report.
 * ``torch._dynamo.convert_frame.register_bytecode_hook``: the bytecode Dynamo
   generated for a frame, decompiled with ``depyf.decompile``. depyf 0.20 fails
@@ -34,7 +34,7 @@ Tested by tests/test_debug_dump.py.
 
 The compile id (``CompileContext.current_compile_id()``, ``"frame/compile"``)
 ties the artifacts of one graph together. AOTAutograd's cache would skip the
-joint pass on a hit (see [Note: AOTAutograd cache] in ``_compile.py``) and
+joint pass on a hit (see [Note: AOTAutograd cache] in ``compile/install.py``) and
 Inductor's FX-graph cache the post-grad scheduling pass, so a dump turns
 ``torch._functorch.config.enable_autograd_cache`` and
 ``torch._inductor.config.fx_graph_cache`` off and restores them when the dump
@@ -65,10 +65,10 @@ from torch._inductor import config as inductor_config
 from torch._guards import CompileContext
 from torch._logging._internal import trace_log
 
-from compiled_fsdp import _compile
+from compiled_fsdp.compile import install
 
-from ._debug_render import GraphRecord, graph_stats, module_names, render_graph, write_index, write_readme
-from ._debug_timeline import chrome_trace, estimate_timeline
+from compiled_fsdp.tools.debug_render import GraphRecord, graph_stats, module_names, render_graph, write_index, write_readme
+from compiled_fsdp.tools.debug_timeline import chrome_trace, timeline_slices
 
 __all__ = ["DUMP_ENV", "DumpSession", "dump_graphs"]
 
@@ -117,7 +117,7 @@ class DumpSession:
         inductor_config.fx_graph_cache = False
         trace_log.addHandler(self._handler)
         self._hook_handle = register_bytecode_hook(self._on_bytecode)
-        _compile.add_observer(self._on_pass)
+        install.add_observer(self._on_pass)
         callback_handler.register_end_callback(self._on_compile_end)
         self.active = True
 
@@ -127,7 +127,7 @@ class DumpSession:
         self.active = False
         if self._on_compile_end in callback_handler.end_callbacks:  # (gone after a reset)
             callback_handler.remove_end_callback(self._on_compile_end)
-        _compile.remove_observer(self._on_pass)
+        install.remove_observer(self._on_pass)
         self._hook_handle.remove()
         trace_log.removeHandler(self._handler)
         assert self._saved_caches is not None
@@ -253,7 +253,7 @@ class DumpSession:
                 self._write(rec, fname, what, render_graph(what, rec, self.rank(), body))
                 if kind == "joint":  # see [Note: Predicted timeline]: from the joint graph
                     rec.stats = graph_stats(gm, names)
-                    trace = chrome_trace(estimate_timeline(gm, names),
+                    trace = chrome_trace(timeline_slices(gm, names),
                                          f"rank {self.rank()} graph {rec.compile_id} (predicted)", pid=self.rank())
                     self._write(rec, "40_timeline.json",
                                 "predicted timeline (Chrome trace: open in https://ui.perfetto.dev)",

@@ -16,8 +16,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ._api import fully_shard
-from ._state import get_fsdp_state, iter_fsdp_states
+from compiled_fsdp.runtime.api import fully_shard
+from compiled_fsdp.tools import models
+from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states
 
 __all__ = ["CheckConfig", "ModelSpec", "load_model_spec", "local_tensor", "max_diff", "run_rank", "shard_specs"]
 
@@ -59,15 +60,11 @@ class ModelSpec:
 
 
 def _default_batch(model: nn.Module, batch_size: int, seed: int) -> tuple:
-    from examples.gpt import batch
-
-    return (batch(model.cfg, batch_size, seed),)
+    return (models.batch(model.cfg, batch_size, seed),)
 
 
 def _default_loss(output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-    from examples.gpt import loss_fn
-
-    return loss_fn(output, *inputs)
+    return models.loss_fn(output, *inputs)
 
 
 def _default_shard(model: nn.Module) -> None:

@@ -20,7 +20,7 @@ the shards under the original FQNs.
 
 [Note: Parameters are DTensors]
 The registered parameter is a ``DTensor`` (``Shard(0)`` on the module's mesh)
-holding this rank's rows of the parameter ([Note: Shard layout] in _layout.py),
+holding this rank's rows of the parameter ([Note: Shard layout] in core/layout.py),
 so clipping, DCP and the distributed state-dict API treat it as the shard it
 is. The eager runtime packs the local tensors (padded to the common shard shape)
 into its all-gather and writes the reduced gradients as DTensor ``.grad``. A
@@ -47,16 +47,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
-from torch._dynamo.comptime import comptime
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ._ops import ENTRY_KEY, NEXT_KEY  # (and registers torch.ops.compiled_fsdp)
-from ._layout import EAGER, ShardSpec, reduce_input
-from ._policy import MixedPrecisionPolicy
+from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
+from compiled_fsdp.runtime.extension import compiled_path
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
-    from ._param_group import FSDPParamGroup
+    from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
 
 class FSDPParam:
@@ -79,7 +78,7 @@ class FSDPParam:
         self.spec = ShardSpec(tuple(param.shape), mesh.size())
         self.local_rows = self.spec.local_dim0(rank)
         self.orig_dtype = param.dtype
-        # See [Note: Mixed precision] in _policy.py.
+        # See [Note: Mixed precision] in policy.py.
         self.param_dtype = mp_policy.compute_dtype(param.dtype)
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         with torch.no_grad():
@@ -88,14 +87,11 @@ class FSDPParam:
         self.unsharded: Optional[torch.Tensor] = None
         # Its ``.grad`` is the full gradient summed over micro-batches without
         # sync, on both paths; see [Note: Accumulation without sync in graphs]
-        # in _ops.py and [Note: Gradient accumulation without sync] in _module.py.
+        # in core/ops.py and [Note: Gradient accumulation without sync] in module.py.
         self.grad_sink: Optional[torch.Tensor] = None
         self.group: Optional["FSDPParamGroup"] = None
         self.index = -1
         self.bucket_offset = 0  # its columns in the group's bucket ([Note: Bucket layout])
-        # Set with the group; see [Note: Fallback decision rule].
-        self.record_trace: Any = None
-        self.record_entry_trace: Any = None
         for module, name in owners:
             module._parameters[name] = self.sharded
 
@@ -213,62 +209,17 @@ class FSDPParam:
     def current_value(self) -> torch.Tensor:
         """See [Note: Parameter property]."""
         group = self.group
-        views = group.exposed_views if group is not None else None
+        if group is None:
+            return self.sharded
+        views = group.exposed_views
         if views is not None:
             return views[self.index]
-        if group is not None and torch.compiler.is_compiling():
-            # See [Note: Blocks compiled on their own] in _param_group.py.
-            entry = group.compiled_entry
-            # At trace time; see [Note: Fallback decision rule].
-            comptime(self.record_entry_trace if entry else self.record_trace)
-            # See [Note: Gathers handed to the next block's graph] in _param_group.py
-            # (read before handing over: a module called again next reads the new one).
-            gathered = group.handoff_in if entry else None
-            # Read while tracing, so Dynamo guards on it: see [Note: Accumulation
-            # without sync in graphs] in _ops.py. A handed-over gather's issuer
-            # keeps or reduces the gradient instead.
-            sync = gathered is not None or group.reduce_grads or not self.sharded.requires_grad
-            kept = None if gathered is not None else self.kept_grad() if sync else self.grad_sink
-            if not sync and kept is None:
-                raise RuntimeError(
-                    f"compiled_fsdp: {self.fqn!r} has gradient sync off but no gradient sink; "
-                    "call the model through its root module (the sinks are made there)."
-                )
-            full = torch.ops.compiled_fsdp.unshard(
-                self.sharded.to_local(),
-                list(self.spec.full_shape),
-                group.group_name,
-                self.spec.world_size,
-                ENTRY_KEY if entry else group.key,
-                self.index,
-                self.local_rows,  # see [Note: Local rows in the marker]
-                # The user's policy, and whether the root's rule applies: the
-                # passes split the outermost application into units and reshard
-                # all but the last (see [Note: Units] in passes/units.py).
-                group.reshard_after_forward,
-                group.reduce_group_name,
-                self.param_dtype,
-                self.reduce_dtype,
-                kept,
-                sync,
-                group.outermost,
-                gathered,
-                self.bucket_offset if gathered is not None else 0,
-                group.bucket_numel if gathered is not None else 0,
-            )
-            if entry and group.handoff_next is not None and not group.handoff_traced:
-                # After this module's own first read, so that its own gather
-                # (when nothing was handed to it) is queued first.
-                group.handoff_traced = True
-                comptime(group.record_handoff_trace)
-                group.handoff_next.handoff_in = group.handoff_next.gather_next_op(NEXT_KEY)
-            return full
-        ctx = group.ctx if group is not None else None
-        if ctx is not None and (group.compiled_entry or (ctx.compiled_forward and ctx.root.param_group is group)):
-            # Not traced after all: see [Note: Untraced root frames] in _state.py.
-            ctx.fall_back_untraced(group)
-            return group.exposed_views[self.index]
-        if group is not None and group.forward_active():
+        if torch.compiler.is_compiling():
+            return compiled_path().traced_read(self)
+        value = compiled_path().untraced_read(self)
+        if value is not None:
+            return value
+        if group.forward_active():
             raise RuntimeError(
                 f"compiled_fsdp: parameter {self.fqn!r} of fully sharded module {group.name} was read "
                 "during another module's forward. Parameters are gathered only for their own module's "

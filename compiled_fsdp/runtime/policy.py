@@ -9,7 +9,7 @@ Gradients arrive in ``param_dtype``; they are cast to ``reduce_dtype`` (default:
 the parameter's own dtype for ``.grad``. The registered parameters, their
 ``.grad`` and the optimizer state stay in the original dtype.
 
-The casts are steps of the bucket layout ([Note: Bucket layout] in _layout.py),
+The casts are steps of the bucket layout ([Note: Bucket layout] in core/layout.py),
 so the eager runtime and the lowering emit the same ones in the same order: in
 a compiled graph the cast is the first node of a module's gather chain, and
 with ``reshard_after_forward`` it is recomputed in backward with the gather (the
@@ -21,7 +21,7 @@ module's forward arguments to ``param_dtype`` in its pre-forward hook;
 ``output_dtype`` casts its floating-point outputs in its post-forward hook. Under
 compile the hooks of modules inside the graph are traced into it; the root's
 run as Python around the compiled forward ([Note: Hooks under Dynamo] in
-_state.py), so the root's casts run eagerly.
+state.py), so the root's casts run eagerly.
 Tested by tests/test_mixed_precision.py.
 """
 from __future__ import annotations

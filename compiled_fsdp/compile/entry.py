@@ -1,0 +1,205 @@
+"""The compile layer's state for one fully sharded module: a forward compiled
+as a frame of its own, and the gathers handed between such frames.
+
+[Note: Blocks compiled on their own]
+torchtitan compiles each block, not the model: ``block.compile()`` (or
+``torch.compile(block)`` in the parent's place) after ``fully_shard``, the root
+running eagerly. Dynamo then runs the block's hooks as Python and compiles its
+``forward`` as a frame of its own, and every identical block reuses that frame's
+graph: Dynamo's cache is keyed on the code object and passes the guards of
+another block of the same structure. So compile time does not grow with depth,
+provided nothing in the traced graph names the block.
+
+The pre-forward hook recognises the pattern (the module's own call is compiled
+while the root runs eagerly: ``CompiledPath.begins_own_frame``) and leaves the group to the graph,
+as the root does under ``torch.compile(model)``: ``CompiledEntry.active`` is set for
+the duration of the forward, the parameter reads emit markers, and the passes
+lower them to in-graph collectives. Those markers carry ``ENTRY_KEY`` instead of
+the group's key (the n-th ``fully_shard`` call, a different constant per block
+that Dynamo would guard on, recompiling per block and falling back to eager past
+its recompile limit); everything else in the marker is the same for identical
+blocks. ``ENTRY_KEY`` means "the module this frame was compiled for"; a fully
+sharded module nested inside the block is traced inline and keeps its own key
+(so such blocks recompile per block). The passes compare keys for equality only.
+
+A graph break inside such a block splits its forward into frames, and those
+frames are reused by every identical block too, so a split is recorded under a
+key the blocks share (``entry_split_key``: the class and parameter shapes); a
+split block falls back to the eager runtime from the next step on, as a split
+root does ([Note: Fallback decision rule] in frames.py). Tested by
+tests/test_block_compile.py.
+
+[Note: Gathers handed to the next block's graph]
+Inside one graph a block can overlap its collectives only with its own compute.
+So that blocks compiled on their own keep the overlap across blocks that one
+graph for the whole model has, each block's forward graph issues the *next*
+block's all-gather and hands it over unwaited:
+
+- While Dynamo traces block i, its first parameter read also traces
+  ``compiled_fsdp::gather_next`` on block i+1's shards (``handoff_next``) and
+  stores the result in block i+1's ``handoff_in`` (a side effect Dynamo
+  replays after every run of the graph). The lowering makes it the bucket's
+  pack and an ``all_gather_into_tensor`` with no wait: it runs while block i
+  computes. Block i+1's parameter reads pass ``handoff_in`` to their markers
+  (``gathered``), and its graph waits on it right before the first use.
+- Autograd places the gradients: the gather's backward is the reduce-scatter,
+  so block i+1's reduce-scatter runs in block i's backward graph, issued when
+  that graph starts and overlapping block i's backward compute. Block i+1's
+  backward graph returns its gradient packed in the gather's layout.
+  ``gather_next`` also carries block i+1's kept gradients and sync flag, so
+  accumulation without sync works as in a single graph (the casts and adds
+  of [Note: Bucket layout] commute with the packing, so the result equals the
+  eager runtime's exactly, up to the sign of a zero).
+- The first block's gather is issued eagerly by the module before it (the
+  root's pre-forward), whose eager backward reduces it.
+- The backward re-gather of a block that reshards after forward stays in its
+  own backward graph, from its saved shards: there is no channel that hands a
+  tensor from one backward graph to the next.
+- Which block is next: the previous iteration's forward order, the one the
+  eager runtime prefetches by; in the first step the modules' order in the
+  model. Only a module predicted to compile its own frame gets a handoff
+  (``CompiledPath.predicts_own_frame``). The last block issues nothing, so its
+  graph is a second variant (Dynamo guards ``handoff_next``), compiled once.
+- A wrong prediction stays correct. A block handed nothing gathers itself (a
+  variant compiled when first needed). A handoff its module did not read (it
+  ran eagerly, or not at all) is waited and dropped (``drop_handoff``); its
+  backward then reduces zeros into that module's gradients, and the root puts
+  back ``None`` where the module had no gradient and did not run (and where
+  a module that ran did not read the parameter: ``params_left_unread``). Kept
+  gradients the dropped handoff carried are left to that backward to reduce;
+  a gather issued eagerly (whose backward never runs once dropped) leaves
+  them to the module (tests/test_no_sync.py, ``untraced_last``).
+
+Tested by tests/test_handoff.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from compiled_fsdp.compile import frames
+from compiled_fsdp.core.marker import GatherNext
+from compiled_fsdp.runtime.param import FSDPParam
+from compiled_fsdp.runtime.param_group import FSDPParamGroup
+
+__all__ = ["CompiledEntry", "entry_of"]
+
+
+class CompiledEntry:
+    """What the compile layer keeps for one parameter group (in its
+    ``compiled`` slot: see [Note: The compiled path] in runtime/extension.py)."""
+
+    def __init__(self, group: FSDPParamGroup) -> None:
+        self.group = group
+        # This forward's graph is compiled for this module alone, and identical
+        # blocks share it: see [Note: Blocks compiled on their own].
+        self.active = False
+        # What a split of such a frame is recorded under: the blocks share it.
+        self.split_key = ("entry", group.name, tuple(s.full_shape for s in group.specs))
+        # See [Note: Gathers handed to the next block's graph]: this module's
+        # gathered bucket, issued (not waited) by whoever ran before it; the
+        # module whose gather this module's graph issues, while it runs.
+        self.handoff_in: Optional[torch.Tensor] = None
+        self.handoff_next: Optional[CompiledEntry] = None
+        self.handoff_traced = False  # this forward's trace issued handoff_next's gather
+        self._handed_eagerly: Optional[torch.Tensor] = None  # the handoff_in issued outside a graph
+        self._handoff_read: Optional[torch.Tensor] = None  # the handoff_in this forward reads
+        self.full_shapes = tuple(d for s in group.specs for d in s.full_shape)
+        self.local_rows = tuple(p.local_rows for p in group.fsdp_params)
+        key, split_key = group.key, self.split_key
+        # Run by comptime when Dynamo traces a marker (function objects that
+        # exist before tracing, as comptime requires); see [Note: Fallback decision rule].
+        self.record_trace = [lambda ctx, i=i: frames.record_marker_trace(key, i) for i in range(len(group.fsdp_params))]
+        self.record_entry_trace = [lambda ctx, i=i: frames.record_marker_trace(key, i, split_key)
+                                   for i in range(len(group.fsdp_params))]
+        self.record_handoff_trace = lambda ctx: self._record_handoff()
+
+    def _record_handoff(self) -> None:
+        if self.handoff_next is not None:
+            frames.record_handoff_trace(self.handoff_next.group.key)
+
+    # -- the gather handed over ------------------------------------------------
+    def gather_next_op(self, module_key: int) -> torch.Tensor:
+        """This module's bucketed all-gather, not waited, with what its
+        backward needs (kept gradients or sinks, the sync flag): traced into
+        the graph of the module before it (``module_key=NEXT_KEY``), or run
+        eagerly by it (the group's own key)."""
+        group = self.group
+        sync = group.reduce_grads
+        params = group.fsdp_params
+        # (the sinks of [Note: Accumulation without sync in graphs] in core/ops.py)
+        kept = [p.kept_grad() for p in params] if sync else [None] * len(params)
+        sink_params = [] if sync else [i for i, p in enumerate(params) if p.sharded.requires_grad]
+        first = params[0]
+        return GatherNext.call(
+            shards=[p.sharded.to_local() for p in params], kept=kept,
+            sinks=[params[i].grad_sink for i in sink_params], sink_params=sink_params,
+            full_shapes=self.full_shapes, local_rows=self.local_rows, group_name=group.group_name,
+            world_size=group.specs[0].world_size, module_key=module_key,
+            reduce_group_name=group.reduce_group_name, param_dtype=first.param_dtype,
+            reduce_dtype=first.reduce_dtype, sync=sync, reduce_by_all_to_all=group.reduce_by_all_to_all)
+
+    def reset(self) -> None:
+        """At an iteration's start: not compiled yet, nothing handed over."""
+        self.active = False  # (left set by a forward that raised)
+        self.handoff_in = self.handoff_next = self._handed_eagerly = None
+
+    def hand_over_eagerly(self) -> None:
+        """Issue this module's handoff now, outside any graph (by the root, or
+        for a module whose predecessor's frame ran untraced)."""
+        self.handoff_in = self._handed_eagerly = self.gather_next_op(self.group.key)
+
+    def begin(self, handoff_next: Optional["CompiledEntry"]) -> None:
+        """Before a forward compiled for this module alone: what its graph
+        reads (``handoff_in``) and hands over (``handoff_next``'s gather)."""
+        self.active = True
+        self.handoff_next = handoff_next
+        self.handoff_traced = False
+        self._handoff_read = self.handoff_in
+
+    def end(self) -> Optional["CompiledEntry"]:
+        """After that forward: forget the handoff it read (the graph holds what
+        its backward needs); returns the module it handed a gather to."""
+        self.active = False
+        if self.handoff_in is self._handoff_read:  # (not one handed over since, to a second call)
+            self.handoff_in = self._handed_eagerly = None
+        self._handoff_read = None
+        handed, self.handoff_next = self.handoff_next, None
+        return handed
+
+    def params_left_unread(self) -> list[FSDPParam]:
+        """Called in the post-forward of a forward compiled for this module
+        alone: the parameters its graph did not read although it read a
+        handed-in gather, whose backward reduces a zero gradient for them
+        (none in one graph or the eager runtime). From what the markers
+        recorded at trace time for this structure."""
+        if self._handoff_read is None:
+            return []
+        read = frames.traced_reads(self.split_key)
+        return [p for p in self.group.fsdp_params if p.index not in read]
+
+    def drop_handoff(self) -> bool:
+        """A gather handed to this module that its forward does not read (it
+        runs eagerly, or did not run): wait for it and let it go. Issued by a
+        graph, that graph's backward still runs and adds the kept gradients the
+        gather carried, so they are no longer this module's to reduce; issued
+        eagerly, its backward never runs and they stay. Returns whether there
+        was one."""
+        if self.handoff_in is None:
+            return False
+        torch.ops._c10d_functional.wait_tensor(self.handoff_in)
+        by_graph = self.handoff_in is not self._handed_eagerly
+        self.handoff_in = self._handed_eagerly = None
+        if by_graph and self.group.reduce_grads:
+            for p in self.group.fsdp_params:
+                p.drop_kept_grad()
+        return True
+
+
+def entry_of(group: FSDPParamGroup) -> CompiledEntry:
+    """``group``'s compile state, made on first use."""
+    entry = group.compiled
+    if entry is None:
+        entry = group.compiled = CompiledEntry(group)
+    return entry

@@ -1,0 +1,336 @@
+"""Installs the compiled_fsdp graph passes into torch.compile, for as long as a
+compile needs them, and keeps what they report.
+
+[Note: Where the passes hook in]
+``torch._functorch.config.joint_custom_pass`` is called by AOTAutograd on
+the joint (forward + backward) graph before partitioning, for every
+aot_autograd backend: ``aot_eager`` and Inductor alike. It is the one hook
+that sees both the gathers and the reduce-scatters before the partitioner
+decides what to save, so lowering and recompute tagging both run there.
+Scheduling runs in Inductor's ``post_grad_custom_post_pass``, on the
+partitioned graphs ([Note: Scheduling under Inductor]). Ours runs before a
+user's joint pass (it removes our markers, which theirs would not
+understand) and after a user's post-grad passes; on a graph without markers
+ours does nothing.
+
+[Note: Passes installed while compiling]
+Both hooks are global torch config. The passes are set there only while a
+compile may need them and the previous values are restored after, so a
+program that has not called ``fully_shard`` never sees them, and a user's
+own passes, read when a window opens (or set inside one), keep running
+with ours:
+
+- a Dynamo compile: its start callback opens the window, its end callback
+  closes it (frames.py; armed at ``fully_shard`` and at every root forward,
+  and by the first marker traced when a ``torch._dynamo.reset()`` cleared
+  them since);
+- a backward: AOTAutograd compiles a backward graph lazily, at its first
+  run, outside any Dynamo compile; the window opens when a compiled graph's
+  backward (or the eager runtime's part of one) starts and closes when that
+  backward ends (or, if it raised, when the next step starts).
+
+Windows nest (a count); ``installed()`` opens one around any code.
+
+[Note: Inference graphs]
+``joint_custom_pass`` is *not* called for inference graphs (a frame traced
+under ``torch.no_grad()`` or with no parameter requiring grad): AOTAutograd
+compiles them without a joint. Under Inductor the post-grad pass below still
+sees them, so it lowers their markers there (one bucketed all-gather per
+unit, then scheduling as for a forward graph). Under ``aot_eager`` nothing
+after Dynamo sees an inference graph, so its markers run their eager
+per-parameter collectives: correct, unbucketed, and counted as
+``unbucketed_all_gather`` by ``collective_counts()``.
+
+[Note: AOTAutograd cache]
+The AOTAutograd cache key (Inductor only; ``aot_eager`` does not cache) is
+computed from the Dynamo graph, which holds the markers, and does not include
+``joint_custom_pass`` (torch lists it in ``_save_config_ignore``). On a
+cache hit the joint pass does not run at all: the cached artifact already
+holds the lowered graph, and no report is recorded for that compile. A
+change to the passes would therefore be served stale artifacts. To key the
+cache on our code, the scheduling pass's ``uuid()`` hashes the source files
+of the passes and of the core they emit (``_source_files``); Inductor puts
+that uuid into both the FX-graph and the AOTAutograd cache keys. Tests that
+read reports disable the cache (``torch._functorch.config.enable_autograd_cache
+= False``) or use a fresh ``TORCHINDUCTOR_CACHE_DIR``.
+
+[Note: Scheduling under Inductor]
+``_SchedulePass`` is the scheduling pass: Inductor calls it on the
+partitioned forward and backward graphs after its own post-grad passes, and
+its uuid also hashes ``passes.config.overlap`` (the knobs change the output).
+Inductor keeps the relative order of collectives (its scheduler chains each
+to the previous one) but its default ``reorder_for_peak_memory`` moves waits
+back next to their collectives; ``pin_order`` turns the schedule into control
+dependencies it must respect (see [Note: Inductor reorders for peak memory]
+in passes/pin.py). Inductor's opt-in ``reorder_for_compute_comm_overlap``
+and overlap scheduling (off by default) import triton and fail on CPU; we
+leave them off. Under ``aot_eager`` there is no post-partition hook (see
+[Note: Where scheduling runs] in passes/schedule.py): the partitioner's
+order runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from compiled_fsdp.core import compat
+
+__all__ = [
+    "Recording", "add_observer", "close_window", "installed", "last_reports", "last_schedule_reports",
+    "open_backward_window", "open_window", "recording", "remove_observer", "units_of",
+]
+
+_MAX_REPORTS = 64
+_lock = threading.RLock()
+
+
+@dataclasses.dataclass
+class Recording:
+    """The reports of the passes that ran while ``recording()`` was open."""
+
+    joint: list = dataclasses.field(default_factory=list)  # passes.JointPassReport
+    schedule: list = dataclasses.field(default_factory=list)  # passes.ScheduleReport
+
+
+class _Reports:
+    """What the passes reported (the one owner of these records)."""
+
+    def __init__(self) -> None:
+        self.joint: collections.deque = collections.deque(maxlen=_MAX_REPORTS)
+        self.schedule: collections.deque = collections.deque(maxlen=_MAX_REPORTS)
+        self.recordings: list[Recording] = []
+        # Observer(stage, graph_module, report): the debug dump's hook.
+        self.observers: list[Callable[[str, fx.GraphModule, Any], None]] = []
+        # module_key -> {the parameters one graph read: that graph's unit lines},
+        # for ``explain()``. A graph break splits a root's parameters over several
+        # graphs; a recompile of a graph replaces its entry. Blocks compiled on
+        # their own share ``ENTRY_KEY``.
+        self.units: dict[int, dict[frozenset[int], tuple[str, ...]]] = {}
+
+    def add_joint(self, report: Any, units_for_explain: bool = True) -> None:
+        with _lock:
+            self.joint.append(report)
+            for r in self.recordings:
+                r.joint.append(report)
+            if not units_for_explain:
+                return
+            units = report.lowering.units if report.lowering is not None else []
+            for key in sorted({u.module_key for u in units}):
+                mine = [u for u in units if u.module_key == key]
+                params = frozenset(i for u in mine for i in u.param_indices)
+                self.units.setdefault(key, {})[params] = tuple(u.describe() for u in mine)
+
+    def add_schedule(self, report: Any) -> None:
+        with _lock:
+            self.schedule.append(report)
+            for r in self.recordings:
+                r.schedule.append(report)
+
+    def notify(self, stage: str, gm: fx.GraphModule, report: Any) -> None:
+        for fn in list(self.observers):
+            fn(stage, gm, report)
+
+
+_REPORTS = _Reports()
+
+
+class _JointPass:
+    """The callable set as ``joint_custom_pass`` while a window is open; runs
+    the pass that was there before after ours."""
+
+    def __init__(self, inner: Callable[[fx.GraphModule, Any], fx.GraphModule] | None) -> None:
+        self.inner = inner
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
+        from compiled_fsdp.passes import run_joint_passes
+
+        report = run_joint_passes(gm, _REPORTS.notify if _REPORTS.observers else None)
+        if report.has_markers:
+            _REPORTS.add_joint(report)
+        if self.inner is not None:
+            gm = self.inner(gm, joint_inputs)
+        return gm
+
+    def __repr__(self) -> str:
+        return f"compiled_fsdp joint pass (then {self.inner!r})"
+
+
+def _source_files() -> tuple[str, ...]:
+    """What the graphs we emit depend on: the passes, the core they emit from, this file."""
+    import compiled_fsdp.core as core
+    import compiled_fsdp.passes as passes_mod
+
+    dirs = [os.path.dirname(os.path.abspath(m.__file__)) for m in (passes_mod, core)]
+    files = [os.path.join(d, f) for d in dirs for f in sorted(os.listdir(d)) if f.endswith(".py")]
+    return (os.path.abspath(__file__), *files)
+
+
+class _SchedulePass(CustomGraphPass):
+    """Post-grad pass: schedules the partitioned graphs (see [Note: Scheduling
+    under Inductor]); its uuid puts our passes' source and the overlap config
+    into Inductor's cache keys (see [Note: AOTAutograd cache])."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from compiled_fsdp.passes import JointPassReport, config, has_markers, lower_markers
+        from compiled_fsdp.passes.pin import pin_order
+        from compiled_fsdp.passes.schedule import schedule_graph
+
+        gm = graph.owning_module
+        if gm is not None and has_markers(graph):  # See [Note: Inference graphs].
+            lowering = lower_markers(gm)
+            # (explain() describes the training graphs' units)
+            _REPORTS.add_joint(JointPassReport(has_markers=True, lowering=lowering), units_for_explain=False)
+            if _REPORTS.observers:
+                _REPORTS.notify("lowering", gm, lowering)
+        report = schedule_graph(graph, config.overlap)
+        if report.changed:
+            # See [Note: Inductor's simple_overlap] in passes/pin.py.
+            pin_order(graph, both_ways=compat.SIMPLE_OVERLAP and config.overlap.own_order)
+        if report.graph != "none":
+            _REPORTS.add_schedule(report)
+            if _REPORTS.observers and gm is not None:
+                _REPORTS.notify("schedule", gm, report)
+
+    def uuid(self) -> bytes:
+        from compiled_fsdp.passes import config
+
+        return get_hash_for_files(_source_files(), "compiled_fsdp" + repr(config.overlap))
+
+
+class _Window:
+    """The open windows of [Note: Passes installed while compiling]."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.saved: tuple[Any, Any] | None = None
+        self.backward = 0  # windows opened for a backward, not closed yet
+
+    def enter(self) -> None:
+        with _lock:
+            if self.depth == 0:
+                self.saved = (functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass)
+            self.depth += 1
+            # (at every depth: a pass the user set inside a window keeps ours too)
+            joint = functorch_config.joint_custom_pass
+            if not isinstance(joint, _JointPass):
+                functorch_config.joint_custom_pass = _JointPass(joint if callable(joint) else None)
+            passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
+            if not any(isinstance(p, _SchedulePass) for p in passes):
+                inductor_config.post_grad_custom_post_pass = compat.post_grad_value((*passes, _SchedulePass()))
+
+    def exit(self) -> None:
+        with _lock:
+            if self.depth == 0:
+                return
+            self.depth -= 1
+            if self.depth == 0 and self.saved is not None:
+                functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass = self.saved
+                self.saved = None
+
+
+_WINDOW = _Window()
+
+
+def open_window() -> None:
+    """Opens a window: the passes are installed until the matching ``close_window()``."""
+    _WINDOW.enter()
+
+
+def close_window() -> None:
+    _WINDOW.exit()
+
+
+def open_backward_window() -> None:
+    """Opens a window for the backward under way; it closes when that backward
+    ends, or, if that backward raised (autograd then runs no end callback),
+    at the next step's start (``close_backward_windows``)."""
+    torch.autograd.Variable._execution_engine.queue_callback(_close_backward_window)
+    with _lock:
+        _WINDOW.backward += 1
+        _WINDOW.enter()
+
+
+def _close_backward_window() -> None:
+    with _lock:
+        if _WINDOW.backward > 0:
+            _WINDOW.backward -= 1
+            _WINDOW.exit()
+
+
+def close_backward_windows() -> None:
+    """Closes the windows of backwards that raised (a step starts: none is under way)."""
+    with _lock:
+        while _WINDOW.backward > 0:
+            _WINDOW.backward -= 1
+            _WINDOW.exit()
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """The passes installed around a block of code (torch's config restored after)."""
+    open_window()
+    try:
+        yield
+    finally:
+        close_window()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Collects every report the passes make while open."""
+    rec = Recording()
+    with _lock:
+        _REPORTS.recordings.append(rec)
+    try:
+        yield rec
+    finally:
+        with _lock:
+            _REPORTS.recordings.remove(rec)
+
+
+def add_observer(fn: Callable[[str, fx.GraphModule, Any], None]) -> None:
+    """Call ``fn(stage, gm, report)`` around every joint pass (see ``run_joint_passes``)
+    and after the lowering and scheduling in the post-grad pass."""
+    with _lock:
+        _REPORTS.observers.append(fn)
+
+
+def remove_observer(fn: Callable[[str, fx.GraphModule, Any], None]) -> None:
+    with _lock:
+        if fn in _REPORTS.observers:
+            _REPORTS.observers.remove(fn)
+
+
+def last_reports() -> list:
+    """Reports of the most recent joint-pass runs that saw markers, oldest
+    first (bounded)."""
+    with _lock:
+        return list(_REPORTS.joint)
+
+
+def last_schedule_reports() -> list:
+    """Reports of the most recent scheduling runs on graphs holding the
+    passes' collectives (forward and backward, oldest first, bounded). Each
+    has ``before``/``after`` predicted timelines; ``as_dict()`` gives plain
+    dicts (seconds from the graph's start)."""
+    with _lock:
+        return list(_REPORTS.schedule)
+
+
+def units_of(module_key: int) -> dict[frozenset[int], tuple[str, ...]]:
+    """The units the lowering chose for ``module_key``'s parameters, per graph
+    (see [Note: Units] in passes/units.py), for ``explain()``."""
+    with _lock:
+        return dict(_REPORTS.units.get(module_key, {}))

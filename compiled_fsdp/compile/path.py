@@ -1,0 +1,331 @@
+"""The compile layer's answers to the runtime ([Note: The compiled path] in
+runtime/extension.py): what a parameter read traces, which forwards are
+compiled and by whom, and what a compiled backward must find.
+
+[Note: Untraced root frames]
+Under ``torch.compile(model)`` the root's pre-forward runs as Python and
+leaves its parameters to the graph Dynamo is about to trace. Dynamo may
+instead run the frame eagerly: under an active dispatch mode
+(``FlopCounterMode``, ``CommDebugMode``), past the recompile limit, with
+``TORCH_COMPILE_DISABLE=1``, or when a failing backend falls back under
+``suppress_errors``. Nothing tells the hook beforehand, but the first read
+of a root parameter outside tracing does (``untraced_read``): the root
+switches to the eager runtime for this forward (gather through
+``_UnshardFn``, reduce in its post-backward), as the blocks already do
+(their hooks run as Python and fall back). So such a frame trains exactly
+like eager, with one reduction per gradient. The same holds for a block
+compiled on its own ([Note: Blocks compiled on their own] in entry.py).
+Tested by tests/test_untraced_frames.py.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+from torch._dynamo.comptime import comptime
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+import compiled_fsdp.core.ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
+from compiled_fsdp.compile import frames, install
+from compiled_fsdp.compile.entry import CompiledEntry, entry_of
+from compiled_fsdp.core import compat
+from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, Unshard
+from compiled_fsdp.runtime.extension import CompiledPath
+from compiled_fsdp.runtime.param import FSDPParam
+from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase
+from compiled_fsdp.runtime.state import FSDPState, Path, RootContext
+
+__all__ = ["TorchCompilePath"]
+
+
+class _RootCompile:
+    """The compile layer's state for one root (its ``compiled`` slot)."""
+
+    def __init__(self, ctx: RootContext) -> None:
+        # Modules ``torch.compile``d in their parent's place (ids).
+        self.wrapped = {id(m._orig_mod) for m in ctx.root.module.modules() if isinstance(m, OptimizedModule)}
+        self.backward_checked = False  # this iteration's first compiled backward checked
+        # Parameters whose gradient a dropped handoff made zero although their
+        # module did not run (see ``_drop_unread_handoffs``).
+        self.regrad_none: list[FSDPParam] = []
+
+
+def _root(ctx: RootContext) -> _RootCompile:
+    if ctx.compiled is None:
+        ctx.compiled = _RootCompile(ctx)
+    return ctx.compiled
+
+
+class TorchCompilePath(CompiledPath):
+    """``torch.compile`` support for the runtime's hooks."""
+
+    def __init__(self) -> None:
+        # Called at every fully_shard (the package adds the dump's env hook).
+        self.on_fully_shard_hooks: list[Callable[[], None]] = []
+
+    def on_fully_shard(self, group: Optional[FSDPParamGroup]) -> None:
+        if group is not None:
+            entry_of(group)
+        frames.arm()
+        for hook in self.on_fully_shard_hooks:
+            hook()
+
+    def on_step(self, ctx: RootContext) -> None:
+        frames.arm()  # (again after a torch._dynamo.reset())
+        install.close_backward_windows()
+        _root(ctx).backward_checked = False
+        for g in ctx.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
+            entry_of(g).reset()
+
+    def on_backward(self, ctx: RootContext) -> None:
+        install.open_backward_window()
+
+    # -- a parameter read: see [Note: Parameter property] -----------------------
+    def traced_read(self, param: FSDPParam) -> torch.Tensor:
+        group = param.group
+        entry: CompiledEntry = group.compiled
+        comptime(_ensure_window)  # see [Note: Passes installed while compiling] in install.py
+        own = entry.active  # see [Note: Blocks compiled on their own] in entry.py
+        # At trace time; see [Note: Fallback decision rule] in frames.py.
+        comptime(entry.record_entry_trace[param.index] if own else entry.record_trace[param.index])
+        # See [Note: Gathers handed to the next block's graph] in entry.py
+        # (read before handing over: a module called again next reads the new one).
+        gathered = entry.handoff_in if own else None
+        # Read while tracing, so Dynamo guards on it: see [Note: Accumulation
+        # without sync in graphs] in core/ops.py. A handed-over gather's issuer
+        # keeps or reduces the gradient instead.
+        sync = gathered is not None or group.reduce_grads or not param.sharded.requires_grad
+        kept = None if gathered is not None else param.kept_grad() if sync else param.grad_sink
+        if not sync and kept is None:
+            raise RuntimeError(
+                f"compiled_fsdp: {param.fqn!r} has gradient sync off but no gradient sink; "
+                "call the model through its root module (the sinks are made there)."
+            )
+        full = Unshard.call(
+            shard=param.sharded.to_local(),
+            full_shape=list(param.spec.full_shape),
+            group_name=group.group_name,
+            world_size=param.spec.world_size,
+            module_key=ENTRY_KEY if own else group.key,
+            param_index=param.index,
+            local_rows=param.local_rows,
+            # The user's policy; the passes apply [Note: The reshard rule] per unit.
+            reshard_after_forward=group.reshard_after_forward,
+            reduce_group_name=group.reduce_group_name,
+            param_dtype=param.param_dtype,
+            reduce_dtype=param.reduce_dtype,
+            kept=kept,
+            sync=sync,
+            outermost=group.outermost,
+            gathered=gathered,
+            bucket_offset=param.bucket_offset if gathered is not None else 0,
+            bucket_numel=group.bucket_numel if gathered is not None else 0,
+            reduce_by_all_to_all=group.reduce_by_all_to_all,
+        )
+        if own and entry.handoff_next is not None and not entry.handoff_traced:
+            # After this module's own first read, so that its own gather
+            # (when nothing was handed to it) is queued first.
+            entry.handoff_traced = True
+            comptime(entry.record_handoff_trace)
+            nxt = entry.handoff_next
+            nxt.handoff_in = nxt.gather_next_op(NEXT_KEY)
+        return full
+
+    def untraced_read(self, param: FSDPParam) -> Optional[torch.Tensor]:
+        """See [Note: Untraced root frames]."""
+        group = param.group
+        ctx = group.ctx
+        entry = entry_of(group)
+        root_left_to_graph = ctx is not None and ctx.phase is Phase.COMPILED_FORWARD \
+            and ctx.root.param_group is group
+        if ctx is None or not (entry.active or root_left_to_graph):
+            return None
+        state = next(s for s in ctx.states if s.param_group is group)
+        if entry.active:  # (in forward_order already)
+            # See [Note: Gathers handed to the next block's graph] in entry.py:
+            # the graph that would have read and handed over did not run.
+            entry.drop_handoff()
+            nxt = entry.end()
+            if nxt is not None and nxt.handoff_in is None:
+                nxt.hand_over_eagerly()
+        else:
+            ctx.phase = Phase.FORWARD
+            ctx.forward_order.insert(0, state)
+        state.set_path(Path.UNTRACED)
+        group.pre_forward()
+        return group.exposed_views[param.index]
+
+    # -- forward ---------------------------------------------------------------
+    def root_compiles(self, state: FSDPState, in_compiled_call: bool) -> bool:
+        group = state.param_group
+        return in_compiled_call and (group is None or not frames.is_split(group.key))
+
+    def predicts_own_frame(self, state: FSDPState) -> bool:
+        """As its last forward was; before its first, from how it is compiled
+        (``module.compile()``, or ``torch.compile(module)`` in its parent's
+        place, before or after ``fully_shard``)."""
+        if not _may_compile_own_frame(state):
+            return False
+        if state.path is not None:
+            return state.path is Path.OWN_FRAME
+        module = state.module
+        return (getattr(module, "_compiled_call_impl", None) is not None
+                or id(module) in _root(state.ctx).wrapped or isinstance(module, OptimizedModule))
+
+    def begins_own_frame(self, state: FSDPState, in_compiled_call: bool) -> bool:
+        """Dynamo is about to compile this (non-root) module's forward as a
+        frame of its own while the root runs eagerly: ``module.compile()``, or
+        ``torch.compile(module)`` in its parent's place. See [Note: Blocks
+        compiled on their own] and [Note: Gathers handed to the next block's
+        graph] in entry.py."""
+        compiled = in_compiled_call or getattr(state.module, "_compiled_call_impl", None) is not None
+        if not (compiled and _may_compile_own_frame(state)):
+            return False
+        ctx = state.ctx
+        state.set_path(Path.OWN_FRAME)
+        ctx.forward_order.append(state)
+        handed = ctx.prefetch_next(state, in_graph=True)
+        entry_of(state.param_group).begin(None if handed is None else entry_of(handed))
+        return True
+
+    def hand_over(self, target: FSDPState, in_graph: bool) -> Optional[FSDPParamGroup]:
+        group = target.param_group
+        entry = entry_of(group)
+        if not group.hand_over_gathers or entry.handoff_in is not None:  # (off, or handed over already)
+            return None
+        if in_graph:
+            return group
+        entry.hand_over_eagerly()
+        return None
+
+    def before_eager_forward(self, state: FSDPState) -> None:
+        entry_of(state.param_group).drop_handoff()  # (predicted to compile its own frame; it does not)
+
+    def after_own_frame(self, state: FSDPState, output: Any) -> bool:
+        group = state.param_group
+        if group is None or not entry_of(group).active:
+            return False
+        entry = entry_of(group)
+        ctx = state.ctx
+        _restore_none_later(ctx, entry.params_left_unread())
+        # (its graph took the kept gradients of the module it handed a gather to)
+        handed = entry.end()
+        _watch_compiled_backward(ctx, output, [group] + ([handed.group] if handed is not None else []))
+        return True
+
+    def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
+        _watch_compiled_backward(ctx, output, ctx.groups())
+
+    def end_forward(self, ctx: RootContext) -> None:
+        _drop_unread_handoffs(ctx)
+
+    def end_iteration(self, ctx: RootContext) -> None:
+        _drop_unread_handoffs(ctx)
+        root = _root(ctx)
+        for p in root.regrad_none:  # see _drop_unread_handoffs
+            p.sharded.grad = None
+            p.drop_kept_grad()
+        root.regrad_none = []
+
+
+def _ensure_window(ctx: Any) -> None:
+    frames.ensure_window()
+
+
+def _may_compile_own_frame(state: FSDPState) -> bool:
+    """Not under a compiled root (a module's hooks run as Python there only
+    because Dynamo broke the graph inside it: that falls back), and not once
+    its frames were split."""
+    group, ctx = state.param_group, state.ctx
+    if group is None or ctx.phase is Phase.COMPILED_FORWARD or ctx.root.path is not Path.EAGER:
+        return False
+    return not frames.is_split(entry_of(group).split_key)
+
+
+def _drop_unread_handoffs(ctx: RootContext) -> None:
+    """Handoffs no module read by the end of the forward (a predicted module
+    did not run): waited and dropped. Their issuers' backward reduces zeros
+    into those modules' gradients; a parameter that had no gradient (nor a
+    kept one) gets ``None`` back at the iteration's end."""
+    ran = {id(s) for s in ctx.forward_order}
+    for st in ctx.states:
+        group = st.param_group
+        if group is None or entry_of(group).handoff_in is None:
+            continue
+        if id(st) not in ran:
+            _restore_none_later(ctx, group.fsdp_params)
+        entry_of(group).drop_handoff()
+
+
+def _restore_none_later(ctx: RootContext, params: list[FSDPParam]) -> None:
+    """Parameters a handed-over gather's backward gives a zero gradient they
+    would not have had: those with no gradient (nor a kept one) get ``None``
+    back at the iteration's end."""
+    _root(ctx).regrad_none.extend(p for p in params if p.sharded.grad is None and p.kept_grad() is None)
+
+
+def _graph_reduced_groups(ctx: RootContext) -> list[FSDPParamGroup]:
+    """Groups whose gradients this step's compiled graphs reduce: those with
+    sync on that did not fall back to the eager runtime this step."""
+    return [
+        st.param_group for st in ctx.states
+        if st.param_group is not None and st.param_group.reduce_grads
+        and st.last_path() not in (Path.FALLBACK, Path.UNTRACED)
+    ]
+
+
+def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPParamGroup]) -> None:
+    """After a compiled forward of ``groups``: when its backward starts, check
+    that the gradient-sync flags are still those the graph was traced with,
+    and drop the kept gradients the graph took (its backward holds its own
+    reference). A forward whose backward never runs keeps them. See [Note:
+    Accumulation without sync in graphs] in core/ops.py. The first compiled
+    backward of the iteration (the compiled root's, or the last block's)
+    also agrees with the other ranks that it starts."""
+    outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not torch.is_grad_enabled() or not outs:
+        return
+    traced = [(g, g.reduce_grads) for g in groups]
+    root = _root(ctx)
+
+    def pre_backward(grads: Any) -> None:
+        if ctx.checker is not None and not root.backward_checked:
+            # See [Note: Agreeing on collectives] in runtime/divergence.py.
+            root.backward_checked = True
+            ctx.checker.check_backward()
+        reduced = [g for g in _graph_reduced_groups(ctx) if any(g is h for h in groups)]
+        for g, flag in traced:
+            if g.reduce_grads != flag:
+                raise RuntimeError(
+                    f"compiled_fsdp: set_requires_gradient_sync({g.reduce_grads}) on {g.fqn or '<root>'} "
+                    "was called between a compiled forward and its backward. Under torch.compile the "
+                    "flag takes effect when the forward runs: set it before the forward."
+                )
+            kept = any(p.kept_grad() is not None for p in g.fsdp_params)
+            split = frames.is_split(g.key) or frames.is_split(entry_of(g).split_key)
+            if flag and kept and split and g in reduced:
+                raise RuntimeError(
+                    f"compiled_fsdp: {g.fqn or '<root>'} has gradients kept without sync and its "
+                    "parameters are read in more than one compiled frame (a graph break between "
+                    "two of its uses), so each frame would add them. Remove the graph break, or "
+                    "run the model without torch.compile while accumulating."
+                )
+        for g in reduced:  # the graph holds them now
+            for p in g.fsdp_params:
+                p.drop_kept_grad()
+        install.open_backward_window()  # this backward's graph may compile now
+        if not compat.to_local_keeps_none_grads():  # torch 2.11: see core/compat.py
+            unsynced = [p.sharded for g, flag in traced if not flag for p in g.fsdp_params
+                        if p.sharded.requires_grad and p.sharded.grad is None]
+            if unsynced:
+                torch.autograd.Variable._execution_engine.queue_callback(partial(_no_grads, unsynced))
+
+    register_multi_grad_hook(outs, pre_backward, mode="any")
+
+
+def _no_grads(params: list[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = None

@@ -1,0 +1,119 @@
+"""The pure collective functions both paths use: a flat all-gather, a flat
+reduce-scatter (or its gloo form), and the counts of what the eager code
+issued.
+
+[Note: Reduce-scatter on gloo]
+Gloo has no reduce-scatter of its own: torch 2.13's
+``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` clones the whole input
+on the calling thread, all-reduces the clone (moving every byte twice: a
+reduce-scatter and an all-gather inside the ring) and copies this rank's
+chunk out on ``wait``. An all-to-all moves only the bytes a reduce-scatter
+needs: each rank sends chunk ``j`` of its input to rank ``j`` and receives
+every rank's copy of its own chunk, then sums the ``[N, T]`` rows locally.
+Measured on this project's CPU machines (DESIGN.md, "Results: the gloo
+reduce"): the all-to-all is faster and uses less CPU from 4 MB buckets up.
+So on gloo both runtimes reduce by all-to-all; NCCL keeps its
+reduce-scatter. The sum runs over rows in rank order, ``((g_0 + g_1) + ...)``;
+the eager runtime and the lowering both use it, so they stay bitwise equal.
+For 2 ranks it is also bitwise equal to gloo's all-reduce (one addition).
+
+The decision depends only on the group's backend, which is the same on every
+rank, and on ``compiled_fsdp.config.comm.gloo_reduce_by_all_to_all`` (agreed
+at ``fully_shard``): the runtime makes it once per group (``uses_all_to_all``)
+and passes it to the collectives below and, in the markers, to the lowering.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from compiled_fsdp.core import compat
+from compiled_fsdp.core.layout import EAGER, sum_received
+
+__all__ = [
+    "PendingCollective", "all_gather_flat", "collective_bytes", "collective_counts", "count",
+    "reduce_scatter_flat", "reset_collective_counts", "uses_all_to_all",
+]
+
+_COUNTS: collections.Counter = collections.Counter()
+# Bytes each rank sent into the bucketed collectives, by kind.
+_BYTES: collections.Counter = collections.Counter()
+
+
+def collective_counts() -> dict[str, int]:
+    """How many eager collectives were issued, by kind, since the last reset:
+    ``all_gather`` / ``reduce_scatter`` (the runtime's buckets) and
+    ``unbucketed_all_gather`` / ``unbucketed_reduce_scatter`` (markers no
+    pass lowered, run by their eager implementations)."""
+    return dict(_COUNTS)
+
+
+def collective_bytes() -> dict[str, int]:
+    """Bytes this rank contributed to the eager runtime's bucketed all-gathers and
+    reduce-scatters, by kind, since the last reset."""
+    return dict(_BYTES)
+
+
+def reset_collective_counts() -> None:
+    _COUNTS.clear()
+    _BYTES.clear()
+
+
+def count(kind: str, nbytes: int = 0) -> None:
+    """Counts one eager collective of ``kind`` (and the bytes this rank sent)."""
+    _COUNTS[kind] += 1
+    if nbytes:
+        _BYTES[kind] += nbytes
+
+
+def uses_all_to_all(group: dist.ProcessGroup, enabled: bool) -> bool:
+    """Whether a bucket's reduce on ``group`` is an all-to-all plus a local sum
+    (gloo, with ``config.comm.gloo_reduce_by_all_to_all``): see [Note:
+    Reduce-scatter on gloo]."""
+    return enabled and dist.get_backend(group) == "gloo"
+
+
+@dataclass
+class PendingCollective:
+    """An issued, not yet awaited collective and the buffer it writes."""
+
+    output: torch.Tensor
+    work: Optional[dist.Work]
+    # Applied once, after the wait (the local sum of an all-to-all reduce).
+    finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.finish is not None:
+            self.output, self.finish = self.finish(self.output), None
+        return self.output
+
+
+def all_gather_flat(flat_in: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True) -> PendingCollective:
+    """Every rank's ``[T]`` into one ``[N * T]``, in rank order."""
+    out = flat_in.new_empty(group.size() * flat_in.numel())
+    work = compat.all_gather_single(out, flat_in, group=group, async_op=async_op)
+    return PendingCollective(out, work if async_op else None)
+
+
+def reduce_scatter_flat(
+    flat_in: torch.Tensor, group: dist.ProcessGroup, by_all_to_all: bool, async_op: bool = True
+) -> PendingCollective:
+    """Sum-reduce-scatter of a contiguous ``[N * T]`` buffer: output ``[T]``;
+    with ``by_all_to_all`` an all-to-all plus a local sum over ranks in rank
+    order (see [Note: Reduce-scatter on gloo]), as the lowering does."""
+    world = group.size()
+    if by_all_to_all:
+        recv = torch.empty_like(flat_in)
+        work = dist.all_to_all_single(recv, flat_in, group=group, async_op=async_op)
+        return PendingCollective(recv, work if async_op else None,
+                                 finish=lambda t: sum_received(EAGER, t, world))
+    out = flat_in.new_empty(flat_in.numel() // world)
+    work = compat.reduce_scatter_single(out, flat_in, group=group, async_op=async_op)
+    return PendingCollective(out, work if async_op else None)

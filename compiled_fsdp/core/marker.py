@@ -1,0 +1,309 @@
+"""The marker ops' arguments, defined once.
+
+[Note: The marker contract]
+A parameter read traced by Dynamo becomes a ``compiled_fsdp::unshard`` marker
+(its backward: ``reduce_grad``); a block's graph that hands the next block
+its gather traces ``gather_next`` (its backward: ``reduce_next``). Their
+arguments are the contract between the runtime, which emits them, and the
+passes, which lower them. Each op's arguments are one frozen dataclass
+below, and everything else is derived from it: the op's schema string
+(``schema()``), the call (``call(**fields)``: by name, so an unknown or
+missing name fails at once), the custom op's implementations
+(``bind(args, kwargs)``, defaults filled) and the passes' parse of a graph
+node (``parse(node)``, static arguments checked). Adding an argument is one
+line here.
+
+``module_key`` names the fully sharded module (the n-th ``fully_shard`` call),
+``ENTRY_KEY`` the module a frame was compiled for and ``NEXT_KEY`` the module
+whose gather that frame hands over (DESIGN.md, "Blocks compiled on their
+own"); the passes compare keys for equality only. ``reduce_by_all_to_all``
+says how the gradient is reduced on its group (the choice is made once per
+group by the runtime: [Note: Reduce-scatter on gloo] in core/comm.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar, Optional, TypeVar
+
+import torch
+
+from compiled_fsdp.core import rules
+from compiled_fsdp.core.layout import ShardSpec
+
+__all__ = ["ENTRY_KEY", "NEXT_KEY", "GatherNext", "Marker", "ReduceGrad", "ReduceNext", "Unshard"]
+
+# The ``module_key`` of a module compiled as its own frame (group keys count up from 0).
+ENTRY_KEY = -1
+# The ``module_key`` of the block whose gather a block's graph hands over.
+NEXT_KEY = -2
+
+NAMESPACE = "compiled_fsdp"
+
+M = TypeVar("M", bound="Marker")
+_NO_DEFAULT = dataclasses.MISSING
+
+
+def _arg(schema_type: str, default: Any = _NO_DEFAULT) -> Any:
+    """A dataclass field with its type in the op's schema."""
+    if default is _NO_DEFAULT:
+        return dataclasses.field(metadata={"schema": schema_type})
+    return dataclasses.field(default=default, metadata={"schema": schema_type})
+
+
+def _schema_default(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return str(value)
+    assert isinstance(value, int), value
+    return str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Marker:
+    """One op's arguments (subclasses below). Tensor arguments hold tensors at
+    run time and ``fx.Node``s when parsed from a graph."""
+
+    NAME: ClassVar[str] = ""
+    RETURNS: ClassVar[str] = "Tensor"
+    # Argument names whose values must be plain ints for the passes.
+    STATIC_INTS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def qualname(cls) -> str:
+        return f"{NAMESPACE}::{cls.NAME}"
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def schema(cls) -> str:
+        parts = []
+        for f in dataclasses.fields(cls):
+            text = f"{f.metadata['schema']} {f.name}"
+            if f.default is not _NO_DEFAULT:
+                text += f"={_schema_default(f.default)}"
+            parts.append(text)
+        return f"({', '.join(parts)}) -> {cls.RETURNS}"
+
+    @classmethod
+    def op(cls) -> Any:
+        return getattr(getattr(torch.ops, NAMESPACE), cls.NAME)
+
+    @classmethod
+    def call(cls, **fields: Any) -> Any:
+        """Runs the op (traced into a graph under Dynamo)."""
+        return cls.op()(**fields)
+
+    @classmethod
+    def bind(cls: type[M], args: Sequence[Any], kwargs: dict[str, Any]) -> M:
+        """The arguments of a call (positional, then by name), defaults filled."""
+        return cls(**dict(zip(cls.names(), args)), **kwargs)
+
+    @classmethod
+    def parse(cls: type[M], node: Any) -> M:
+        """The arguments of a graph node calling this op, integer lists as
+        tuples. Raises ValueError when an argument the passes need statically
+        is symbolic."""
+        bound = cls.bind(node.args, dict(node.kwargs))
+        for name in cls.STATIC_INTS:
+            value = getattr(bound, name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if not all(isinstance(v, int) for v in values):
+                raise ValueError(f"symbolic {name} {value!r}")
+        ints = {f.name: tuple(getattr(bound, f.name)) for f in dataclasses.fields(cls)
+                if f.metadata["schema"] in ("int[]", "SymInt[]")}
+        return dataclasses.replace(bound, **ints)
+
+    def static_values(self) -> tuple:
+        """The arguments other than tensors (what two reads of one parameter share)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)
+                     if not f.metadata["schema"].startswith("Tensor"))
+
+    def values(self) -> dict[str, Any]:
+        """The arguments by name (no copies, unlike ``dataclasses.asdict``)."""
+        return {name: getattr(self, name) for name in self.names()}
+
+
+class _OneParameter:
+    """What the passes read off a marker of one parameter (``unshard``, ``reduce_grad``)."""
+
+    full_shape: Sequence[int]
+    world_size: int
+    group_name: str
+    reshard_after_forward: Optional[bool]
+    outermost: bool
+    reduce_by_all_to_all: bool
+
+    @property
+    def spec(self) -> ShardSpec:
+        """The parameter's layout; see [Note: Shard layout] in core/layout.py."""
+        return ShardSpec(tuple(self.full_shape), self.world_size)
+
+    @property
+    def reshards(self) -> bool:
+        """Whether the whole application reshards after forward: see [Note:
+        The reshard rule] in core/rules.py (the passes apply it per unit)."""
+        return rules.reshards_after_forward(bool(self.reshard_after_forward), self.outermost)
+
+    def bucket_signature(self) -> tuple[str, int, bool]:
+        """What every marker of one bucket shares: its group and how it reduces."""
+        return (self.group_name, self.world_size, self.reduce_by_all_to_all)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unshard(Marker, _OneParameter):
+    """One parameter read: the local shard in, the full parameter out."""
+
+    NAME: ClassVar[str] = "unshard"
+    STATIC_INTS: ClassVar[tuple[str, ...]] = (
+        "full_shape", "world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel")
+
+    shard: Any = _arg("Tensor")
+    full_shape: Sequence[int] = _arg("SymInt[]")
+    group_name: str = _arg("str")
+    world_size: int = _arg("int")
+    module_key: int = _arg("int")
+    param_index: int = _arg("int")
+    # How many rows of the parameter this rank holds (the shard's dim 0): see
+    # [Note: Local rows in the marker] in core/ops.py.
+    local_rows: int = _arg("int")
+    # The user's policy; the passes apply the reshard rule (core/rules.py) per unit.
+    reshard_after_forward: bool = _arg("bool")
+    # The group the gradient is reduced on (None: ``group_name``).
+    reduce_group_name: Optional[str] = _arg("str?", None)
+    # Mixed precision: the gathered dtype and the reduce dtype.
+    param_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+    reduce_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+    # See [Note: Accumulation without sync in graphs] in core/ops.py.
+    kept: Any = _arg("Tensor?", None)
+    sync: bool = _arg("bool", True)
+    # No fully sharded module contains this parameter's (the root's).
+    outermost: bool = _arg("bool", False)
+    # A gather handed over by the graph before, and where this parameter lies
+    # in its bucket (``bucket_numel`` 0: not handed over).
+    gathered: Any = _arg("Tensor?", None)
+    bucket_offset: int = _arg("int", 0)
+    bucket_numel: int = _arg("int", 0)
+    reduce_by_all_to_all: bool = _arg("bool", False)
+
+    @property
+    def reduce_group(self) -> str:
+        return self.reduce_group_name or self.group_name
+
+    @property
+    def grad_dtype(self) -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceGrad(Marker, _OneParameter):
+    """The backward of one read: the full gradient in, this rank's averaged
+    rows out (or, without sync, the full gradient for the sink; or, for a
+    handed-over read, the gradient packed in the gather's layout)."""
+
+    NAME: ClassVar[str] = "reduce_grad"
+    STATIC_INTS: ClassVar[tuple[str, ...]] = Unshard.STATIC_INTS
+
+    grad: Any = _arg("Tensor")
+    full_shape: Sequence[int] = _arg("SymInt[]")
+    group_name: str = _arg("str")
+    world_size: int = _arg("int")
+    module_key: int = _arg("int")
+    param_index: int = _arg("int")
+    local_rows: int = _arg("int")
+    reduce_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+    # The dtype of the reduced shard gradient (the parameter's).
+    grad_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+    kept: Any = _arg("Tensor?", None)
+    sync: bool = _arg("bool", True)
+    bucket_offset: int = _arg("int", 0)
+    bucket_numel: int = _arg("int", 0)
+    reduce_by_all_to_all: bool = _arg("bool", False)
+
+    # A reduce marker carries no gather policy.
+    reshard_after_forward: ClassVar[None] = None
+    outermost: ClassVar[bool] = False
+    param_dtype: ClassVar[None] = None
+    reduce_group_name: ClassVar[None] = None
+
+    @classmethod
+    def of_read(cls, read: Unshard, grad: Any, grad_dtype: torch.dtype, handed: bool) -> "ReduceGrad":
+        """The backward of ``read`` (``handed``: it read a handed-over gather),
+        reduced on its reduce group."""
+        return cls(grad=grad, full_shape=list(read.full_shape), group_name=read.reduce_group,
+                   world_size=read.world_size, module_key=read.module_key, param_index=read.param_index,
+                   local_rows=read.local_rows, reduce_dtype=read.reduce_dtype, grad_dtype=grad_dtype,
+                   kept=read.kept if read.sync else None, sync=read.sync,
+                   bucket_offset=read.bucket_offset if handed else 0,
+                   bucket_numel=read.bucket_numel if handed else 0,
+                   reduce_by_all_to_all=read.reduce_by_all_to_all)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherNext(Marker):
+    """One module's bucketed all-gather, not waited, issued by the graph (or
+    the eager code) before it. ``full_shapes``: the parameters' full shapes
+    concatenated (each has its shard's number of dimensions). With ``sync``,
+    ``kept`` holds each parameter's kept gradient (or None); without,
+    ``sinks`` are the gradient sinks of the parameters ``sink_params``. (No
+    defaults: autograd counts only the arguments a call passes.)"""
+
+    NAME: ClassVar[str] = "gather_next"
+    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "local_rows", "world_size", "module_key")
+
+    shards: Any = _arg("Tensor[]")
+    kept: Any = _arg("Tensor?[]")
+    sinks: Any = _arg("Tensor[]")
+    sink_params: Sequence[int] = _arg("int[]")
+    full_shapes: Sequence[int] = _arg("int[]")
+    local_rows: Sequence[int] = _arg("int[]")
+    group_name: str = _arg("str")
+    world_size: int = _arg("int")
+    module_key: int = _arg("int")
+    reduce_group_name: Optional[str] = _arg("str?")
+    param_dtype: Optional[torch.dtype] = _arg("ScalarType?")
+    reduce_dtype: Optional[torch.dtype] = _arg("ScalarType?")
+    sync: bool = _arg("bool")
+    reduce_by_all_to_all: bool = _arg("bool")
+
+    @property
+    def reduce_group(self) -> str:
+        return self.reduce_group_name or self.group_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceNext(Marker):
+    """The backward of ``gather_next``: the whole bucket's full gradient, in
+    the gather's layout, in; each parameter's reduced rows (or, without sync,
+    its full gradient) out."""
+
+    NAME: ClassVar[str] = "reduce_next"
+    RETURNS: ClassVar[str] = "Tensor[]"
+    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "ndims", "local_rows", "world_size", "module_key")
+
+    grad: Any = _arg("Tensor")
+    kept: Any = _arg("Tensor?[]")
+    full_shapes: Sequence[int] = _arg("int[]")
+    ndims: Sequence[int] = _arg("int[]")
+    local_rows: Sequence[int] = _arg("int[]")
+    group_name: str = _arg("str")
+    world_size: int = _arg("int")
+    module_key: int = _arg("int")
+    reduce_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+    grad_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+    sync: bool = _arg("bool", True)
+    reduce_by_all_to_all: bool = _arg("bool", False)
+
+    @classmethod
+    def of_gather(cls, gather: GatherNext, grad: Any) -> "ReduceNext":
+        shards = gather.shards
+        return cls(grad=grad, kept=list(gather.kept) if gather.sync else [],
+                   full_shapes=list(gather.full_shapes), ndims=[s.dim() for s in shards],
+                   local_rows=list(gather.local_rows), group_name=gather.reduce_group,
+                   world_size=gather.world_size, module_key=gather.module_key,
+                   reduce_dtype=gather.reduce_dtype, grad_dtype=shards[0].dtype, sync=gather.sync,
+                   reduce_by_all_to_all=gather.reduce_by_all_to_all)
+
+
+MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext)

@@ -1,0 +1,282 @@
+"""Marker ops that Dynamo traces when a managed parameter is read.
+
+``compiled_fsdp::unshard`` turns one parameter shard into the full parameter;
+its backward is ``compiled_fsdp::reduce_grad``, which turns the full gradient
+into the averaged gradient shard. Both have real (eager) implementations that
+run correct per-parameter collectives, so any backend that does not run our
+passes (e.g. ``backend="eager"``) still trains correctly; under
+``aot_eager``/Inductor the joint pass (``compiled_fsdp.passes``) replaces them
+with one bucketed collective per unit (a layer: see [Note: Units] in
+passes/units.py).
+
+``unshard`` reads this rank's ``local_rows`` rows (the DTensor's local tensor)
+and ``reduce_grad`` returns the gradient of those rows; the padding to the
+common shard shape happens inside, with the layout functions the eager runtime
+and the lowering share ([Note: Bucket layout] in layout.py). ``param_dtype``
+and ``reduce_dtype`` are the parameter's mixed-precision dtypes ([Note: Mixed
+precision] in runtime/policy.py).
+
+[Note: Accumulation without sync in graphs]
+``sync`` and ``kept`` carry FSDP2's ``set_requires_gradient_sync`` into the
+graph. The parameter property reads the flag while Dynamo traces, so Dynamo
+guards on it (and on whether a gradient is kept): in an accumulation loop one
+graph per flag value, no recompile when it flips back; a synced step with
+nothing kept (one micro-batch per step, evaluation) is a third graph. The flag
+takes effect at the forward, so it must not change before that forward's
+backward (FSDP2 reads it in backward): the root checks this when the backward
+starts and raises (``RootContext.watch_compiled_backward``). A parameter that
+does not require grad always has ``sync=True`` and nothing kept.
+
+- ``sync=False``: ``kept`` is the parameter's *gradient sink*, a full-shape
+  leaf with zero strides (one element of storage) that requires grad. The
+  backward gives the shard no gradient and gives the sink the full gradient
+  in ``reduce_dtype`` (``reduce_grad(sync=False)``, no communication), so
+  autograd's own accumulation sums the micro-batches into ``sink.grad``,
+  outside the graph, exactly as a reference's ``.grad`` is summed.
+- ``sync=True`` after such micro-batches: ``kept`` is ``sink.grad``, which
+  ``reduce_grad`` adds to this backward's gradient before the one
+  reduce-scatter ([Note: Bucket layout]'s ``reduce_input``, shared with the
+  eager runtime). When that forward's backward starts, the root drops the
+  sink's reference (the graph's saved copy is freed by its backward); a
+  forward whose backward never runs leaves it kept.
+- ``sync=True`` with nothing kept: ``kept`` is None, the usual graph.
+
+A parameter read twice has two markers with the same ``kept``. The lowering sums
+their gradients and adds ``kept`` once per parameter; the markers' own eager
+implementations (``backend="eager"``, or a module the lowering left alone) reduce
+per read, so ``reduce_grad`` adds a given ``kept`` tensor only the first time it
+sees it (``_ADDED``). Tested by tests/test_no_sync.py.
+
+[Note: Local rows in the marker]
+``local_rows`` is also the input's first dimension, and it is passed anyway:
+the Dynamo graph is otherwise the same on every rank (its inputs are DTensors
+of the same global shape), and AOTAutograd's cache keys a DTensor input by its
+global spec only. Ranks sharing a cache directory (every rank of a host does)
+would then load each other's compiled graphs, built for a different local
+shape. With the row count in the graph, ranks holding different rows get
+different keys, and ranks holding the same rows still share one compile.
+Tested by tests/test_compile_parity.py::test_uneven_shards_share_no_cache_entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from compiled_fsdp.core import comm, registry
+from compiled_fsdp.core.layout import (
+    EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, split_specs,
+    unpack_gathered,
+)
+from compiled_fsdp.core.marker import GatherNext, ReduceGrad, ReduceNext, Unshard
+
+__all__ = ["gather_next", "reduce_grad", "reduce_next", "unshard"]
+
+# Kept gradients an eager ``reduce_grad`` has already added (by identity); see
+# [Note: Accumulation without sync in graphs].
+_ADDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _before_collective(op: str, module_key: int, param_index: int) -> None:
+    """An unlowered marker is about to communicate: its owner agrees on it
+    with the other ranks first (see [Note: Agreeing on collectives] in
+    runtime/divergence.py)."""
+    owner = registry.owner_of(module_key)
+    if owner is not None:
+        owner.before_marker_collective(op, param_index)
+
+
+def _fresh(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """``out``, copied if it shares ``inp``'s storage (a custom op must not
+    return an alias of its input)."""
+    same = out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+    return out.clone() if same else out
+
+
+def _reduced(flat: torch.Tensor, world_size: int, group_name: str, by_all_to_all: bool) -> torch.Tensor:
+    """The summed ``[T]`` of a packed ``[N * T]`` gradient, reduced now."""
+    if world_size == 1:
+        return flat.clone()
+    return comm.reduce_scatter_flat(flat, _group(group_name), by_all_to_all, async_op=False).wait()
+
+
+# ---------------------------------------------------------------------------
+# unshard
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op(Unshard.qualname(), mutates_args=(), schema=Unshard.schema())
+def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = Unshard.bind(args, kwargs)
+    specs = [ShardSpec(tuple(m.full_shape), m.world_size)]
+    if m.gathered is not None:  # handed over: see [Note: Gathers handed to the next block's graph]
+        flat = torch.ops._c10d_functional.wait_tensor(m.gathered)
+        return _fresh(unpack_gathered(EAGER, flat, specs, [m.bucket_offset], m.bucket_numel)[0], m.gathered)
+    flat = pack_shards(EAGER, [m.shard], specs, [m.param_dtype])
+    if m.world_size == 1:
+        gathered = flat.clone()
+    else:
+        comm.count("unbucketed_all_gather")
+        _before_collective("all-gather", m.module_key, m.param_index)
+        gathered = comm.all_gather_flat(flat, _group(m.group_name), async_op=False).wait()
+    # custom ops must not return an alias of an input; `gathered` is fresh.
+    return unpack_gathered(EAGER, gathered, specs)[0]
+
+
+@unshard.register_fake
+def _unshard_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = Unshard.bind(args, kwargs)
+    return m.shard.new_empty(list(m.full_shape), dtype=m.param_dtype or m.shard.dtype)
+
+
+def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    read = Unshard.bind(inputs, {})
+    ctx.grad_dtype, ctx.handed = read.shard.dtype, read.gathered is not None
+    # Without the shard and the handed-in bucket: only what the backward reads
+    # (the kept gradient with sync) stays alive until then.
+    ctx.read = dataclasses.replace(read, shard=None, gathered=None, kept=read.kept if read.sync else None)
+
+
+def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    read = ctx.read
+    g = ReduceGrad.call(**ReduceGrad.of_read(read, grad, ctx.grad_dtype, ctx.handed).values())
+    # The shard's gradient, or (without sync) the sink's, or the handed-over
+    # gather's; none for the rest.
+    receiver = "gathered" if ctx.handed else "shard" if read.sync else "kept"
+    return tuple(g if name == receiver else None for name in Unshard.names())
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# reduce_grad
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op(ReduceGrad.qualname(), mutates_args=(), schema=ReduceGrad.schema())
+def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = ReduceGrad.bind(args, kwargs)
+    specs = [ShardSpec(tuple(m.full_shape), m.world_size)]
+    if m.bucket_numel:  # the gradient of a handed-over gather: this parameter's columns
+        return _fresh(pack_grads(EAGER, [m.grad], specs, [m.bucket_offset], m.bucket_numel), m.grad)
+    if not m.sync:  # the full gradient for the sink; see [Note: Accumulation without sync in graphs]
+        full = cast(EAGER, m.grad, m.reduce_dtype)
+        return full.clone() if full is m.grad else full
+    kept = m.kept
+    if kept is not None:  # added once, however many reads: see the note
+        if kept in _ADDED:
+            kept = None
+        else:
+            _ADDED[kept] = None
+    flat = pack_grads(EAGER, [reduce_input(EAGER, m.grad, kept, m.reduce_dtype)], specs)
+    if m.world_size > 1:
+        comm.count("unbucketed_reduce_scatter")
+        _before_collective("reduce-scatter", m.module_key, m.param_index)
+    summed = _reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all)
+    # Sum then divide, cut to the local rows: the bucketed path's steps.
+    return split_reduced(EAGER, summed, specs, [m.local_rows], [m.grad_dtype])[0]
+
+
+@reduce_grad.register_fake
+def _reduce_grad_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = ReduceGrad.bind(args, kwargs)
+    grad = m.grad
+    if m.bucket_numel:
+        return grad.new_empty([m.world_size * m.bucket_numel])
+    if not m.sync:
+        return grad.new_empty(list(m.full_shape), dtype=m.reduce_dtype or grad.dtype)
+    rest = ShardSpec(tuple(m.full_shape), m.world_size).rest
+    return grad.new_empty([m.local_rows, *rest], dtype=m.grad_dtype or grad.dtype)
+
+
+# ---------------------------------------------------------------------------
+# gather_next / reduce_next: see [Note: Gathers handed to the next block's graph]
+# ---------------------------------------------------------------------------
+
+
+def _next_specs(m: GatherNext) -> list[ShardSpec]:
+    return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size)
+
+
+@torch.library.custom_op(GatherNext.qualname(), mutates_args=(), schema=GatherNext.schema())
+def gather_next(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """One module's bucketed all-gather, returned *not waited*: whoever reads
+    it waits (``unshard(gathered=...)``)."""
+    m = GatherNext.bind(args, kwargs)
+    specs = _next_specs(m)
+    flat = pack_shards(EAGER, list(m.shards), specs, [m.param_dtype] * len(specs))
+    if m.world_size == 1:
+        return flat.clone()
+    comm.count("all_gather")
+    _before_collective("all-gather", m.module_key, -1)
+    return torch.ops._c10d_functional.all_gather_into_tensor(flat, m.world_size, m.group_name)
+
+
+@gather_next.register_fake
+def _gather_next_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = GatherNext.bind(args, kwargs)
+    total = sum(s.shard_numel for s in _next_specs(m))
+    return m.shards[0].new_empty([m.world_size * total], dtype=m.param_dtype or m.shards[0].dtype)
+
+
+def _gather_next_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    ctx.gather = GatherNext.bind(inputs, {})
+    # Autograd wants a gradient of each input's structure: a list for a list
+    # of tensors (an empty one too), None for anything else (a list with a
+    # None in it is one opaque argument).
+    ctx.lists = {name: len(v) for name, v in ctx.gather.values().items()
+                 if isinstance(v, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in v)}
+
+
+def _gather_next_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    # With sync: the kept gradients are added and the sum reduced, the shards
+    # get their part. Without: the sinks get the full gradients.
+    gather = ctx.gather
+    grads = ReduceNext.call(**ReduceNext.of_gather(gather, grad).values())
+    given = ({"shards": list(grads)} if gather.sync
+             else {"sinks": [grads[i] for i in gather.sink_params]})
+    return tuple(given.get(name, [None] * ctx.lists[name] if name in ctx.lists else None)
+                 for name in GatherNext.names())
+
+
+gather_next.register_autograd(_gather_next_backward, setup_context=_gather_next_setup_context)
+
+
+@torch.library.custom_op(ReduceNext.qualname(), mutates_args=(), schema=ReduceNext.schema())
+def reduce_next(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """The backward of ``gather_next``: ``grad`` is the full gradient of the
+    whole bucket, in the gather's layout."""
+    m = ReduceNext.bind(args, kwargs)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size)
+    if not m.sync:  # the full gradients, for the sinks
+        full = cast(EAGER, m.grad, m.reduce_dtype)
+        return [f.clone() for f in unpack_gathered(EAGER, full, specs)]
+    kept = list(m.kept)
+    kept_flat = pack_grads(EAGER, kept, specs) if any(k is not None for k in kept) else None
+    flat = reduce_input(EAGER, m.grad, kept_flat, m.reduce_dtype)
+    if m.world_size > 1:
+        comm.count("reduce_scatter")
+        _before_collective("reduce-scatter", m.module_key, -1)
+    summed = _reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all)
+    dtypes = [m.grad_dtype] * len(specs)
+    return [g.clone() for g in split_reduced(EAGER, summed, specs, list(m.local_rows), dtypes)]
+
+
+@reduce_next.register_fake
+def _reduce_next_fake(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    m = ReduceNext.bind(args, kwargs)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size)
+    if not m.sync:
+        return [m.grad.new_empty(list(s.full_shape), dtype=m.reduce_dtype or m.grad.dtype) for s in specs]
+    return [m.grad.new_empty([rows, *s.rest], dtype=m.grad_dtype or m.grad.dtype)
+            for s, rows in zip(specs, m.local_rows)]

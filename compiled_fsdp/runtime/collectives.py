@@ -1,0 +1,53 @@
+"""The eager runtime's bucket collectives: pack, communicate, unpack.
+
+The packing and unpacking around each collective is [Note: Bucket layout]'s
+(core/layout.py), shared with the lowering; the collectives themselves are
+core/comm.py's, which also counts them (``collective_counts``)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from compiled_fsdp.core import comm
+from compiled_fsdp.core.comm import PendingCollective
+from compiled_fsdp.core.layout import EAGER, ShardSpec, pack_grads, pack_shards, unpack_gathered
+
+__all__ = ["all_gather_bucket", "copy_out_all_gather", "reduce_scatter_bucket"]
+
+
+def all_gather_bucket(
+    shards: Sequence[torch.Tensor],
+    specs: Sequence[ShardSpec],
+    group: dist.ProcessGroup,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    async_op: bool = True,
+) -> PendingCollective:
+    """One all-gather of the packed local ``shards``, each cast to its compute
+    dtype (``dtypes``): output ``[N * T]``."""
+    flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs, dtypes)
+    comm.count("all_gather", flat_in.numel() * flat_in.element_size())
+    return comm.all_gather_flat(flat_in, group, async_op)
+
+
+def copy_out_all_gather(
+    flat_out: torch.Tensor, specs: Sequence[ShardSpec], dests: Sequence[torch.Tensor]
+) -> None:
+    """Copy each parameter's full value out of an all-gather output into ``dests``."""
+    with torch.no_grad():
+        for full, dest in zip(unpack_gathered(EAGER, flat_out, specs), dests):
+            dest.copy_(full)
+
+
+def reduce_scatter_bucket(
+    grads: Sequence[torch.Tensor],
+    specs: Sequence[ShardSpec],
+    group: dist.ProcessGroup,
+    by_all_to_all: bool,
+    async_op: bool = True,
+) -> PendingCollective:
+    """One reduce-scatter (sum) of the full ``grads``: output ``[T]``, not yet averaged."""
+    flat = pack_grads(EAGER, grads, specs)
+    comm.count("reduce_scatter", flat.numel() * flat.element_size())
+    return comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op)

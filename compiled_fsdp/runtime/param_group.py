@@ -1,0 +1,270 @@
+"""The parameter group: all managed parameters of one fully sharded module, the
+unit of communication (one all-gather, one reduce-scatter).
+
+[Note: Eager autograd through UnshardFn]
+In eager mode a group's unsharded parameters are the outputs of one autograd
+function, ``_UnshardFn``, whose inputs are the shards. Autograd runs its backward
+exactly once per backward pass, after every use of every parameter of the group
+has produced its gradient (a module called twice included: autograd sums the
+uses). That moment is the group's post-backward: it issues one bucketed
+reduce-scatter and returns no gradient to the shards; the reduced gradients are
+written to ``shard.grad`` when the reduce-scatter is awaited (in the root's
+end-of-backward callback, so every reduce-scatter has finished when
+``backward()`` returns). The outputs are views of the unsharded buffers, so
+freeing a buffer's storage after forward (reshard) and refilling it before
+backward is seen by autograd's saved tensors; the refill preserves the version
+counter, as FSDP2 does.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from compiled_fsdp.core import registry, rules
+from compiled_fsdp.core.comm import PendingCollective
+from compiled_fsdp.core.layout import EAGER, bucket_offsets, split_reduced
+from compiled_fsdp.runtime.collectives import all_gather_bucket, copy_out_all_gather, reduce_scatter_bucket
+from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
+from compiled_fsdp.runtime.param import FSDPParam
+
+if TYPE_CHECKING:
+    from compiled_fsdp.runtime.state import RootContext
+
+
+class Phase(enum.Enum):
+    """Where a root's iteration is (see [Note: Roots and iterations] in state.py)."""
+
+    IDLE = "idle"  # between forwards (or in backward)
+    FORWARD = "forward"  # the root's forward runs eagerly, now
+    COMPILED_FORWARD = "compiled forward"  # the root's forward runs under Dynamo, now
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather issued, not awaited (a prefetch)
+    UNSHARDED = "unsharded"
+
+
+class _UnshardFn(torch.autograd.Function):
+    """See [Note: Eager autograd through UnshardFn]."""
+
+    @staticmethod
+    def forward(ctx: Any, group: "FSDPParamGroup", *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        outs = tuple(p.unsharded.view_as(p.unsharded) for p in group.fsdp_params)
+        ctx.mark_non_differentiable(
+            *(o for o, p in zip(outs, group.fsdp_params) if not p.sharded.requires_grad)
+        )
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[None, ...]:
+        ctx.group.post_backward(grads)
+        return (None,) * (1 + len(grads))
+
+
+class FSDPParamGroup:
+    """One ``fully_shard`` application's parameters, communicated together."""
+
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        process_group: dist.ProcessGroup,
+        reduce_group: dist.ProcessGroup,
+        key: int,
+        reshard_after_forward: bool,
+        name: str,
+        checker: Optional[Checker] = None,
+        *,
+        reduce_by_all_to_all: bool,
+        hand_over_gathers: bool,
+    ) -> None:
+        self.fsdp_params = fsdp_params
+        self.process_group = process_group
+        self.group_name = process_group.group_name
+        # See [Note: A second group for reduce-scatters] in api.py.
+        self.reduce_group = reduce_group
+        self.reduce_group_name = reduce_group.group_name
+        # See [Note: Reduce-scatter on gloo] in core/comm.py (decided at fully_shard).
+        self.reduce_by_all_to_all = reduce_by_all_to_all
+        self.key = key
+        self.name = name
+        self.fqn = name  # the module's name under its root, set at the root's lazy init
+        self.reshard_after_forward = reshard_after_forward
+        # See [Note: Gradient accumulation without sync] in module.py.
+        self.reduce_grads = True
+        self.reshard_after_backward = True
+        # No fully sharded module contains this one (yet): see [Note: The reshard rule].
+        self.outermost = True
+        # Whether blocks compiled on their own may hand this module its gather
+        # (config.comm.hand_over_gathers, agreed at fully_shard).
+        self.hand_over_gathers = hand_over_gathers
+        self.specs = [p.spec for p in fsdp_params]
+        # Per parameter: where it lies in the group's gathered bucket ([Note: Bucket layout]).
+        self.bucket_numel = sum(s.shard_numel for s in self.specs)
+        for i, (p, offset) in enumerate(zip(fsdp_params, bucket_offsets(self.specs))):
+            p.group, p.index, p.bucket_offset = self, i, offset
+        self.state = ShardedState.SHARDED
+        # See [Note: Agreeing on collectives] in divergence.py.
+        self.checker = checker
+        self.check_number = checker.register() if checker is not None else -1
+        registry.register_owner(self)
+        self._pending_gather: Optional[PendingCollective] = None
+        self._gather_check: Optional[PendingCheck] = None
+        self._pending_reduce: Optional[tuple[PendingCollective, list[FSDPParam]]] = None
+        self._reduce_check: Optional[PendingCheck] = None
+        # Views handed to the module's code while it runs eagerly; see [Note: Parameter property].
+        self.exposed_views: Optional[tuple[torch.Tensor, ...]] = None
+        # Autograd outputs of this iteration's _UnshardFn, reused by later calls.
+        self._iter_views: Optional[tuple[torch.Tensor, ...]] = None
+        self.needs_grad_sync = False  # a backward was registered for this iteration
+        # The root's RootContext (see [Note: Roots and iterations]), set at lazy init.
+        self.ctx: Optional["RootContext"] = None
+        # The compile layer's state for this group (see [Note: The compiled path]).
+        self.compiled: Any = None
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """See [Note: The reshard rule] in core/rules.py."""
+        return rules.reshards_after_forward(self.reshard_after_forward, self.outermost)
+
+    @property
+    def label(self) -> str:
+        """The module's name under its root, for messages ("<root>" for the root)."""
+        return self.fqn or "<root>"
+
+    @property
+    def identity(self) -> tuple:
+        """What names this group the same on every rank, for the checks of
+        [Note: Agreeing on collectives]: its number among the groups of its
+        checker (``fully_shard`` order on the checker's ranks; not the key,
+        which counts every ``fully_shard`` call in the process and so differs
+        between ranks that also shard models on subgroups of their own) and
+        its parameters' full shapes."""
+        return (self.check_number, tuple(s.full_shape for s in self.specs))
+
+    def forward_active(self) -> bool:
+        """Whether the eager runtime is inside a forward of this group's root."""
+        return self.ctx is not None and self.ctx.phase is Phase.FORWARD
+
+    def before_marker_collective(self, op: str, param_index: int) -> None:
+        """A marker of this group that no pass lowered is about to issue ``op``
+        eagerly (core/ops.py): agree on it first."""
+        if self.checker is not None:
+            what = (f"the per-parameter {op} of {self.label}'s parameter {param_index}" if param_index >= 0
+                    else f"the {op} of {self.label}'s bucket")
+            self.checker.check(Checkpoint(
+                COLLECTIVE, self.checker.step, stable_code(op, self.identity, param_index), what))
+
+    # -- all-gather ----------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the group's all-gather (if sharded); with ``async_op=False`` also wait."""
+        if self.state is ShardedState.SHARDED:
+            self._gather_check = self._issue_check("all-gather")
+            self._pending_gather = all_gather_bucket(
+                [p.local_shard() for p in self.fsdp_params], self.specs, self.process_group,
+                [p.param_dtype for p in self.fsdp_params],
+            )
+            self.state = ShardedState.GATHERING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self.state is not ShardedState.GATHERING:
+            return
+        if self._gather_check is not None:
+            check, self._gather_check = self._gather_check, None
+            check.wait()
+        flat = self._pending_gather.wait()
+        self._pending_gather = None
+        dests = [p.alloc_unsharded() for p in self.fsdp_params]
+        with contextlib.ExitStack() as stack:
+            for d in dests:  # autograd's saved views must not see a version bump
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(d))
+            copy_out_all_gather(flat, self.specs, dests)
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.state is ShardedState.GATHERING:
+            self.wait_for_unshard()  # the collective was issued on every rank: finish it
+        for p in self.fsdp_params:
+            p.free_unsharded()
+        self.state = ShardedState.SHARDED
+
+    # -- forward -------------------------------------------------------------
+    def pre_forward(self) -> None:
+        self.unshard()
+        if self._iter_views is None:
+            shards = [p.sharded for p in self.fsdp_params]
+            if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
+                self._iter_views = _UnshardFn.apply(self, *shards)
+                self.needs_grad_sync = True
+            else:
+                self._iter_views = tuple(p.unsharded.view_as(p.unsharded) for p in self.fsdp_params)
+        self.exposed_views = self._iter_views
+
+    def post_forward(self, reshard: bool) -> None:
+        self.exposed_views = None
+        if reshard:
+            self.reshard()
+
+    # -- backward ------------------------------------------------------------
+    def pre_backward(self) -> None:
+        self.unshard()
+
+    def post_backward(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
+        """Reshard and issue the group's reduce-scatter (not awaited here)."""
+        if self.reshard_after_backward:
+            self.reshard()
+        if not self.reduce_grads:  # see [Note: Gradient accumulation without sync]
+            for p, g in zip(self.fsdp_params, grads):
+                p.accumulate_unsharded_grad(g)
+            return
+        owned = [(p, p.take_unsharded_grad(g)) for p, g in zip(self.fsdp_params, grads)]
+        owned = [(p, g) for p, g in owned if g is not None]
+        if not owned:
+            return
+        params = [p for p, _ in owned]
+        self._reduce_check = self._issue_check("reduce-scatter")
+        # take_unsharded_grad cast them to the reduce dtype: see [Note: Mixed precision].
+        pending = reduce_scatter_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group,
+                                        self.reduce_by_all_to_all)
+        self._pending_reduce = (pending, params)
+        if self.ctx is not None:
+            self.ctx.on_reduce_issued(self)
+
+    def finish_grad_sync(self) -> None:
+        """Await the reduce-scatter and accumulate the averaged shards into ``.grad``."""
+        if self._reduce_check is not None:
+            check, self._reduce_check = self._reduce_check, None
+            check.wait()
+        if self._pending_reduce is not None:
+            pending, params = self._pending_reduce
+            self._pending_reduce = None
+            grads = split_reduced(
+                EAGER, pending.wait(), [p.spec for p in params], [p.local_rows for p in params],
+                [p.orig_dtype for p in params],
+            )
+            for p, g in zip(params, grads):
+                p.add_grad(g)
+
+    def _issue_check(self, op: str) -> Optional[PendingCheck]:
+        """Announce this group's next eager collective; see [Note: Agreeing on collectives]."""
+        if self.checker is None:
+            return None
+        what = f"the eager {op} of {self.label} ({len(self.fsdp_params)} parameters)"
+        return self.checker.issue(Checkpoint(COLLECTIVE, self.checker.step, stable_code(op, self.identity), what))
+
+    def end_iteration(self) -> None:
+        """Reset per-iteration state: finish communication, free unsharded memory."""
+        self.finish_grad_sync()
+        if self.reshard_after_backward or not self.needs_grad_sync:
+            self.reshard()
+        self.exposed_views = None
+        self._iter_views = None
+        self.needs_grad_sync = False

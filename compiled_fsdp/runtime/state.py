@@ -1,0 +1,360 @@
+"""Per-module state, the registry that maps modules to it, and the eager hooks.
+
+[Note: Roots and iterations]
+The first fully sharded module whose forward runs without an owner becomes a
+root: it owns a ``RootContext`` shared by every fully sharded module in its
+subtree. An iteration starts at the root's pre-forward and ends in a callback
+queued on autograd's engine at the first pre-backward (or post-backward), which
+runs when ``backward()`` is about to return: it awaits every reduce-scatter,
+writes the gradients, and reshards whatever is still unsharded. A forward without
+backward (no grad, or an output that does not require grad) ends the iteration
+at the root's post-forward. The outermost module (the root) does not reshard after
+forward (see ``FSDPParamGroup.reshards_after_forward``).
+
+[Note: Prefetch order]
+Forward prefetch follows the previous iteration's pre-forward order; backward
+prefetch follows this iteration's post-forward order reversed (the root finishes
+its forward last, so its backward starts first), as FSDP2 does. Both orders are
+recorded from what ran, which is the same on every rank for the same program, so
+every rank issues the same prefetch all-gathers in the same order. A prefetch
+that turns out unused is still awaited (never dropped mid-flight) and freed at
+the end of the iteration.
+
+[Note: Hooks under Dynamo]
+A hook either is inlined into a graph Dynamo traces, or runs as Python:
+
+1. Inlined (a module called from traced code, including the compiled root's
+   own ``__call__`` when nothing breaks): ``torch.compiler.is_compiling()`` is
+   True and the hook returns at once, tracing to nothing. Parameter reads emit
+   markers; the passes own the module's communication.
+2. Python, inside a ``torch.compile``d call (``_is_in_optimized_module()``):
+   for the root, the compiled forward follows and owns the communication, so
+   the root does nothing. Any other module's hook runs as Python only because
+   Dynamo broke the graph around its call: the eager runtime serves that
+   module, and the compiled fragments of its forward read the gathered
+   parameters as plain inputs (no marker, so no second gather).
+3. Python, plain eager: the hook runtime below.
+
+Left alone, Dynamo compiles a hook that is called as Python as a frame of its
+own; ``is_compiling()`` is True while it traces, so that compiled hook would do
+nothing, silently (measured: the pre-hook of a graph-broken child never ran).
+So the hook code objects, and every frame they call, are skipped by Dynamo's
+frame evaluation (``set_code_exec_strategy``); inlining is unaffected.
+Measured on torch 2.13: with the hooks skipped, ``torch.compile(model)`` runs
+the root's hooks as Python and compiles ``forward`` as the frame; without
+skipping, it traces ``_wrapped_call_impl`` with the hooks inlined.
+"""
+from __future__ import annotations
+
+import enum
+import sys
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch._dynamo.eval_frame import _is_in_optimized_module, set_code_exec_strategy
+from torch._dynamo.types import FrameAction, FrameExecStrategy
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from compiled_fsdp.runtime.divergence import Checker, annotate_error
+from compiled_fsdp.runtime.extension import compiled_path
+from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase, ShardedState
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, cast_floating
+
+__all__ = ["FSDPState", "Path", "get_fsdp_state", "iter_fsdp_states", "module_fqns"]
+
+# Module -> its state, both weakly: the module keeps its state alive through its
+# hooks (bound methods of the state), so a model nobody references is freed
+# with its groups (a strong value would keep every sharded model, and its
+# process groups, alive to the end of the process).
+_MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[FSDPState]]" = weakref.WeakKeyDictionary()
+
+
+class Path(enum.Enum):
+    """How a fully sharded module's last forward ran (``compiled_fsdp.explain``)."""
+
+    COMPILED = "compiled"  # inside a compiled graph (the root's, or inlined into one)
+    OWN_FRAME = "compiled as its own frame"  # see [Note: Blocks compiled on their own]
+    FALLBACK = "fallback"  # its hooks ran as Python under compile: a graph break inside it
+    UNTRACED = "untraced"  # its compiled frame ran untraced: see [Note: Untraced root frames]
+    EAGER = "eager"
+
+    @property
+    def compiled(self) -> bool:
+        return self in (Path.COMPILED, Path.OWN_FRAME)
+
+
+def module_fqns(root: nn.Module) -> dict[nn.Module, str]:
+    """Each submodule's name under ``root``, without the ``_orig_mod`` of a
+    ``torch.compile`` wrapper in its parent's place (as FSDP2's state dict)."""
+    return {m: ".".join(p for p in name.split(".") if p != "_orig_mod") for name, m in root.named_modules()}
+
+
+def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
+    """The state of ``module`` if ``fully_shard`` was applied to it, else None."""
+    ref = _MODULE_STATE.get(module)
+    return None if ref is None else ref()
+
+
+def iter_fsdp_states(module: nn.Module) -> list["FSDPState"]:
+    """States of ``module``'s subtree (itself included) in ``module.modules()`` order."""
+    out = []
+    for m in module.modules():
+        st = get_fsdp_state(m)
+        if st is not None:
+            out.append(st)
+    return out
+
+
+class RootContext:
+    def __init__(self, root: "FSDPState") -> None:
+        self.root = root
+        self.states: list[FSDPState] = []
+        self.forward_order: list[FSDPState] = []
+        self.prev_forward_order: list[FSDPState] = []
+        self.post_forward_order: list[FSDPState] = []
+        self.callback_queued = False
+        self.pending_reduces: list[FSDPParamGroup] = []
+        self.phase = Phase.IDLE
+        self.step = 0  # root forwards so far
+        # (phase, module fqn) of each prefetch this iteration, and the last iteration's.
+        self.prefetched: list[tuple[str, str]] = []
+        self.last_prefetched: list[tuple[str, str]] = []
+        # Checks the ranks' collectives (None: off); set at lazy init.
+        self.checker: Optional[Checker] = None
+        # The compile layer's state for this root (see [Note: The compiled path]).
+        self.compiled: Any = None
+
+    def groups(self) -> list[FSDPParamGroup]:
+        return [s.param_group for s in self.states if s.param_group is not None]
+
+    def begin_iteration(self) -> None:
+        if self.forward_order:  # the last iteration ran no backward
+            self.end_iteration()
+        self.forward_order, self.post_forward_order = [], []
+        self.step += 1
+        compiled_path().on_step(self)  # before any tracing
+        for g in self.groups():  # see [Note: Gradient accumulation without sync] in module.py
+            if not g.reduce_grads:
+                for p in g.fsdp_params:
+                    if p.sharded.requires_grad:
+                        p.ensure_grad_sink()
+
+    def end_iteration(self) -> None:
+        """See [Note: Roots and iterations]."""
+        for g in self.pending_reduces:
+            g.finish_grad_sync()
+        self.pending_reduces = []
+        compiled_path().end_iteration(self)
+        for g in self.groups():
+            g.end_iteration()
+        self.prev_forward_order = self.forward_order
+        self.forward_order, self.post_forward_order = [], []
+        self.callback_queued = False
+        self.last_prefetched, self.prefetched = self.prefetched, []
+
+    def ensure_callback_queued(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_iteration)
+            compiled_path().on_backward(self)
+
+    def on_reduce_issued(self, group: FSDPParamGroup) -> None:
+        self.ensure_callback_queued()
+        # Await earlier reduce-scatters so at most two buckets are in flight.
+        for g in self.pending_reduces:
+            g.finish_grad_sync()
+        self.pending_reduces = [group]
+
+    def prefetch(self, target: Optional["FSDPState"], phase: str) -> None:
+        """Issue ``target``'s all-gather now, not awaited. See [Note: Prefetch order]."""
+        if target is None or target.param_group is None:
+            return
+        group = target.param_group
+        if group.state is ShardedState.SHARDED:
+            group.unshard(async_op=True)
+            self.prefetched.append((phase, group.fqn))
+
+    def prefetch_next(self, state: "FSDPState", in_graph: bool) -> Optional[FSDPParamGroup]:
+        """Prefetch for the module expected to run after ``state`` ([Note:
+        Prefetch order]). A module predicted to compile its own frame is handed
+        its gather instead (``CompiledPath.hand_over``): returned, for
+        ``state``'s graph to issue (``in_graph``), or issued now. The first
+        iteration has no recorded order: a handoff then goes to the next
+        module in the model's order, an eager prefetch to none."""
+        path = compiled_path()
+        target = self.forward_prefetch_target(state)
+        if target is None and not self.prev_forward_order:
+            at = next(i for i, s in enumerate(self.states) if s is state)
+            first_guess = self.states[at + 1] if at + 1 < len(self.states) else None
+            if first_guess is not None and path.predicts_own_frame(first_guess):
+                target = first_guess
+        if target is None:
+            return None
+        if not path.predicts_own_frame(target):
+            self.prefetch(target, "forward")
+            return None
+        return path.hand_over(target, in_graph)
+
+    def forward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
+        """See [Note: Prefetch order]."""
+        i = len(self.forward_order) - 1
+        prev = self.prev_forward_order
+        if i + 1 < len(prev) and prev[i] is state:
+            return prev[i + 1]
+        return None
+
+    def backward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
+        order: list[FSDPState] = []
+        for s in reversed(self.post_forward_order):  # last finished first, each state once
+            if not any(s is o for o in order):
+                order.append(s)
+        for i, s in enumerate(order[:-1]):
+            if s is state:
+                return order[i + 1]
+        return None
+
+
+class FSDPState:
+    """What ``fully_shard`` attaches to one module: its parameter group and hooks."""
+
+    def __init__(
+        self, module: nn.Module, param_group: Optional[FSDPParamGroup], mp_policy: MixedPrecisionPolicy
+    ) -> None:
+        self.module = module
+        self.param_group = param_group
+        self.mp_policy = mp_policy
+        self.ctx: Optional[RootContext] = None
+        # How the last forward ran (see compiled_fsdp.explain) and in which step.
+        self.path: Optional[Path] = None
+        self.path_step = -1
+        _MODULE_STATE[module] = weakref.ref(self)
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+        module.register_forward_hook(_annotate_failed_forward, always_call=True)
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    def _lazy_init(self) -> None:
+        """See [Note: Roots and iterations]."""
+        states = iter_fsdp_states(self.module)
+        for st in states:  # every rank reaches the same verdict: the same model
+            for p in st.param_group.fsdp_params if st.param_group is not None else ():
+                p.check_materialized()
+        ctx = RootContext(self)
+        ctx.states = states
+        ctx.checker = next(
+            (st.param_group.checker for st in states if st.param_group is not None), None)
+        fqns = module_fqns(self.module)
+        for st in ctx.states:
+            st.ctx = ctx
+            if st.param_group is not None:
+                st.param_group.ctx = ctx
+                st.param_group.fqn = fqns[st.module]
+
+    def set_path(self, path: Path) -> None:
+        self.path, self.path_step = path, self.ctx.step
+
+    def last_path(self) -> Optional[Path]:
+        """How this module's forward ran in the current step (None: it did not run)."""
+        return self.path if self.ctx is not None and self.path_step == self.ctx.step else None
+
+    # -- hooks -------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """See [Note: Hooks under Dynamo]. Traced inside a graph, only the input
+        casts remain: the passes own this module's communication."""
+        if not torch.compiler.is_compiling():
+            self._eager_pre_forward(_is_in_optimized_module())
+        mp = self.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:  # [Note: Mixed precision]
+            return cast_floating(mp.param_dtype, (args, kwargs))
+        return None
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            output = self._eager_post_forward(output)
+        return cast_floating(self.mp_policy.output_dtype, output)
+
+    def _eager_pre_forward(self, in_compiled_call: bool) -> None:
+        if self.ctx is None:
+            self._lazy_init()
+        ctx = self.ctx
+        path = compiled_path()
+        if self.is_root:
+            ctx.begin_iteration()
+            if ctx.checker is not None:  # see [Note: Agreeing on collectives] in divergence.py
+                ctx.checker.check_step(ctx.step)
+            if path.root_compiles(self, in_compiled_call):
+                ctx.phase = Phase.COMPILED_FORWARD  # Dynamo traces the forward: markers, no hooks
+                self.set_path(Path.COMPILED)
+                return
+            ctx.phase = Phase.FORWARD
+        elif path.begins_own_frame(self, in_compiled_call):
+            return
+        # See [Note: Fallback decision rule] in compile/frames.py.
+        self.set_path(Path.FALLBACK if in_compiled_call else Path.EAGER)
+        self.run_eagerly()
+
+    def run_eagerly(self) -> None:
+        """This module's forward runs the eager runtime: gather, expose, prefetch."""
+        ctx = self.ctx
+        ctx.forward_order.append(self)
+        if self.param_group is not None:
+            compiled_path().before_eager_forward(self)
+            self.param_group.pre_forward()
+        ctx.prefetch_next(self, in_graph=False)
+
+    def _eager_post_forward(self, output: Any) -> Any:
+        ctx = self.ctx
+        path = compiled_path()
+        if path.after_own_frame(self, output):
+            return output
+        if self.is_root:
+            compiled = ctx.phase is Phase.COMPILED_FORWARD
+            ctx.phase = Phase.IDLE
+            path.end_forward(ctx)
+            if compiled:
+                path.after_compiled_root(ctx, output)
+                return output
+        ctx.post_forward_order.append(self)
+        grad_outputs = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
+        if self.param_group is not None:
+            reshard = not backward_follows or self.param_group.reshards_after_forward
+            self.param_group.post_forward(reshard)
+        if backward_follows:
+            register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
+        elif self.is_root:
+            ctx.end_iteration()
+        return output
+
+    def _pre_backward(self, grad: Any) -> None:
+        ctx = self.ctx
+        ctx.ensure_callback_queued()
+        if self.param_group is not None:
+            self.param_group.pre_backward()
+        target = ctx.backward_prefetch_target(self)
+        if target is not None and target.param_group is not None and target.param_group.needs_grad_sync:
+            ctx.prefetch(target, "backward")
+
+
+def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:
+    """Runs after every forward, also one that raised (``always_call``): a
+    collective error there (a peer exited after a failed check) gets that
+    peer's report as a note. See [Note: Agreeing on collectives] in divergence.py."""
+    if output is None and not torch.compiler.is_compiling():  # (None: the forward raised)
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            annotate_error(exc)
+
+
+# See [Note: Hooks under Dynamo]: skip these frames and every frame they call.
+_SKIP_RECURSIVELY = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+for _hook in (FSDPState._pre_forward, FSDPState._post_forward, _annotate_failed_forward):
+    set_code_exec_strategy(_hook.__code__, _SKIP_RECURSIVELY)

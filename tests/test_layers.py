@@ -1,0 +1,129 @@
+"""The layers import one way (DESIGN.md, "Layering"): core <- runtime <- compile
+<- tools, and the passes import only the core. Checked on every import
+statement of the package, function-level ones included, so the layering
+cannot rot unnoticed."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# layer -> the layers its modules may import (besides torch and the stdlib).
+ALLOWED = {
+    "core": {"core"},
+    "config": set(),
+    "runtime": {"core", "config", "runtime"},
+    "compile": {"core", "config", "runtime", "compile", "passes"},
+    "passes": {"core", "passes"},
+    "tools": {"core", "config", "runtime", "compile", "passes", "tools"},
+    # The package's facade: the public names (tools only lazily, see below).
+    "facade": {"core", "config", "runtime", "compile", "tools"},
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "passes":
+        parts = ["compiled_fsdp", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "compiled_fsdp":
+        return "outside"
+    if len(parts) == 1 or parts[1] == "check":
+        return "facade"
+    return parts[1]
+
+
+def _package_files() -> list[Path]:
+    return sorted([*(ROOT / "compiled_fsdp").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level) of every import in ``path``."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    top = set(map(id, tree.body))
+    out = []
+
+    def visit(node: ast.AST, module_level: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            level = module_level and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno, module_level) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (child.level - 1)]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                out.append((mod, child.lineno, module_level))
+                if child.module is None or mod in ("compiled_fsdp", "compiled_fsdp.passes"):
+                    out.extend((f"{mod}.{a.name}", child.lineno, module_level) for a in child.names)
+            visit(child, level)
+
+    visit(tree, True)
+    del top
+    return out
+
+
+def _violations() -> list[str]:
+    found = []
+    for path in _package_files():
+        me = _module_name(path)
+        mine = _layer(me)
+        for target, line, module_level in _imports(path):
+            where = f"{path.relative_to(ROOT)}:{line}"
+            root = target.split(".")[0]
+            if root in ("examples", "tests", "benchmarks"):
+                found.append(f"{where}: {me} imports {target} (not part of the package)")
+                continue
+            if root != "compiled_fsdp":
+                continue
+            theirs = _layer(target)
+            if theirs == "facade" and target == "compiled_fsdp":
+                theirs = "facade"
+            if theirs not in ALLOWED[mine]:
+                found.append(f"{where}: {mine} module {me} imports {target} ({theirs})")
+            elif mine == "compile" and theirs == "passes" and module_level:
+                found.append(f"{where}: {me} imports {target} at import time (the passes load at the first compile)")
+            elif mine == "facade" and theirs == "tools" and module_level and me != "compiled_fsdp.check":
+                found.append(f"{where}: {me} imports {target} at import time (tools load when used)")
+    return found
+
+
+def test_imports_go_one_way() -> None:
+    found = _violations()
+    assert found == [], "imports against the layering:\n" + "\n".join(found)
+
+
+def test_the_check_sees_a_forbidden_import(tmp_path, monkeypatch) -> None:
+    """The walk finds what it forbids: a runtime module importing the compile
+    layer inside a function."""
+    fake = ROOT / "compiled_fsdp" / "runtime" / "_layering_probe.py"
+    fake.write_text("def f():\n    from compiled_fsdp.compile import install\n")
+    try:
+        found = _violations()
+    finally:
+        fake.unlink()
+    assert any("_layering_probe.py:2: runtime module" in f for f in found), found
+
+
+def test_import_loads_no_pass_and_no_tool() -> None:
+    """``import compiled_fsdp`` (and ``fully_shard``'s module) loads neither
+    the passes nor the tools: they load at the first compile and when used."""
+    code = ("import sys, compiled_fsdp; from compiled_fsdp import fully_shard; "
+            "print(sorted(m for m in sys.modules if m.startswith(('compiled_fsdp.passes', 'compiled_fsdp.tools'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
