@@ -38,8 +38,17 @@ Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 # (Keyed by identity: tensors compare elementwise.)
 _MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Group keys: the n-th application of fully_shard in a program is key n on every
-# rank, so markers and buckets agree across ranks.
-_KEYS = itertools.count()
+# rank, so markers and buckets agree across ranks. Counted per rank (per world
+# group object: thread ranks each have their own; see [Note: Helper groups]).
+_KEYS: "weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count]" = weakref.WeakKeyDictionary()
+
+
+def _next_key() -> int:
+    world = dist.distributed_c10d._get_default_group()
+    counter = _KEYS.get(world)
+    if counter is None:
+        counter = _KEYS[world] = itertools.count()
+    return next(counter)
 
 
 @dataclass(frozen=True)
@@ -72,16 +81,16 @@ class ShardingOptions:
         """The mesh the parameters' DTensors live on."""
         if self.mesh is not None:
             return self.mesh
-        key = (self.process_group.group_name, device_type)
-        mesh = _MESHES.get(key)
+        meshes = _MESHES.setdefault(self.process_group, {})
+        mesh = meshes.get(device_type)
         if mesh is None or mesh.get_group() not in dist.distributed_c10d._world.pg_map:
-            mesh = DeviceMesh.from_group(self.process_group, device_type)
-            _MESHES[key] = mesh
+            mesh = meshes[device_type] = DeviceMesh.from_group(self.process_group, device_type)
         return mesh
 
 
-# (group name, device type) -> the 1-D mesh built over a user's ProcessGroup.
-_MESHES: dict[tuple[str, str], DeviceMesh] = {}
+# Process group -> device type -> the 1-D mesh built over it (see [Note: Helper
+# groups] in divergence.py: keyed by the group object, so per rank).
+_MESHES: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, DeviceMesh]]" = weakref.WeakKeyDictionary()
 
 
 def _resolve_options(
@@ -132,9 +141,10 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
                    gloo_reduce_by_all_to_all=comm.gloo_reduce_by_all_to_all)
 
 
-# Gather group name -> its reduce group, created once per gather group. Weakly:
+# Gather group -> its reduce group, created once per gather group (keyed by the
+# group object: per rank, see [Note: Helper groups] in divergence.py). Weakly:
 # see [Note: Process groups at exit] in tools/launch.py.
-_REDUCE_GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
+_REDUCE_GROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
 
 
 def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -155,7 +165,7 @@ def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     spanning the world with ``new_group`` (which all ranks join), for a
     smaller group with ``use_local_synchronization`` (only its members join).
     """
-    reduce_group = _REDUCE_GROUPS.get(group.group_name)
+    reduce_group = _REDUCE_GROUPS.get(group)
     if reduce_group is None or reduce_group not in dist.distributed_c10d._world.pg_map:
         # (not created yet, or destroyed with its world by destroy_process_group)
         ranks = dist.get_process_group_ranks(group)
@@ -165,7 +175,7 @@ def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
             group_desc=f"compiled_fsdp_reduce_{group.group_name}",
         )
         assert reduce_group is not None
-        _REDUCE_GROUPS[group.group_name] = reduce_group
+        _REDUCE_GROUPS[group] = reduce_group
     return reduce_group
 
 
@@ -228,7 +238,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             _MANAGED[param] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
-            fsdp_params, options.process_group, options.reduce_group, next(_KEYS),
+            fsdp_params, options.process_group, options.reduce_group, _next_key(),
             options.reshard_after_forward, type(module).__name__, options.checker,
             reduce_by_all_to_all=uses_all_to_all(options.reduce_group, options.gloo_reduce_by_all_to_all),
             hand_over_gathers=options.hand_over_gathers,
@@ -315,7 +325,10 @@ def _agree(
     or the reduce group off would otherwise skip a ``new_group`` the others
     wait in. Tested by tests/test_api.py::test_bad_input_is_a_clear_error_on_every_rank.)"""
     verdicts: list = [None] * group.size()
-    dist.all_gather_object(verdicts, (error, fingerprint, settings), group=group)
+    if dist.get_backend(group) == "fake":  # one process plays every rank: nothing to agree on
+        verdicts = [(error, fingerprint, settings)] * group.size()
+    else:
+        dist.all_gather_object(verdicts, (error, fingerprint, settings), group=group)
     failed = [(r, e) for r, (e, _, _) in enumerate(verdicts) if e is not None]
     if failed:
         rank, (kind, msg) = failed[0]

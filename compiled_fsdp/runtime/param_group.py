@@ -216,9 +216,14 @@ class FSDPParamGroup:
     # -- backward ------------------------------------------------------------
     def pre_backward(self) -> None:
         self.unshard()
+        # Activation checkpointing recomputes the module's forward during its
+        # backward: it reads the parameters that this iteration's forward read
+        # (tests/test_eager_parity.py::test_activation_checkpointing).
+        self.exposed_views = self._iter_views
 
     def post_backward(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
         """Reshard and issue the group's reduce-scatter (not awaited here)."""
+        self.exposed_views = None
         if self.reshard_after_backward:
             self.reshard()
         if not self.reduce_grads:  # see [Note: Gradient accumulation without sync]
