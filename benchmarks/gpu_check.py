@@ -53,9 +53,12 @@ def run_worker(kind: str, args: argparse.Namespace, extra: list[str]) -> dict[st
     if os.path.exists(result):
         os.remove(result)
     cmd = [sys.executable, gpu_workers.__file__, kind, "--result", result] + extra
+    env = dict(os.environ)
+    if args.dump and kind in args.dump_kinds:  # the compiled graphs and pass reports (README: dumps)
+        env["COMPILED_FSDP_DUMP"] = os.path.join(args.dump, kind)
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout, env=env)
         tail = (proc.stdout + proc.stderr)[-3000:]
         ok = proc.returncode == 0 and os.path.exists(result)
     except subprocess.TimeoutExpired as e:
@@ -111,6 +114,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--kinds", nargs="*", default=None, help="only these configurations")
     p.add_argument("--predict-worlds", nargs="+", type=int, default=[8, 64])
     p.add_argument("--worker-timeout", type=float, default=300.0)
+    p.add_argument("--dump", default=None, help="dump the compiled graphs of --dump-kinds here")
+    p.add_argument("--dump-kinds", nargs="*", default=["ours_compiled", "sim_ours"])
     gpu_workers.add_arguments(p)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -155,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 def _strip_driver_values(argv: list[str]) -> list[str]:
     """Drop the values that followed the driver's own options (space-separated form)."""
     out, skip = [], False
-    driver = ("--out", "--parts", "--kinds", "--predict-worlds", "--worker-timeout")
+    driver = ("--out", "--parts", "--kinds", "--predict-worlds", "--worker-timeout", "--dump", "--dump-kinds")
     for a in argv:
         if a.startswith("--"):
             name = a.split("=")[0]
