@@ -147,7 +147,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    losses, times = [], []
+    losses, times, allocated = [], [], []
     t0 = time.perf_counter()
     losses.append(float(step(0)))
     _sync(device)
@@ -163,6 +163,8 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         _sync(device)
         times.append(time.perf_counter() - t)
         losses.append(float(loss))
+        if device.type == "cuda":  # after each step: must not grow
+            allocated.append(torch.cuda.memory_allocated() / 2**30)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     trace = None
     if args.trace_dir and kind in args.trace_kinds:
@@ -176,7 +178,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "first_step_s": first_step_s, "step_s": step_s, "step_times_s": times,
         "tokens_per_s": tokens / step_s, "flops_per_token": flops_token,
         "mfu": tokens / step_s * flops_token / args.peak_flops,
-        "peak_mem_gib": peak, "losses": losses, "param_norm": _param_norm(model), "trace": trace,
+        "peak_mem_gib": peak, "allocated_after_step_gib": allocated, "losses": losses, "param_norm": _param_norm(model), "trace": trace,
     }
 
 

@@ -127,6 +127,24 @@ def reduce_scatter_single(
 # --- DTensor ----------------------------------------------------------------
 
 @functools.lru_cache(1)
+def has_streams(device: torch.device) -> bool:
+    """Whether ``device`` is the current accelerator, with streams and events
+    (``torch.accelerator``: CUDA, XPU, ...); the CPU has none."""
+    if device.type == "cpu":
+        return False
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc is not None and acc.type == device.type
+
+
+def new_stream(device: torch.device) -> torch.Stream:
+    """A new stream on ``device`` (usable as a context manager)."""
+    return torch.Stream(device=device)
+
+
+def current_stream(device: torch.device) -> torch.Stream:
+    return torch.accelerator.current_stream(device)
+
+
 def to_local_keeps_none_grads() -> bool:
     """Whether ``DTensor.to_local``'s backward passes a missing gradient on as
     ``None`` (rather than materializing zeros): asked of its backward directly."""

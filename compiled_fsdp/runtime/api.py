@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Union
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -223,6 +224,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     try:
         mp = check_policy(options.mp_policy)
         owners = _validate(module, ignored, mp)
+        _check_device_and_backend(module, owners, options.process_group)
     except (TypeError, ValueError) as exc:
         error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
@@ -265,10 +267,46 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
 def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup) -> str:
     """The device type of the parameters' mesh. For a model built on ``meta``
     (see [Note: Meta-device init] in param.py) it is the device the process
-    group communicates on: CUDA for NCCL, else CPU."""
+    group communicates on: CUDA for NCCL, the accelerator (if any) for torch's
+    fake group, else CPU."""
     if param.device.type != "meta":
         return param.device.type
-    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    backend = dist.get_backend(group)
+    if backend == "fake" and torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator().type
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+# The device types each backend carries; a backend not named here is not checked.
+_BACKEND_DEVICES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "fake": None}
+
+
+def _check_device_and_backend(module: nn.Module, owners: dict, group: dist.ProcessGroup) -> None:
+    msg = device_backend_error({p.device.type for p in owners}, str(dist.get_backend(group)))
+    if msg is not None:
+        raise ValueError(f"fully_shard({type(module).__name__}): {msg}")
+
+
+def device_backend_error(devices: set[str], backend: str) -> Optional[str]:
+    """What is wrong when parameters on ``devices`` are sharded over a group
+    with ``backend`` (a CUDA model under gloo, a CPU model under NCCL), or
+    None; ``cpu:gloo,cuda:nccl`` style backends carry the devices they name,
+    a backend this does not know is not checked."""
+    devices = devices - {"meta"}
+    if ":" in backend:
+        carried: Optional[set[str]] = {part.split(":")[0] for part in backend.split(",")}
+    elif backend in _BACKEND_DEVICES:
+        carried = _BACKEND_DEVICES[backend]
+    else:
+        return None
+    if not devices or carried is None or devices <= carried:
+        return None
+    device = sorted(devices - carried)[0]
+    hint = ("init_process_group('nccl') for CUDA parameters" if device == "cuda"
+            else f"move the module to the group's device ({', '.join(sorted(carried))}) before fully_shard")
+    return (f"its parameters are on {device}, but the process group's backend {backend!r} communicates "
+            f"{', '.join(sorted(carried))} tensors. Use {hint}, or a backend that carries both "
+            "(init_process_group('cpu:gloo,cuda:nccl')).")
 
 
 def _reset_after_load(fsdp_params: list[FSDPParam]) -> Callable:
