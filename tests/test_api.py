@@ -148,7 +148,7 @@ def test_bad_input_is_a_clear_error_on_every_rank() -> None:
 
 
 @pytest.mark.parametrize("devices,backend,wrong", [
-    ({"cuda"}, "gloo", "on cuda.*'gloo' communicates cpu.*init_process_group\\('nccl'\\)"),
+    ({"cuda"}, "gloo", "on cuda.*'gloo' communicates cpu.*use init_process_group\\('nccl'\\)"),
     ({"cpu"}, "nccl", "on cpu.*'nccl' communicates cuda.*move the module"),
     ({"cuda"}, "cpu:gloo,cuda:nccl", None),
     ({"cpu"}, "cpu:gloo,cuda:nccl", None),

@@ -302,10 +302,10 @@ def device_backend_error(devices: set[str], backend: str) -> Optional[str]:
     if not devices or carried is None or devices <= carried:
         return None
     device = sorted(devices - carried)[0]
-    hint = ("init_process_group('nccl') for CUDA parameters" if device == "cuda"
+    hint = ("use init_process_group('nccl') for CUDA parameters" if device == "cuda"
             else f"move the module to the group's device ({', '.join(sorted(carried))}) before fully_shard")
     return (f"its parameters are on {device}, but the process group's backend {backend!r} communicates "
-            f"{', '.join(sorted(carried))} tensors. Use {hint}, or a backend that carries both "
+            f"{', '.join(sorted(carried))} tensors: {hint}, or use a backend that carries both "
             "(init_process_group('cpu:gloo,cuda:nccl')).")
 
 
