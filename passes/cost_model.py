@@ -59,11 +59,12 @@ class CommConstants:
 # and their date: benchmarks/RESULTS.md). The gradient reduce is priced as it
 # runs on gloo (all-to-all + sum, see [Note: Reduce-scatter on gloo] in
 # compiled_fsdp/core/comm.py). Links are the 2-rank figure / 2.
-# CUDA / NCCL: published figures until benchmarks/calibrate.py runs on a GPU
-# with several ranks (one GPU measures compute, not links; its figures and
-# date: benchmarks/RESULTS.md). Compute: dense bf16 989 TFLOP/s on an H100 or
-# H200 SXM (NVIDIA's datasheets) at ~60% for real kernels, HBM 3.35 TB/s (H100;
-# H200: 4.8) at ~70%. Links: within a node, NVLink 4 gives each GPU 450 GB/s
+# CUDA / NCCL: compute measured by ``benchmarks/calibrate.py --gpu`` on one
+# H200 (bf16 matmul 782 TFLOP/s on random data, device copy 4.27 TB/s; the
+# datasheets: 989 dense bf16, HBM 4.8 TB/s, an H100 3.35): the constants take
+# ~75% of the matmul rate for a model's mix of shapes and ~55% of the copy
+# rate (an H100's). Links are published figures until a machine with several
+# GPUs is measured (one GPU has none; benchmarks/RESULTS.md). Links: within a node, NVLink 4 gives each GPU 450 GB/s
 # per direction (900 GB/s both ways); NCCL's all-gather and reduce-scatter
 # reach a bus bandwidth of about 370 GB/s on 8 GPUs (nccl-tests on DGX H100);
 # between nodes each GPU has one 400 Gb/s NIC (DGX H100: 8x ConnectX-7), 50
