@@ -173,8 +173,9 @@ def _strip_driver_values(argv: list[str]) -> list[str]:
 
 
 def _torch_version() -> str:
-    import torch
-    return torch.__version__
+    """For the report (the project decides nothing from it: core/compat.py does)."""
+    from importlib.metadata import version
+    return version("torch")
 
 
 def _device_name() -> str:
