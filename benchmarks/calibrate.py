@@ -1,6 +1,7 @@
 """Measures the constants of ``compiled_fsdp.passes.cost_model`` on this machine.
 
-    python benchmarks/calibrate.py
+    python benchmarks/calibrate.py          # CPU compute, 2 gloo ranks
+    python benchmarks/calibrate.py --gpu    # one GPU's compute (links: published figures)
 
 Compute: 1-thread matmul throughput (FLOP/s) and elementwise bandwidth (bytes/s).
 Communication: 2 gloo ranks (1 thread each), functional all_gather_into_tensor,
@@ -42,6 +43,28 @@ def compute_constants() -> dict:
     x, y = torch.randn(1 << 22), torch.randn(1 << 22)
     bw = 3 * 4 * (1 << 22) / _median_time(lambda: x + y, 10)
     return {"matmul_flops_per_s": flops, "elementwise_bytes_per_s": bw}
+
+
+def gpu_compute_constants() -> dict:
+    """bf16 matmul FLOP/s (8192^3, random data) and device-to-device copy
+    bandwidth (bytes read + written) of the current GPU, timed with CUDA events."""
+    def timed(fn, reps: int = 10) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    x = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
+    y = torch.empty_like(x)
+    return {"device": torch.cuda.get_device_name(), "bf16_matmul_flops_per_s": 2 * n**3 / timed(lambda: a @ b),
+            "copy_bytes_per_s": 2 * x.numel() / timed(lambda: y.copy_(x))}
 
 
 def _comm_rank(rank: int, world: int) -> dict:
@@ -86,6 +109,11 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def main() -> None:
+    if "--gpu" in sys.argv:
+        c = gpu_compute_constants()
+        print(f"{c['device']}: bf16 matmul {c['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+              f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + written)")
+        return
     from _dist import run_distributed
 
     comp = compute_constants()

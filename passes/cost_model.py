@@ -59,10 +59,19 @@ class CommConstants:
 # and their date: benchmarks/RESULTS.md). The gradient reduce is priced as it
 # runs on gloo (all-to-all + sum, see [Note: Reduce-scatter on gloo] in
 # compiled_fsdp/core/comm.py). Links are the 2-rank figure / 2.
-# CUDA / NCCL: not measured here (no GPU); vendor figures for one H100 SXM
-# node (bf16 dense ~60% of 989 TFLOP/s, HBM3 3.35 TB/s at ~70%, NVLink 4
-# ~370 GB/s bus bandwidth, ~10 us NCCL latency per step). Re-run the
-# calibration on the target before trusting them.
+# CUDA / NCCL: compute measured by ``benchmarks/calibrate.py --gpu`` on one
+# H200 (bf16 matmul 782 TFLOP/s on random data, device copy 4.27 TB/s; the
+# datasheets: 989 dense bf16, HBM 4.8 TB/s, an H100 3.35): the constants take
+# ~75% of the matmul rate for a model's mix of shapes and ~55% of the copy
+# rate (an H100's). Links are published figures until a machine with several
+# GPUs is measured (one GPU has none; benchmarks/RESULTS.md). Links: within a node, NVLink 4 gives each GPU 450 GB/s
+# per direction (900 GB/s both ways); NCCL's all-gather and reduce-scatter
+# reach a bus bandwidth of about 370 GB/s on 8 GPUs (nccl-tests on DGX H100);
+# between nodes each GPU has one 400 Gb/s NIC (DGX H100: 8x ConnectX-7), 50
+# GB/s, of which a ring reaches about 45. A ring spanning nodes runs at its
+# slowest link: ``comm_time`` prices a group of more than ``ranks_per_node``
+# ranks with ``inter_node``. Latency ~10 us per ring step in a node, ~20 us
+# across nodes.
 CPU_COMPUTE = ComputeConstants(flops_per_s=8.0e10, bytes_per_s=1.05e10)
 GLOO_COMM = {
     "all_gather": CommConstants(alpha_s=3.4e-4, link_bytes_per_s=4.2e8),
@@ -73,6 +82,11 @@ NCCL_COMM = {
     "all_gather": CommConstants(alpha_s=1.0e-5, link_bytes_per_s=3.7e11),
     "reduce_scatter": CommConstants(alpha_s=1.0e-5, link_bytes_per_s=3.7e11),
 }
+NCCL_INTER_NODE = {
+    "all_gather": CommConstants(alpha_s=2.0e-5, link_bytes_per_s=4.5e10),
+    "reduce_scatter": CommConstants(alpha_s=2.0e-5, link_bytes_per_s=4.5e10),
+}
+GPUS_PER_NODE = 8
 
 _NO_COST_OPS = ("view", "_unsafe_view", "reshape", "slice", "select", "expand", "t",
                 "transpose", "permute", "squeeze", "unsqueeze", "alias", "as_strided",
@@ -107,6 +121,14 @@ def _collective_kind(node: fx.Node) -> str | None:
 class CostModel:
     compute: ComputeConstants = CPU_COMPUTE
     comm: Any = dataclasses.field(default_factory=lambda: dict(GLOO_COMM))
+    # Links of a group that spans nodes (None: one kind of link), and how many
+    # ranks a node holds (see [Note: Calibrated constants]).
+    inter_node: Any = None
+    ranks_per_node: int = GPUS_PER_NODE
+
+    @staticmethod
+    def nccl() -> "CostModel":
+        return CostModel(compute=CUDA_COMPUTE, comm=dict(NCCL_COMM), inter_node=dict(NCCL_INTER_NODE))
 
     @staticmethod
     def for_graph(graph: fx.Graph) -> "CostModel":
@@ -116,7 +138,7 @@ class CostModel:
             vals = [t for t in tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)]
             if vals:
                 if vals[0].device.type == "cuda":
-                    return CostModel(compute=CUDA_COMPUTE, comm=dict(NCCL_COMM))
+                    return CostModel.nccl()
                 return CostModel()
         return CostModel()
 
@@ -147,8 +169,13 @@ class CostModel:
         moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)
         return moved / self.compute.bytes_per_s
 
+    def link(self, kind: str, world_size: int) -> CommConstants:
+        """The constants of a ring over ``world_size`` ranks: its slowest link."""
+        spans_nodes = self.inter_node is not None and world_size > self.ranks_per_node
+        return (self.inter_node if spans_nodes else self.comm)[kind]
+
     def comm_time(self, kind: str, unsharded_bytes: int, world_size: int) -> float:
-        c = self.comm[kind]
+        c = self.link(kind, world_size)
         steps = max(world_size - 1, 0)
         return steps * c.alpha_s + steps / max(world_size, 1) * unsharded_bytes / c.link_bytes_per_s
 
@@ -165,5 +192,5 @@ class CostModel:
     def latency_bytes(self, kind: str, world_size: int) -> int:
         """Buffer size at which the bandwidth term equals the latency term:
         below it a collective is mostly fixed cost (see [Note: Bucket threshold])."""
-        c = self.comm[kind]
+        c = self.link(kind, world_size)
         return int(world_size * c.alpha_s * c.link_bytes_per_s)

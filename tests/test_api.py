@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -144,3 +145,24 @@ def _bad_input_rank(rank: int, world: int) -> list[str]:
 def test_bad_input_is_a_clear_error_on_every_rank() -> None:
     for messages in run_distributed(_bad_input_rank, 2, timeout=120):
         assert all("fully_shard" in m for m in messages)
+
+
+@pytest.mark.parametrize("devices,backend,wrong", [
+    ({"cuda"}, "gloo", "on cuda.*'gloo' communicates cpu.*use init_process_group\\('nccl'\\)"),
+    ({"cpu"}, "nccl", "on cpu.*'nccl' communicates cuda.*move the module"),
+    ({"cuda"}, "cpu:gloo,cuda:nccl", None),
+    ({"cpu"}, "cpu:gloo,cuda:nccl", None),
+    ({"cuda"}, "nccl", None),
+    ({"cpu"}, "fake", None),
+    ({"meta"}, "nccl", None),  # built on meta: materialized later, on the group's device
+    ({"xpu"}, "xccl", None),  # a backend this does not know: not checked
+])
+def test_device_and_backend_must_match(devices: set, backend: str, wrong) -> None:
+    """The check ``fully_shard`` runs (and agrees on across ranks, like every
+    check of ``_validate``: test_bad_input_is_a_clear_error_on_every_rank)."""
+    from compiled_fsdp.runtime.api import device_backend_error
+    msg = device_backend_error(devices, backend)
+    if wrong is None:
+        assert msg is None
+    else:
+        assert msg is not None and re.search(wrong, msg), msg

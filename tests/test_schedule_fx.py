@@ -23,13 +23,15 @@ D = 64
 
 
 def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = None,
-           interleaved: bool = False, reduce_group: str = GROUP, all_to_all: bool = False) -> fx.Graph:
+           interleaved: bool = False, reduce_group: str = GROUP, all_to_all: bool = False,
+           first_reduce_factor: int = 1) -> fx.Graph:
     """x -> [gather_i, x = x @ w_i] for each module, then optional reduce-scatters
     of ``x``-derived grads; a foreign all_reduce before module ``foreign_at``.
     ``interleaved``: each module's reduce-scatter right after its compute, as in
     a backward graph (gather i, compute i, reduce i, gather i+1, ...).
     ``all_to_all``: reduce as the lowering does on gloo (a bucket made by
-    a copy, all-to-all, then a local sum over ranks)."""
+    a copy, all-to-all, then a local sum over ranks). ``first_reduce_factor``:
+    module 0's gradient is that many times larger (the output layer's)."""
     mode = FakeTensorMode()
     g = fx.Graph()
     vals: dict[fx.Node, torch.Tensor] = {}
@@ -52,14 +54,15 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
 
     def reduce_scatter(i: int, out: fx.Node) -> fx.Node:
         meta = ChainTag("reduce_chain", i, 0, ((i, 0),), None)
-        gr = node(aten.mul.Tensor, out, 2.0)
-        flat = node(aten.view.default, gr, [D * D], meta=meta)
+        k = first_reduce_factor if i == 0 else 1
+        gr = node(aten.mul.Tensor, node(aten.repeat.default, out, [k, 1]) if k > 1 else out, 2.0)
+        flat = node(aten.view.default, gr, [k * D * D], meta=meta)
         if all_to_all:
             bucket = node(aten.clone.default, flat, meta=meta)  # the lowering's pad + cat
             a2a = node(A2A, bucket, [D * D // 2] * 2, [D * D // 2] * 2, reduce_group, meta=meta)
             rows = node(aten.view.default, node(WAIT, a2a, meta=meta), [2, D * D // 2], meta=meta)
             return node(aten.div.Tensor, node(aten.sum.dim_IntList, rows, [0], meta=meta), 2, meta=meta)
-        rs = node(RS, flat, "sum", 2, reduce_group, meta=meta)
+        rs = node(RS, flat, "sum", 2, reduce_group, meta=meta)  # (k * D * D / 2 out)
         return node(aten.div.Tensor, node(WAIT, rs, meta=meta), 2, meta=meta)
 
     x = ph("x", (D, D))
@@ -183,6 +186,23 @@ def test_gather_passes_reduce_scatter_only_on_another_group() -> None:
     seq = rep.sequence
     for i in range(3):
         assert seq.index(f"all_gather:{i + 1}.0") < seq.index(f"reduce_scatter:{i}.0"), seq
+
+
+def test_reduce_scatter_larger_than_budget() -> None:
+    """See [Note: A reduce-scatter larger than the budget]: with a budget
+    smaller than one reduce-scatter, each is still issued right after its
+    gradient (the one before it waited to make room), not at the end."""
+    g = _build(n_modules=4, interleaved=True, reduce_group="g1", first_reduce_factor=8)
+    rep = schedule_graph(g, OverlapConfig(cover=1e9))  # default budget: 2 gathers (32 KiB) < 64 KiB
+    _check_invariants(g)
+    assert rep.changed and rep.graph == "backward", rep.reason
+    nodes, pos = list(g.nodes), _pos(g)
+    for n in g.nodes:
+        if n.target is RS:
+            grad = n.args[0].args[0]  # view <- mul
+            between = nodes[pos[grad] + 1: pos[n]]
+            assert all(b is n.args[0] or b.target is WAIT or b.args[0].target is WAIT for b in between), between
+    assert rep.peak_after_bytes <= rep.peak_before_bytes + rep.budget_bytes
 
 
 def test_reduce_tail_follows_its_wait() -> None:

@@ -77,7 +77,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -216,11 +216,13 @@ class _Window:
         self.depth = 0
         self.saved: tuple[Any, Any] | None = None
         self.backward = 0  # windows opened for a backward, not closed yet
+        self.restore_rng: Callable[[], None] | None = None  # see compat.fix_rng_state_order
 
     def enter(self) -> None:
         with _lock:
             if self.depth == 0:
                 self.saved = (functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass)
+                self.restore_rng = compat.fix_rng_state_order()
             self.depth += 1
             # (at every depth: a pass the user set inside a window keeps ours too)
             joint = functorch_config.joint_custom_pass
@@ -238,6 +240,9 @@ class _Window:
             if self.depth == 0 and self.saved is not None:
                 functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass = self.saved
                 self.saved = None
+                if self.restore_rng is not None:
+                    self.restore_rng()
+                    self.restore_rng = None
 
 
 _WINDOW = _Window()

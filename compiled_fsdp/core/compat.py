@@ -34,6 +34,19 @@ What differs, and where each choice is used:
   later by adjacent swaps. ``SIMPLE_OVERLAP`` says whether this torch has it
   (see [Note: Inductor's simple_overlap] in passes/pin.py for how the
   project's schedule and it share the graph).
+* AOTAutograd's partitioner, when activation checkpointing recomputes a
+  random op (dropout; on 2.12-2.13 also a zero-dropout SDPA), appends the
+  saved rng states after the saved opaque objects, where the runtime expects
+  tensors only (``functionalize_rng_ops`` skips the symints but not them).
+  A DTensor parameter's mesh is such an object from torch 2.12 on (saved to
+  rebuild its gradient), so the forward fails with "expected all
+  tensors_saved_with_vc_check to be Tensors" (a torch bug, present through
+  2.15). ``fix_rng_state_order`` wraps that function, only while the passes
+  are installed (compile/install.py's windows) and restored after, to move
+  the rng states before the opaque objects, in the forward's outputs and the
+  backward's inputs alike; where they are in place already (2.11, no opaque
+  object, a fixed torch) it changes nothing. Tested by
+  tests/test_eager_parity.py::test_activation_checkpointing (aot_eager).
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,6 +65,7 @@ __all__ = [
     "all_gather_single",
     "check_supported",
     "end_callback_raised",
+    "fix_rng_state_order",
     "post_grad_passes",
     "post_grad_value",
     "reduce_scatter_single",
@@ -127,6 +141,24 @@ def reduce_scatter_single(
 # --- DTensor ----------------------------------------------------------------
 
 @functools.lru_cache(1)
+def has_streams(device: torch.device) -> bool:
+    """Whether ``device`` is the current accelerator, with streams and events
+    (``torch.accelerator``: CUDA, XPU, ...); the CPU has none."""
+    if device.type == "cpu":
+        return False
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc is not None and acc.type == device.type
+
+
+def new_stream(device: torch.device) -> torch.Stream:
+    """A new stream on ``device`` (usable as a context manager)."""
+    return torch.Stream(device=device)
+
+
+def current_stream(device: torch.device) -> torch.Stream:
+    return torch.accelerator.current_stream(device)
+
+
 def to_local_keeps_none_grads() -> bool:
     """Whether ``DTensor.to_local``'s backward passes a missing gradient on as
     ``None`` (rather than materializing zeros): asked of its backward directly."""
@@ -226,3 +258,69 @@ def _has_simple_overlap() -> bool:
 
 
 SIMPLE_OVERLAP: bool = _has_simple_overlap()
+
+
+# --- AOTAutograd: rng states saved after opaque objects (see the note) -----
+
+def _rng_states_before_opaque(fw_module: Any, bw_module: Any, is_opaque: Any) -> None:
+    import operator
+
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    def opaque_run_before(seq: list, first: Any) -> int:
+        """Where the run of opaque values just before ``first`` begins."""
+        at = seq.index(first)
+        while at > 0 and is_opaque(seq[at - 1]):
+            at -= 1
+        return at
+
+    out = next(iter(fw_module.graph.find_nodes(op="output")))
+    outs = list(out.args[0])
+    states = [n for n in outs if isinstance(n, torch.fx.Node) and n.target is operator.getitem
+              and isinstance(n.args[0], torch.fx.Node) and n.args[0].target is run_and_save_rng_state
+              and n.args[1] == 0]
+    if not states:
+        return  # (none, or kept in generator states: graph-safe rng on CUDA)
+    at = opaque_run_before(outs, states[0])
+    if outs[at] is states[0]:
+        return  # in place
+    moved = set(states)
+    out.args = (tuple(outs[:at] + states + [n for n in outs[at:] if n not in moved]), *out.args[1:])
+    fw_module.recompile()
+
+    inputs = list(bw_module.graph.find_nodes(op="placeholder"))
+    bw_states = [p for p in inputs if any(u.target is run_with_rng_state and u.args[0] is p for u in p.users)]
+    first = inputs[opaque_run_before(inputs, bw_states[0])]
+    for p in bw_states:
+        first.prepend(p)
+    bw_module.recompile()
+
+
+_RNG_FIX = "_compiled_fsdp_rng_states_before_opaque"
+
+
+def fix_rng_state_order() -> Callable[[], None]:
+    """Where the partitioner saves opaque objects (torch 2.12 on), wraps its
+    ``functionalize_rng_ops`` so that the rng states it saves come before
+    them (see the module's note); returns what puts the original back."""
+    from torch._functorch import partitioners
+    from torch._functorch._aot_autograd import graph_compile
+
+    is_opaque = getattr(graph_compile, "is_opaque_node", None)
+    original = getattr(partitioners, "functionalize_rng_ops", None)
+    if is_opaque is None or original is None or getattr(original, _RNG_FIX, False):
+        return lambda: None
+
+    @functools.wraps(original)
+    def functionalize_rng_ops(*args: Any, **kwargs: Any) -> Any:
+        fw_module, bw_module = original(*args, **kwargs)
+        _rng_states_before_opaque(fw_module, bw_module, is_opaque)
+        return fw_module, bw_module
+
+    setattr(functionalize_rng_ops, _RNG_FIX, True)
+    partitioners.functionalize_rng_ops = functionalize_rng_ops
+
+    def restore() -> None:
+        partitioners.functionalize_rng_ops = original
+
+    return restore

@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Union
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,8 +39,17 @@ Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 # (Keyed by identity: tensors compare elementwise.)
 _MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Group keys: the n-th application of fully_shard in a program is key n on every
-# rank, so markers and buckets agree across ranks.
-_KEYS = itertools.count()
+# rank, so markers and buckets agree across ranks. Counted per rank (per world
+# group object: thread ranks each have their own; see [Note: Helper groups]).
+_KEYS: "weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count]" = weakref.WeakKeyDictionary()
+
+
+def _next_key() -> int:
+    world = dist.distributed_c10d._get_default_group()
+    counter = _KEYS.get(world)
+    if counter is None:
+        counter = _KEYS[world] = itertools.count()
+    return next(counter)
 
 
 @dataclass(frozen=True)
@@ -72,16 +82,16 @@ class ShardingOptions:
         """The mesh the parameters' DTensors live on."""
         if self.mesh is not None:
             return self.mesh
-        key = (self.process_group.group_name, device_type)
-        mesh = _MESHES.get(key)
+        meshes = _MESHES.setdefault(self.process_group, {})
+        mesh = meshes.get(device_type)
         if mesh is None or mesh.get_group() not in dist.distributed_c10d._world.pg_map:
-            mesh = DeviceMesh.from_group(self.process_group, device_type)
-            _MESHES[key] = mesh
+            mesh = meshes[device_type] = DeviceMesh.from_group(self.process_group, device_type)
         return mesh
 
 
-# (group name, device type) -> the 1-D mesh built over a user's ProcessGroup.
-_MESHES: dict[tuple[str, str], DeviceMesh] = {}
+# Process group -> device type -> the 1-D mesh built over it (see [Note: Helper
+# groups] in divergence.py: keyed by the group object, so per rank).
+_MESHES: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, DeviceMesh]]" = weakref.WeakKeyDictionary()
 
 
 def _resolve_options(
@@ -132,9 +142,10 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
                    gloo_reduce_by_all_to_all=comm.gloo_reduce_by_all_to_all)
 
 
-# Gather group name -> its reduce group, created once per gather group. Weakly:
+# Gather group -> its reduce group, created once per gather group (keyed by the
+# group object: per rank, see [Note: Helper groups] in divergence.py). Weakly:
 # see [Note: Process groups at exit] in tools/launch.py.
-_REDUCE_GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
+_REDUCE_GROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
 
 
 def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -155,7 +166,7 @@ def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     spanning the world with ``new_group`` (which all ranks join), for a
     smaller group with ``use_local_synchronization`` (only its members join).
     """
-    reduce_group = _REDUCE_GROUPS.get(group.group_name)
+    reduce_group = _REDUCE_GROUPS.get(group)
     if reduce_group is None or reduce_group not in dist.distributed_c10d._world.pg_map:
         # (not created yet, or destroyed with its world by destroy_process_group)
         ranks = dist.get_process_group_ranks(group)
@@ -165,7 +176,7 @@ def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
             group_desc=f"compiled_fsdp_reduce_{group.group_name}",
         )
         assert reduce_group is not None
-        _REDUCE_GROUPS[group.group_name] = reduce_group
+        _REDUCE_GROUPS[group] = reduce_group
     return reduce_group
 
 
@@ -213,6 +224,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     try:
         mp = check_policy(options.mp_policy)
         owners = _validate(module, ignored, mp)
+        _check_device_and_backend(module, owners, options.process_group)
     except (TypeError, ValueError) as exc:
         error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
@@ -228,7 +240,7 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
             _MANAGED[param] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
-            fsdp_params, options.process_group, options.reduce_group, next(_KEYS),
+            fsdp_params, options.process_group, options.reduce_group, _next_key(),
             options.reshard_after_forward, type(module).__name__, options.checker,
             reduce_by_all_to_all=uses_all_to_all(options.reduce_group, options.gloo_reduce_by_all_to_all),
             hand_over_gathers=options.hand_over_gathers,
@@ -255,10 +267,46 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
 def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup) -> str:
     """The device type of the parameters' mesh. For a model built on ``meta``
     (see [Note: Meta-device init] in param.py) it is the device the process
-    group communicates on: CUDA for NCCL, else CPU."""
+    group communicates on: CUDA for NCCL, the accelerator (if any) for torch's
+    fake group, else CPU."""
     if param.device.type != "meta":
         return param.device.type
-    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    backend = dist.get_backend(group)
+    if backend == "fake" and torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator().type
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+# The device types each backend carries; a backend not named here is not checked.
+_BACKEND_DEVICES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "fake": None}
+
+
+def _check_device_and_backend(module: nn.Module, owners: dict, group: dist.ProcessGroup) -> None:
+    msg = device_backend_error({p.device.type for p in owners}, str(dist.get_backend(group)))
+    if msg is not None:
+        raise ValueError(f"fully_shard({type(module).__name__}): {msg}")
+
+
+def device_backend_error(devices: set[str], backend: str) -> Optional[str]:
+    """What is wrong when parameters on ``devices`` are sharded over a group
+    with ``backend`` (a CUDA model under gloo, a CPU model under NCCL), or
+    None; ``cpu:gloo,cuda:nccl`` style backends carry the devices they name,
+    a backend this does not know is not checked."""
+    devices = devices - {"meta"}
+    if ":" in backend:
+        carried: Optional[set[str]] = {part.split(":")[0] for part in backend.split(",")}
+    elif backend in _BACKEND_DEVICES:
+        carried = _BACKEND_DEVICES[backend]
+    else:
+        return None
+    if not devices or carried is None or devices <= carried:
+        return None
+    device = sorted(devices - carried)[0]
+    hint = ("use init_process_group('nccl') for CUDA parameters" if device == "cuda"
+            else f"move the module to the group's device ({', '.join(sorted(carried))}) before fully_shard")
+    return (f"its parameters are on {device}, but the process group's backend {backend!r} communicates "
+            f"{', '.join(sorted(carried))} tensors: {hint}, or use a backend that carries both "
+            "(init_process_group('cpu:gloo,cuda:nccl')).")
 
 
 def _reset_after_load(fsdp_params: list[FSDPParam]) -> Callable:
@@ -315,7 +363,10 @@ def _agree(
     or the reduce group off would otherwise skip a ``new_group`` the others
     wait in. Tested by tests/test_api.py::test_bad_input_is_a_clear_error_on_every_rank.)"""
     verdicts: list = [None] * group.size()
-    dist.all_gather_object(verdicts, (error, fingerprint, settings), group=group)
+    if dist.get_backend(group) == "fake":  # one process plays every rank: nothing to agree on
+        verdicts = [(error, fingerprint, settings)] * group.size()
+    else:
+        dist.all_gather_object(verdicts, (error, fingerprint, settings), group=group)
     failed = [(r, e) for r, (e, _, _) in enumerate(verdicts) if e is not None]
     if failed:
         rank, (kind, msg) = failed[0]

@@ -5,6 +5,7 @@ The packing and unpacking around each collective is [Note: Bucket layout]'s
 core/comm.py's, which also counts them (``collective_counts``)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from compiled_fsdp.core import comm
 from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, ShardSpec, pack_grads, pack_shards, unpack_gathered
+from compiled_fsdp.runtime.streams import CommStreams
 
 __all__ = ["all_gather_bucket", "copy_out_all_gather", "reduce_scatter_bucket"]
 
@@ -23,12 +25,15 @@ def all_gather_bucket(
     group: dist.ProcessGroup,
     dtypes: Optional[Sequence[torch.dtype]] = None,
     async_op: bool = True,
+    streams: Optional[CommStreams] = None,
 ) -> PendingCollective:
     """One all-gather of the packed local ``shards``, each cast to its compute
-    dtype (``dtypes``): output ``[N * T]``."""
-    flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs, dtypes)
-    comm.count("all_gather", flat_in.numel() * flat_in.element_size())
-    return comm.all_gather_flat(flat_in, group, async_op)
+    dtype (``dtypes``): output ``[N * T]``. Copy-in and collective on the
+    gather stream ([Note: Streams and events])."""
+    with streams.on_gather() if streams is not None else contextlib.nullcontext():
+        flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs, dtypes)
+        comm.count("all_gather", flat_in.numel() * flat_in.element_size())
+        return comm.all_gather_flat(flat_in, group, async_op)
 
 
 def copy_out_all_gather(
@@ -46,8 +51,12 @@ def reduce_scatter_bucket(
     group: dist.ProcessGroup,
     by_all_to_all: bool,
     async_op: bool = True,
+    streams: Optional[CommStreams] = None,
 ) -> PendingCollective:
-    """One reduce-scatter (sum) of the full ``grads``: output ``[T]``, not yet averaged."""
+    """One reduce-scatter (sum) of the full ``grads``: output ``[T]``, not yet
+    averaged. Packed on the compute stream, reduced on the reduce stream
+    ([Note: Streams and events])."""
     flat = pack_grads(EAGER, grads, specs)
     comm.count("reduce_scatter", flat.numel() * flat.element_size())
-    return comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op)
+    with streams.on_reduce() if streams is not None else contextlib.nullcontext():
+        return comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op)

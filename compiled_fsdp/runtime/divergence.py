@@ -116,8 +116,9 @@ def _rank() -> int:
 
 def set_compiling(active: bool) -> None:
     """Announce that this rank is (no longer) compiling: peers waiting at a
-    check do not count that time against the bound."""
-    if dist.is_initialized():
+    check do not count that time against the bound. Nothing to announce where
+    ranks are not processes ([Note: Helper groups]): no checks run there."""
+    if dist.is_initialized() and ranks_are_processes(dist.group.WORLD):
         _store().set(f"{_PREFIX}compiling/{_rank()}", "1" if active else "0")
 
 
@@ -337,10 +338,28 @@ def _abandon(group: dist.ProcessGroup) -> None:
 _CHECKERS: dict[tuple[int, ...], Checker] = {}
 
 
+def ranks_are_processes(group: dist.ProcessGroup) -> bool:
+    """[Note: Helper groups]
+    Whether each rank of ``group`` is a process of its own that runs the
+    same program: the groups' backends are gloo or NCCL. Under torch's fake
+    process group (one process simulates every rank, collectives move
+    nothing) and its multi-thread one (one thread per rank, one process)
+    there is no other process to diverge from or agree with, and a gloo
+    helper group cannot be made (the fake one has no gloo, and a thread rank
+    would wait in a process-wide ``new_group`` for its siblings), so the
+    checks and the agreement at ``fully_shard`` step aside there. The reduce
+    group follows the data group's backend on every backend; every cache of
+    helper groups is keyed by the data group object, so thread ranks (each
+    with its own group objects) never share one."""
+    parts = {b.split(":")[-1] for b in str(dist.get_backend(group)).split(",")}
+    return parts <= {"gloo", "nccl"}
+
+
 def checker_for(group: dist.ProcessGroup) -> Optional[Checker]:
     """The checker over ``group``'s ranks, created (collectively, at
-    ``fully_shard``) the first time; None when checks are off."""
-    if not comm.check_collectives:
+    ``fully_shard``) the first time; None when checks are off or cannot run
+    ([Note: Helper groups])."""
+    if not comm.check_collectives or not ranks_are_processes(group):
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
     checker = _CHECKERS.get(ranks)

@@ -168,7 +168,7 @@ class FSDPParamGroup:
             self._gather_check = self._issue_check("all-gather")
             self._pending_gather = all_gather_bucket(
                 [p.local_shard() for p in self.fsdp_params], self.specs, self.process_group,
-                [p.param_dtype for p in self.fsdp_params],
+                [p.param_dtype for p in self.fsdp_params], streams=self._streams(),
             )
             self.state = ShardedState.GATHERING
         if not async_op:
@@ -216,9 +216,14 @@ class FSDPParamGroup:
     # -- backward ------------------------------------------------------------
     def pre_backward(self) -> None:
         self.unshard()
+        # Activation checkpointing recomputes the module's forward during its
+        # backward: it reads the parameters that this iteration's forward read
+        # (tests/test_eager_parity.py::test_activation_checkpointing).
+        self.exposed_views = self._iter_views
 
     def post_backward(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
         """Reshard and issue the group's reduce-scatter (not awaited here)."""
+        self.exposed_views = None
         if self.reshard_after_backward:
             self.reshard()
         if not self.reduce_grads:  # see [Note: Gradient accumulation without sync]
@@ -233,7 +238,7 @@ class FSDPParamGroup:
         self._reduce_check = self._issue_check("reduce-scatter")
         # take_unsharded_grad cast them to the reduce dtype: see [Note: Mixed precision].
         pending = reduce_scatter_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group,
-                                        self.reduce_by_all_to_all)
+                                        self.reduce_by_all_to_all, streams=self._streams())
         self._pending_reduce = (pending, params)
         if self.ctx is not None:
             self.ctx.on_reduce_issued(self)
@@ -252,6 +257,10 @@ class FSDPParamGroup:
             )
             for p, g in zip(params, grads):
                 p.add_grad(g)
+
+    def _streams(self):
+        """The root's side streams ([Note: Streams and events]); None before lazy init."""
+        return self.ctx.streams if self.ctx is not None else None
 
     def _issue_check(self, op: str) -> Optional[PendingCheck]:
         """Announce this group's next eager collective; see [Note: Agreeing on collectives]."""

@@ -62,6 +62,7 @@ from compiled_fsdp.runtime.divergence import Checker, annotate_error
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase, ShardedState
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, cast_floating
+from compiled_fsdp.runtime.streams import CommStreams
 
 __all__ = ["FSDPState", "Path", "get_fsdp_state", "iter_fsdp_states", "module_fqns"]
 
@@ -126,6 +127,8 @@ class RootContext:
         self.checker: Optional[Checker] = None
         # The compile layer's state for this root (see [Note: The compiled path]).
         self.compiled: Any = None
+        # The eager runtime's side streams (see [Note: Streams and events]); set at lazy init.
+        self.streams: Optional[CommStreams] = None
 
     def groups(self) -> list[FSDPParamGroup]:
         return [s.param_group for s in self.states if s.param_group is not None]
@@ -249,6 +252,9 @@ class FSDPState:
         ctx.states = states
         ctx.checker = next(
             (st.param_group.checker for st in states if st.param_group is not None), None)
+        device = next((st.param_group.fsdp_params[0].local_shard().device for st in states
+                       if st.param_group is not None and st.param_group.fsdp_params), torch.device("cpu"))
+        ctx.streams = CommStreams(device)
         fqns = module_fqns(self.module)
         for st in ctx.states:
             st.ctx = ctx

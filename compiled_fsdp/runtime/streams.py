@@ -1,0 +1,76 @@
+"""The eager runtime's streams: all-gathers and reduce-scatters off the compute
+stream, so communication overlaps compute on an accelerator.
+
+[Note: Streams and events]
+On a device with streams (CUDA, or any ``torch.accelerator``) each root has
+two side streams besides the compute (current) stream::
+
+    compute  |pack grads i|--------- backward i-1 ---------|copy-out j|-- forward j --
+                  |  wait_stream                    wait (event) ^
+    reduce        +-> reduce-scatter i (NCCL) ------+            |
+    gather   wait_stream -> |pack shards j| all-gather j (NCCL) -+
+
+* An all-gather (its copy-in: the cast and pack of the shards, and the
+  collective) is issued on the gather stream after that stream waits for
+  the compute stream (the shards the optimizer last wrote). Its output is
+  copied out on the compute stream after the compute stream waits for the
+  collective (``work.wait()`` blocks the stream, not the CPU). The next
+  module's all-gather is issued one module ahead (ctx.prefetch_next /
+  backward_prefetch_target), so it runs while this module computes.
+* A reduce-scatter's input is packed on the compute stream (the gradients
+  are the compute stream's and freed there), then the reduce stream waits
+  for the compute stream and issues the collective; the result is read on
+  the compute stream at the end of backward, after it waits for the work.
+* Memory without ``record_stream``: a side stream allocates only right after
+  it waited for the compute stream, so a block it frees (the gathered
+  buffer, once copied out; the reduce output, once added to ``.grad``) is
+  reused only behind every compute kernel enqueued before that wait,
+  including the ones that read it. A compute-stream block that a collective
+  reads (the packed gradients) is held by the collective's work until it is
+  waited (NCCL's allocator-safety stash). Nothing else crosses streams.
+
+On the CPU there are no streams: every method here is a no-op and the
+runtime runs as before. The logic is tested on the CPU by a recording
+stand-in (tests/test_streams.py); the CUDA path by the GPU check.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from compiled_fsdp.core import compat
+
+__all__ = ["CommStreams"]
+
+
+class CommStreams:
+    """The side streams of one root on one device (no-ops without streams)."""
+
+    def __init__(self, device: torch.device, make_stream: Optional[Callable[[torch.device], Any]] = None,
+                 current: Optional[Callable[[torch.device], Any]] = None) -> None:
+        self.device = device
+        # (a stand-in's ``make_stream``/``current``: tests/test_streams.py)
+        self.enabled = make_stream is not None or compat.has_streams(device)
+        make_stream = make_stream or compat.new_stream
+        self._current = current or compat.current_stream
+        self.gather = make_stream(device) if self.enabled else None
+        self.reduce = make_stream(device) if self.enabled else None
+
+    @contextlib.contextmanager
+    def _on(self, side: Any) -> Iterator[None]:
+        if side is None:
+            yield
+            return
+        side.wait_stream(self._current(self.device))  # see [Note: Streams and events]
+        with side:
+            yield
+
+    def on_gather(self) -> contextlib.AbstractContextManager:
+        """Where an all-gather's copy-in and collective are issued."""
+        return self._on(self.gather)
+
+    def on_reduce(self) -> contextlib.AbstractContextManager:
+        """Where a reduce-scatter's collective is issued (after its input is packed)."""
+        return self._on(self.reduce)

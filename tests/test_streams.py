@@ -1,0 +1,104 @@
+"""The eager runtime's stream logic ([Note: Streams and events] in
+compiled_fsdp/runtime/streams.py), on the CPU: a no-op without streams, and,
+with a recording stand-in for the streams, each collective issued where the
+note says (real gloo ranks, real collectives, parity with the reference)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import compiled_fsdp
+from compiled_fsdp import get_fsdp_state
+from compiled_fsdp.runtime.streams import CommStreams
+from _dist import run_distributed
+from _models import gpt_case
+from _parity import assert_close, run_parity
+from test_eager_parity import _shard_nested
+
+
+def test_cpu_has_no_streams() -> None:
+    streams = CommStreams(torch.device("cpu"))
+    assert not streams.enabled and streams.gather is None and streams.reduce is None
+    for ctx in (streams.on_gather(), streams.on_reduce()):
+        with ctx:  # nothing to enter
+            pass
+
+
+class _Recorder:
+    """Stands in for a device stream: records what the runtime does with it,
+    with the eager collective counts at that moment."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def _note(self, what: str, other: str = "") -> None:
+        self.log.append((self.name, what, other, dict(compiled_fsdp.collective_counts())))
+
+    def wait_stream(self, other: "_Recorder") -> None:
+        self._note("wait_stream", other.name)
+
+    def __enter__(self) -> None:
+        self._note("enter")
+
+    def __exit__(self, *exc: object) -> None:
+        self._note("exit")
+
+
+def _recording_rank(rank: int, world: int) -> dict:
+    build, make_batch, loss = gpt_case(False)
+    log: list = []
+    compute = _Recorder("compute", log)
+    names = iter(["gather", "reduce"])
+
+    def install(model) -> list:  # after the first step (lazy init made the real, CPU ones)
+        ctx = get_fsdp_state(model).ctx
+        if not isinstance(ctx.streams.gather, _Recorder):
+            ctx.streams = CommStreams(torch.device("cpu"), make_stream=lambda d: _Recorder(next(names), log),
+                                      current=lambda d: compute)
+        step_log = list(log)
+        log.clear()
+        return step_log
+
+    res = run_parity(rank, build, lambda m: _shard_nested(m, reshard_after_forward=True), make_batch, loss,
+                     after_step=install)
+    return res
+
+
+def _spans(step_log: list, stream: str) -> list[tuple[tuple, tuple, tuple]]:
+    """(the wait before, the enter, the exit) of each use of ``stream``."""
+    out = []
+    for i, (name, what, _, _) in enumerate(step_log):
+        if name == stream and what == "enter":
+            exit_ = next(e for e in step_log[i:] if e[0] == stream and e[1] == "exit")
+            out.append((step_log[i - 1], step_log[i], exit_))
+    return out
+
+
+def test_collectives_issued_on_their_streams() -> None:
+    results = run_distributed(_recording_rank, 2)
+    n_modules, n_blocks = 3, 2
+    for res in results:
+        assert_close(res, 0.0)  # the streams change no numerics
+        first, *recorded = res["after"]
+        assert first == []  # the CPU ones record nothing
+        for step_log in recorded:
+            gathers, reduces = _spans(step_log, "gather"), _spans(step_log, "reduce")
+            assert len(gathers) == n_modules + n_blocks and len(reduces) == n_modules, step_log
+            for (wait, enter, exit_) in gathers + reduces:
+                # every use of a side stream starts by waiting for the compute stream
+                assert wait[:3] == (enter[0], "wait_stream", "compute"), (wait, enter)
+            for _, enter, exit_ in gathers:  # copy-in and all-gather inside
+                assert exit_[3].get("all_gather", 0) == enter[3].get("all_gather", 0) + 1
+            for wait, enter, exit_ in reduces:  # packed before, on the compute stream
+                assert exit_[3].get("reduce_scatter") == enter[3].get("reduce_scatter")
+                assert wait[3].get("reduce_scatter", 0) >= 1
+
+
+def test_streams_context_is_restored_on_error() -> None:
+    log: list = []
+    streams = CommStreams(torch.device("cpu"), make_stream=lambda d: _Recorder("side", log),
+                          current=lambda d: _Recorder("compute", log))
+    with contextlib.suppress(ValueError), streams.on_gather():
+        raise ValueError("inside")
+    assert [w for _, w, _, _ in log] == ["wait_stream", "enter", "exit"]
