@@ -124,12 +124,13 @@ class Llama(nn.Module):
         cos, sin = rope_tables(self.cfg, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        for name, p in self.named_parameters():
-            p = p.to_local() if hasattr(p, "to_local") else p  # a shard: each rank draws its own
-            if "norm" in name:
-                nn.init.ones_(p)
-            else:
-                nn.init.normal_(p, std=0.02)
+        for m in self.modules():
+            for p in m.parameters(recurse=False):
+                p = p.to_local() if hasattr(p, "to_local") else p  # a shard: each rank draws its own
+                if isinstance(m, nn.RMSNorm):
+                    nn.init.ones_(p)
+                else:
+                    nn.init.normal_(p, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)

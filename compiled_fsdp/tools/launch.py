@@ -3,6 +3,7 @@ that fails instead of hanging, and each rank's exception re-raised in the caller
 Used by the numerics checker and by the tests."""
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import gc
 import os
@@ -43,6 +44,7 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         try:
             result = {"ok": True, "value": fn(rank, world_size, *args)}
+            _wait_for_peers(store, rank, world_size)
         finally:
             dist.destroy_process_group()
             gc.collect()  # see the Note above
@@ -50,6 +52,20 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
         result = {"ok": False, "error": traceback.format_exc()}
     with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+
+
+def _wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float = 60.0) -> None:
+    """Before tearing its group down, a rank whose ``fn`` returned waits (up to
+    ``timeout_s``) until every peer's returned too: a rank that finished first
+    closed its gloo connections while a slower peer was still connecting in
+    ``init_process_group`` ("Gloo connectFullMesh failed ... Connection closed
+    by peer", seen once in CI under load, tests/test_launch.py)."""
+    store.set(f"compiled_fsdp_launch/returned/{rank}", "1")
+    try:
+        store.wait([f"compiled_fsdp_launch/returned/{r}" for r in range(world_size)],
+                   datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:  # (a peer raised or hangs: run_distributed reports it)
+        pass
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
