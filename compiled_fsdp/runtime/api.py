@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from compiled_fsdp.config import comm
 from compiled_fsdp.core.comm import uses_all_to_all
 from compiled_fsdp.runtime.extension import compiled_path
-from compiled_fsdp.runtime.divergence import Checker, checker_for
+from compiled_fsdp.runtime.divergence import Checker, checker_for, ranks_are_processes
 from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
 from compiled_fsdp.runtime.param import FSDPParam, install_class
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -363,7 +363,7 @@ def _agree(
     or the reduce group off would otherwise skip a ``new_group`` the others
     wait in. Tested by tests/test_api.py::test_bad_input_is_a_clear_error_on_every_rank.)"""
     verdicts: list = [None] * group.size()
-    if dist.get_backend(group) == "fake":  # one process plays every rank: nothing to agree on
+    if not ranks_are_processes(group):  # no other process to agree with: [Note: Helper groups]
         verdicts = [(error, fingerprint, settings)] * group.size()
     else:
         dist.all_gather_object(verdicts, (error, fingerprint, settings), group=group)

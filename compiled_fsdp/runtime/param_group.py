@@ -32,6 +32,7 @@ from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, Pe
 from compiled_fsdp.runtime.param import FSDPParam
 
 if TYPE_CHECKING:
+    from compiled_fsdp.runtime.streams import CommStreams
     from compiled_fsdp.runtime.state import RootContext
 
 
@@ -258,7 +259,7 @@ class FSDPParamGroup:
             for p, g in zip(params, grads):
                 p.add_grad(g)
 
-    def _streams(self):
+    def _streams(self) -> Optional["CommStreams"]:
         """The root's side streams ([Note: Streams and events]); None before lazy init."""
         return self.ctx.streams if self.ctx is not None else None
 
