@@ -20,16 +20,19 @@ from compiled_fsdp.core.comm import (  # noqa: E402
 from compiled_fsdp.runtime.api import ShardingOptions, fully_shard  # noqa: E402
 from compiled_fsdp.runtime.divergence import CollectiveMismatchError  # noqa: E402
 from compiled_fsdp.runtime.extension import set_compiled_path as _set_compiled_path  # noqa: E402
-from compiled_fsdp.runtime.module import FSDPModule  # noqa: E402
-from compiled_fsdp.runtime.policy import MixedPrecisionPolicy  # noqa: E402
+from compiled_fsdp.runtime.module import FSDPModule, UnshardHandle, register_fsdp_forward_method  # noqa: E402
+from compiled_fsdp.runtime.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
 from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states  # noqa: E402
 
 __all__ = [
+    "CPUOffloadPolicy",
     "CollectiveMismatchError",
     "ModuleReport",
     "explain",
     "FSDPModule",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
     "ShardingOptions",
     "collective_bytes",
     "collective_counts",
@@ -37,6 +40,7 @@ __all__ = [
     "fully_shard",
     "get_fsdp_state",
     "iter_fsdp_states",
+    "register_fsdp_forward_method",
     "reset_collective_counts",
 ]
 

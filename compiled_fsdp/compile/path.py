@@ -161,7 +161,10 @@ class TorchCompilePath(CompiledPath):
     # -- forward ---------------------------------------------------------------
     def root_compiles(self, state: FSDPState, in_compiled_call: bool) -> bool:
         group = state.param_group
-        return in_compiled_call and (group is None or not frames.is_split(group.key))
+        # ``torch.compile(model)`` (an OptimizedModule calls it) or ``model.compile()``
+        # (its own call is compiled in place): tests/test_fsdp2_api.py::test_every_module_compiled
+        compiled = in_compiled_call or getattr(state.module, "_compiled_call_impl", None) is not None
+        return compiled and (group is None or not frames.is_split(group.key))
 
     def predicts_own_frame(self, state: FSDPState) -> bool:
         """As its last forward was; before its first, from how it is compiled

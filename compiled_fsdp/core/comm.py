@@ -96,7 +96,10 @@ class PendingCollective:
 
 
 def all_gather_flat(flat_in: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True) -> PendingCollective:
-    """Every rank's ``[T]`` into one ``[N * T]``, in rank order."""
+    """Every rank's ``[T]`` into one ``[N * T]``, in rank order. A group of
+    one rank communicates nothing (as FSDP2): the input is the output."""
+    if group.size() == 1:
+        return PendingCollective(flat_in, None)
     out = flat_in.new_empty(group.size() * flat_in.numel())
     work = compat.all_gather_single(out, flat_in, group=group, async_op=async_op)
     return PendingCollective(out, work if async_op else None)
@@ -109,6 +112,8 @@ def reduce_scatter_flat(
     with ``by_all_to_all`` an all-to-all plus a local sum over ranks in rank
     order (see [Note: Reduce-scatter on gloo]), as the lowering does."""
     world = group.size()
+    if world == 1:  # nothing to reduce with (as FSDP2, no collective)
+        return PendingCollective(flat_in, None)
     if by_all_to_all:
         recv = torch.empty_like(flat_in)
         work = dist.all_to_all_single(recv, flat_in, group=group, async_op=async_op)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -324,3 +325,13 @@ def fix_rng_state_order() -> Callable[[], None]:
         partitioners.functionalize_rng_ops = original
 
     return restore
+
+
+def register_composable_state(module: Any, state: Any) -> None:
+    """Enter ``state`` in torch's map of composable-API states (the one
+    ``torch.distributed._composable_state._get_module_state`` reads), so
+    torch's composable tools see that ``module`` is managed. Private to torch;
+    present in every supported release (2.11-2.15)."""
+    from torch.distributed import _composable_state
+
+    _composable_state._module_state_mapping[module] = weakref.ref(state)

@@ -55,6 +55,9 @@ aten = torch.ops.aten
 class ShardSpec:
     full_shape: tuple[int, ...]
     world_size: int
+    # What the summed gradient is divided by (FSDP2's
+    # ``set_reduce_scatter_divide_factor``); None: the world size (the mean).
+    divide_factor: Optional[float] = None
 
     @property
     def dim0(self) -> int:
@@ -249,7 +252,7 @@ def split_reduced(
 ) -> list[Any]:
     """The averaged gradient of each local shard from the summed ``[T]``, in
     the parameter's dtype (``dtypes``)."""
-    avg = op(aten.div.Tensor, summed, specs[0].world_size)
+    avg = op(aten.div.Tensor, summed, specs[0].divide_factor or specs[0].world_size)
     grads = []
     for i, (spec, off, rows) in enumerate(zip(specs, bucket_offsets(specs), local_rows)):
         piece = op(aten.slice.Tensor, avg, 0, off, off + spec.shard_numel)

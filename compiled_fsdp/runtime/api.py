@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from compiled_fsdp.config import comm
@@ -30,7 +30,7 @@ from compiled_fsdp.runtime.divergence import Checker, checker_for, ranks_are_pro
 from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
 from compiled_fsdp.runtime.param import FSDPParam, install_class
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
-from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, check_policy
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, OffloadPolicy, check_offload, check_policy
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 
 Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
@@ -41,6 +41,9 @@ _MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Group keys: the n-th application of fully_shard in a program is key n on every
 # rank, so markers and buckets agree across ranks. Counted per rank (per world
 # group object: thread ranks each have their own; see [Note: Helper groups]).
+# The exception types ``fully_shard``'s checks raise (FSDP2's, for the same
+# mistakes); one found on any rank is raised on every rank ([Note: Agreeing at fully_shard]).
+_AGREED_ERRORS = (TypeError, ValueError, AssertionError, NotImplementedError)
 _KEYS: "weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count]" = weakref.WeakKeyDictionary()
 
 
@@ -77,6 +80,8 @@ class ShardingOptions:
     # compile/entry.py and [Note: Reduce-scatter on gloo] in core/comm.py.
     hand_over_gathers: bool = True
     gloo_reduce_by_all_to_all: bool = True
+    # FSDP2's per-parameter placement hook (checked in ``_validate``).
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None
 
     def mesh_for(self, device_type: str) -> DeviceMesh:
         """The mesh the parameters' DTensors live on."""
@@ -103,6 +108,8 @@ def _resolve_options(
             "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) first; "
             "under torchrun the rendezvous variables are already set."
         )
+    if reshard_after_forward is None:  # FSDP2's "auto": every module but the root, as True does here
+        reshard_after_forward = True
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(
             f"fully_shard: reshard_after_forward must be True or False, got {reshard_after_forward!r} "
@@ -111,8 +118,7 @@ def _resolve_options(
     if mesh is None:
         group = dist.distributed_c10d._get_default_group()
     elif isinstance(mesh, DeviceMesh):
-        if mesh.ndim != 1:
-            raise ValueError(f"fully_shard: mesh must be 1-D, got a {mesh.ndim}-D DeviceMesh.")
+        _check_mesh(mesh)
         group = mesh.get_group()
     elif isinstance(mesh, dist.ProcessGroup):
         group = mesh
@@ -120,6 +126,22 @@ def _resolve_options(
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
     return ShardingOptions(group, reshard_after_forward, None,
                            mesh if isinstance(mesh, DeviceMesh) else None, mp_policy)
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    """FSDP2's mesh checks, with its exception types and words (the same
+    arguments on every rank, so every rank raises here together)."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: pass a 1-D mesh "
+                         "(or None for the whole world).")
+    if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise AssertionError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
+                "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard')).")
+        raise NotImplementedError(
+            f"fully_shard: a 2-D mesh {mesh} (HSDP: replicate x shard) is not supported yet; pass the "
+            "1-D shard mesh (mesh['shard']) to shard within it.")
 
 
 # The ``config.comm`` settings that decide which groups exist and which
@@ -191,10 +213,12 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: Union[DeviceMesh, dist.ProcessGroup, None] = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Optional[bool] = True,
     policy: Optional[Policy] = None,
     ignored_params: Optional[set[nn.Parameter]] = None,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
+    offload_policy: Optional[OffloadPolicy] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (default: the whole world) and
     return the same module object.
@@ -205,8 +229,13 @@ def fully_shard(
     and gathers them again in backward (ZeRO-3); ``False`` keeps them to backward.
     ``mp_policy`` gathers and computes in ``param_dtype`` and reduces gradients in
     ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``); default: full precision.
+    ``offload_policy``: ``OffloadPolicy()`` (none) or, for parameters already on
+    the CPU, ``CPUOffloadPolicy()``. ``shard_placement_fn``: each parameter's
+    ``Shard(0)`` or None (dim 0); other dims are refused. See [Note: FSDP2's API].
     """
+    check_offload(offload_policy, module)
     options = _resolve_options(mesh, reshard_after_forward, mp_policy)
+    options = replace(options, shard_placement_fn=shard_placement_fn)
     if policy is not None:
         matches = _policy_matches(policy)
         targets = [m for m in module.modules() if m is not module and matches(m)]
@@ -216,16 +245,20 @@ def fully_shard(
     return _shard_one(module, options, ignored_params)
 
 
+fully_shard.state = get_fsdp_state  # type: ignore[attr-defined]  # FSDP2's ``fully_shard.state(module)``
+
+
 def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Optional[set[nn.Parameter]]) -> nn.Module:
     ignored = set(ignored_params or ())
     error: Optional[tuple[str, str]] = None
     owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    conflicts: list[str] = []
     mp = MixedPrecisionPolicy()
     try:
         mp = check_policy(options.mp_policy)
-        owners = _validate(module, ignored, mp)
+        owners, conflicts = _validate(module, ignored, mp, options.shard_placement_fn)
         _check_device_and_backend(module, owners, options.process_group)
-    except (TypeError, ValueError) as exc:
+    except _AGREED_ERRORS as exc:
         error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
     _agree(options.process_group, module, error, (fingerprint, repr(mp)), _comm_settings())
@@ -258,7 +291,8 @@ def _shard_one(module: nn.Module, options: ShardingOptions, ignored_params: Opti
     for nested in iter_fsdp_states(module):
         if nested.param_group is not None:
             nested.param_group.outermost = False
-    FSDPState(module, group, mp)
+    state = FSDPState(module, group, mp)
+    state.deferred_error = _shared_across_groups(module, conflicts)
     install_class(module, mixin=FSDPModule)
     compiled_path().on_fully_shard(group)
     return module
@@ -321,15 +355,26 @@ def _reset_after_load(fsdp_params: list[FSDPParam]) -> Callable:
 
 
 def _validate(
-    module: nn.Module, ignored: set[nn.Parameter], mp: MixedPrecisionPolicy
-) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:
-    """Local checks; raises ValueError with what was wrong and what to do."""
+    module: nn.Module, ignored: set[nn.Parameter], mp: MixedPrecisionPolicy,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str, str]]], list[str]]:
+    """Local checks, raising FSDP2's exception types with what was wrong and
+    what to do: the owned parameters and the names of those another
+    application already owns (see ``_shared_across_groups``)."""
     if get_fsdp_state(module) is not None:
-        raise ValueError(
-            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
+        raise AssertionError(
+            "Each distinct composable distributed API can only be applied to a module once. fully_shard "
+            f"has already been applied to this {type(module).__name__}: apply it once per module "
             "(blocks first, then the root)."
         )
-    owners = _collect_owned(module, ignored)
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: {type(module).__name__}. "
+            "Apply fully_shard to each module in it, or to the module whose forward calls them."
+        )
+    owners, conflicts = _collect_owned(module, ignored)
+    for p, places in owners.items():
+        _check_placement(places[0][2], p, shard_placement_fn)
     devices = sorted({str(p.device) for p in owners})
     if len(devices) > 1:
         raise ValueError(
@@ -346,7 +391,7 @@ def _validate(
             "in FSDP2: convert them to one dtype, apply fully_shard to the odd ones' module "
             "separately, or pass them in ignored_params."
         )
-    return owners
+    return owners, conflicts
 
 
 def _agree(
@@ -370,8 +415,8 @@ def _agree(
     failed = [(r, e) for r, (e, _, _) in enumerate(verdicts) if e is not None]
     if failed:
         rank, (kind, msg) = failed[0]
-        raise (TypeError if kind == "TypeError" else ValueError)(
-            f"{msg} (found on rank {rank}; every rank stops here)")
+        error_type = next(t for t in _AGREED_ERRORS if t.__name__ == kind)
+        raise error_type(f"{msg} (found on rank {rank}; every rank stops here)")
     for r, (_, _, theirs) in enumerate(verdicts):
         if theirs != settings:
             raise ValueError(
@@ -389,10 +434,14 @@ def _agree(
             )
 
 
-def _collect_owned(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Parameter, list[tuple[nn.Module, str, str]]]:
+def _collect_owned(
+    module: nn.Module, ignored: set[nn.Parameter]
+) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str, str]]], list[str]]:
     """Parameters this application owns, each with every (module, name, fqn) place
-    it is registered at, in ``named_modules`` order. See [Note: Ownership]."""
+    it is registered at, in ``named_modules`` order, and the names of those
+    another application already owns. See [Note: Ownership]."""
     owned: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    conflicts: list[str] = []
     for prefix, m, in _modules_outside_nested(module):
         for name, p in list(m._parameters.items()):
             if p is None or p in ignored:
@@ -401,20 +450,56 @@ def _collect_owned(module: nn.Module, ignored: set[nn.Parameter]) -> dict[nn.Par
             # (A shard is a DTensor; no registry holds it: a weak reference would stop
             # to_empty() from swapping it, see [Note: Meta-device init].)
             if p in _MANAGED or isinstance(p, DTensor):
-                raise ValueError(
-                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already managed by another "
-                    "fully_shard application (a weight shared between two fully sharded modules, or fully_shard "
-                    "applied to a parent before its child). Apply fully_shard to a common ancestor of every "
-                    "module that uses it (children first, then parents), or pass it in ignored_params."
-                )
+                conflicts.append(fqn)
+                continue
             if p.dim() == 0:
                 raise ValueError(
                     f"fully_shard({type(module).__name__}): parameter {fqn!r} is a scalar (0-dim); a "
-                    "sharded parameter is a DTensor sharded on dim 0, which a scalar has not. Make it a "
-                    "1-D tensor with one element (e.g. nn.Parameter(torch.tensor([1.5]))), as FSDP2 asks."
+                    f"sharded parameter is a DTensor sharded on dim 0, which a scalar has not. Change {fqn} "
+                    "to a 1D tensor with numel equal to 1 (e.g. nn.Parameter(torch.tensor([1.5])))."
+                )
+            if not p.is_contiguous():
+                raise NotImplementedError(
+                    f"FSDP does not support non-contiguous parameters yet: fully_shard({type(module).__name__}) "
+                    f"got {fqn!r} with shape {tuple(p.shape)} and stride {p.stride()} (e.g. channels_last). "
+                    "Make it contiguous (module.to(memory_format=torch.contiguous_format)) before fully_shard."
                 )
             owned.setdefault(p, []).append((m, name, fqn))
-    return owned
+    return owned, conflicts
+
+
+def _shared_across_groups(module: nn.Module, conflicts: list[str]) -> Optional[str]:
+    """The error for parameters another ``fully_shard`` application already
+    owns (a weight shared between two fully sharded modules, or a parent
+    sharded before its child), or None. As in FSDP2 it is raised at the
+    root's first forward (lazy init), on every rank: the same model gives
+    every rank the same verdict."""
+    if not conflicts:
+        return None
+    return (f"fully_shard({type(module).__name__}): parameter {conflicts[0]!r} is already managed by another "
+            "fully_shard application (a weight shared between two fully sharded modules, or fully_shard "
+            "applied to a parent before its child). Apply fully_shard to a common ancestor of every module "
+            "that uses it (children first, then parents), or pass it in ignored_params.")
+
+
+def _check_placement(fqn: str, param: nn.Parameter,
+                     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]]) -> None:
+    """FSDP2's ``shard_placement_fn``: None or ``Shard(0)`` are dim 0, the only
+    layout the bucket ([Note: Bucket layout]) and the passes know."""
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return
+    if not isinstance(placement, Shard):
+        raise TypeError(f"fully_shard: shard_placement_fn must return a Shard or None, got {placement!r} "
+                        f"for {fqn!r}.")
+    dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
+    if not 0 <= dim < param.dim():
+        raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {fqn!r}")
+    if dim != 0:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for {fqn!r}; compiled_fsdp "
+            "shards every parameter on dim 0 (its bucket layout and passes know no other). Return None or "
+            "Shard(0).")
 
 
 def _modules_outside_nested(module: nn.Module) -> list[tuple[str, nn.Module]]:

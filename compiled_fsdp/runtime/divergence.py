@@ -359,8 +359,8 @@ def checker_for(group: dist.ProcessGroup) -> Optional[Checker]:
     """The checker over ``group``'s ranks, created (collectively, at
     ``fully_shard``) the first time; None when checks are off or cannot run
     ([Note: Helper groups])."""
-    if not comm.check_collectives or not ranks_are_processes(group):
-        return None
+    if not comm.check_collectives or not ranks_are_processes(group) or group.size() == 1:
+        return None  # (one rank: nothing to pair up with)
     ranks = tuple(dist.get_process_group_ranks(group))
     checker = _CHECKERS.get(ranks)
     if checker is None or not checker.alive():

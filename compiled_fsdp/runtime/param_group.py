@@ -18,6 +18,7 @@ counter, as FSDP2 does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -100,6 +101,9 @@ class FSDPParamGroup:
         # See [Note: Gradient accumulation without sync] in module.py.
         self.reduce_grads = True
         self.reshard_after_backward = True
+        # FSDPModule.set_unshard_in_backward: False for a module whose
+        # parameters backward does not read (FSDP2's meaning).
+        self.unshard_in_backward = True
         # No fully sharded module contains this one (yet): see [Note: The reshard rule].
         self.outermost = True
         # Whether blocks compiled on their own may hand this module its gather
@@ -128,6 +132,13 @@ class FSDPParamGroup:
         self.ctx: Optional["RootContext"] = None
         # The compile layer's state for this group (see [Note: The compiled path]).
         self.compiled: Any = None
+
+    def set_divide_factor(self, factor: float) -> None:
+        """See ``FSDPModule.set_reduce_scatter_divide_factor``: the factor is part
+        of each parameter's ShardSpec, which both paths divide by."""
+        for p in self.fsdp_params:
+            p.spec = dataclasses.replace(p.spec, divide_factor=factor)
+        self.specs = [p.spec for p in self.fsdp_params]
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -216,6 +227,8 @@ class FSDPParamGroup:
 
     # -- backward ------------------------------------------------------------
     def pre_backward(self) -> None:
+        if not self.unshard_in_backward:
+            return
         self.unshard()
         # Activation checkpointing recomputes the module's forward during its
         # backward: it reads the parameters that this iteration's forward read

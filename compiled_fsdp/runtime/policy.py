@@ -98,3 +98,34 @@ def cast_floating(dtype: Optional[torch.dtype], tree: Any) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """FSDP2's base offload policy: no offloading (the default)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """FSDP2's CPU offload policy: sharded parameters, their gradients and the
+    optimizer step live on the CPU. compiled_fsdp takes it for modules whose
+    parameters are already on the CPU (where it holds as it is); moving an
+    accelerator model's shards to the CPU between steps is not implemented
+    (``check_offload`` says so)."""
+
+    pin_memory: bool = True
+
+
+def check_offload(policy: object, module: object) -> None:
+    """``offload_policy`` as FSDP2 takes it, or an error that says what is supported."""
+    if policy is None or type(policy) is OffloadPolicy:
+        return
+    if not isinstance(policy, CPUOffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got "
+                        f"{type(policy).__name__}.")
+    devices = {p.device.type for p in module.parameters()} - {"cpu", "meta"}  # type: ignore[attr-defined]
+    if devices:
+        raise NotImplementedError(
+            f"fully_shard: CPUOffloadPolicy with parameters on {sorted(devices)[0]} is not supported by "
+            "compiled_fsdp (its shards stay on the parameters' device). Drop offload_policy, or keep the "
+            "model on the CPU.")

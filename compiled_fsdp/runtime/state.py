@@ -58,6 +58,7 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from compiled_fsdp.core import compat
 from compiled_fsdp.runtime.divergence import Checker, annotate_error
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase, ShardedState
@@ -157,6 +158,8 @@ class RootContext:
         self.forward_order, self.post_forward_order = [], []
         self.callback_queued = False
         self.last_prefetched, self.prefetched = self.prefetched, []
+        if self.streams is not None:
+            self.streams.post_optim_event = None
 
     def ensure_callback_queued(self) -> None:
         if not self.callback_queued:
@@ -233,7 +236,15 @@ class FSDPState:
         # How the last forward ran (see compiled_fsdp.explain) and in which step.
         self.path: Optional[Path] = None
         self.path_step = -1
+        # A mistake found at fully_shard that FSDP2 reports at lazy init (a
+        # weight shared across applications: api._shared_across_groups).
+        self.deferred_error: Optional[str] = None
+        # FSDPModule.set_modules_to_{forward,backward}_prefetch: explicit
+        # targets in place of [Note: Prefetch order]'s (None: implicit).
+        self.forward_prefetch: Optional[list[FSDPState]] = None
+        self.backward_prefetch: Optional[list[FSDPState]] = None
         _MODULE_STATE[module] = weakref.ref(self)
+        compat.register_composable_state(module, self)
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         module.register_forward_hook(_annotate_failed_forward, always_call=True)
@@ -246,6 +257,8 @@ class FSDPState:
         """See [Note: Roots and iterations]."""
         states = iter_fsdp_states(self.module)
         for st in states:  # every rank reaches the same verdict: the same model
+            if st.deferred_error is not None:
+                raise ValueError(st.deferred_error)
             for p in st.param_group.fsdp_params if st.param_group is not None else ():
                 p.check_materialized()
         ctx = RootContext(self)
@@ -312,7 +325,11 @@ class FSDPState:
         if self.param_group is not None:
             compiled_path().before_eager_forward(self)
             self.param_group.pre_forward()
-        ctx.prefetch_next(self, in_graph=False)
+        if self.forward_prefetch is not None:
+            for target in self.forward_prefetch:
+                ctx.prefetch(target, "forward")
+        else:
+            ctx.prefetch_next(self, in_graph=False)
 
     def _eager_post_forward(self, output: Any) -> Any:
         ctx = self.ctx
@@ -345,9 +362,11 @@ class FSDPState:
         ctx.ensure_callback_queued()
         if self.param_group is not None:
             self.param_group.pre_backward()
-        target = ctx.backward_prefetch_target(self)
-        if target is not None and target.param_group is not None and target.param_group.needs_grad_sync:
-            ctx.prefetch(target, "backward")
+        targets = ([ctx.backward_prefetch_target(self)] if self.backward_prefetch is None
+                   else self.backward_prefetch)
+        for target in targets:
+            if target is not None and target.param_group is not None and target.param_group.needs_grad_sync:
+                ctx.prefetch(target, "backward")
 
 
 def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:

@@ -57,6 +57,9 @@ class CommStreams:
         self._current = current or compat.current_stream
         self.gather = make_stream(device) if self.enabled else None
         self.reduce = make_stream(device) if self.enabled else None
+        # FSDPModule.set_post_optim_event: the next all-gathers wait for this
+        # event instead of the compute stream; cleared at the end of the step.
+        self.post_optim_event: Any = None
 
     @contextlib.contextmanager
     def _on(self, side: Any) -> Iterator[None]:
@@ -69,7 +72,15 @@ class CommStreams:
 
     def on_gather(self) -> contextlib.AbstractContextManager:
         """Where an all-gather's copy-in and collective are issued."""
+        if self.gather is not None and self.post_optim_event is not None:
+            return self._after_event(self.gather, self.post_optim_event)
         return self._on(self.gather)
+
+    @contextlib.contextmanager
+    def _after_event(self, side: Any, event: Any) -> Iterator[None]:
+        side.wait_event(event)
+        with side:
+            yield
 
     def on_reduce(self) -> contextlib.AbstractContextManager:
         """Where a reduce-scatter's collective is issued (after its input is packed)."""
