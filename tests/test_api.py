@@ -88,22 +88,25 @@ class _Scalar(nn.Module):
 def _bad_input_rank(rank: int, world: int) -> list[str]:
     messages = []
 
-    def expect(fn, match: str) -> None:
-        with pytest.raises(ValueError, match=match) as info:
+    def expect(fn, match: str, error: type = ValueError) -> None:
+        with pytest.raises(error, match=match) as info:
             fn()
         messages.append(str(info.value))
 
     m = nn.Linear(4, 4)
     fully_shard(m)
-    expect(lambda: fully_shard(m), "already applied")
+    expect(lambda: fully_shard(m), "already been applied", AssertionError)  # FSDP2's type
 
+    # A weight shared across two applications: as FSDP2, raised at the first forward.
     tied = tiny_tied()  # head.weight is embed.weight: shard the head alone, then the root
     fully_shard(tied.head)
-    expect(lambda: fully_shard(tied), "already managed by another fully_shard")
+    fully_shard(tied)
+    expect(lambda: tied(torch.zeros(1, 4, dtype=torch.long)), "already managed by another fully_shard")
 
     parent = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(parent)
-    expect(lambda: fully_shard(parent[0]), "already (applied|managed)")
+    fully_shard(parent[0])
+    expect(lambda: parent(torch.zeros(1, 4)), "already managed by another fully_shard")
 
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
     expect(lambda: fully_shard(mixed), "several devices")
