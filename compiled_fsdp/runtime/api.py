@@ -231,7 +231,7 @@ def fully_shard(
     ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``); default: full precision.
     ``offload_policy``: ``OffloadPolicy()`` (none) or, for parameters already on
     the CPU, ``CPUOffloadPolicy()``. ``shard_placement_fn``: each parameter's
-    ``Shard(0)`` or None (dim 0); other dims are refused. See [Note: FSDP2's API].
+    ``Shard(0)`` or None (dim 0); other dims are refused. See DESIGN.md, "FSDP2's API".
     """
     check_offload(offload_policy, module)
     options = _resolve_options(mesh, reshard_after_forward, mp_policy)

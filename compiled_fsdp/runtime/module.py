@@ -39,7 +39,7 @@ class UnshardHandle:
 class FSDPModule:
     """Mixed into the class of every module ``fully_shard`` was applied to, so
     ``isinstance(m, compiled_fsdp.FSDPModule)`` tells which they are. The
-    methods are FSDP2's, with its names and meaning ([Note: FSDP2's API] in api.py)."""
+    methods are FSDP2's, with its names and meaning (DESIGN.md, "FSDP2's API")."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # A module built from this class anew (slicing a sharded nn.Sequential
