@@ -38,12 +38,12 @@ Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 # Original parameter -> its FSDPParam, to detect a parameter claimed twice.
 # (Keyed by identity: tensors compare elementwise.)
 _MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# Group keys: the n-th application of fully_shard in a program is key n on every
-# rank, so markers and buckets agree across ranks. Counted per rank (per world
-# group object: thread ranks each have their own; see [Note: Helper groups]).
 # The exception types ``fully_shard``'s checks raise (FSDP2's, for the same
 # mistakes); one found on any rank is raised on every rank ([Note: Agreeing at fully_shard]).
 _AGREED_ERRORS = (TypeError, ValueError, AssertionError, NotImplementedError)
+# Group keys: the n-th application of fully_shard in a program is key n on every
+# rank, so markers and buckets agree across ranks. Counted per rank (per world
+# group object: thread ranks each have their own; see [Note: Helper groups]).
 _KEYS: "weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count]" = weakref.WeakKeyDictionary()
 
 

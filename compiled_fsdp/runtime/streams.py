@@ -62,25 +62,22 @@ class CommStreams:
         self.post_optim_event: Any = None
 
     @contextlib.contextmanager
-    def _on(self, side: Any) -> Iterator[None]:
+    def _on(self, side: Any, after: Any = None) -> Iterator[None]:
+        """Issue on ``side`` once it waited for the compute stream, or only for
+        the event ``after`` (see [Note: Streams and events])."""
         if side is None:
             yield
             return
-        side.wait_stream(self._current(self.device))  # see [Note: Streams and events]
+        if after is not None:
+            side.wait_event(after)
+        else:
+            side.wait_stream(self._current(self.device))
         with side:
             yield
 
     def on_gather(self) -> contextlib.AbstractContextManager:
         """Where an all-gather's copy-in and collective are issued."""
-        if self.gather is not None and self.post_optim_event is not None:
-            return self._after_event(self.gather, self.post_optim_event)
-        return self._on(self.gather)
-
-    @contextlib.contextmanager
-    def _after_event(self, side: Any, event: Any) -> Iterator[None]:
-        side.wait_event(event)
-        with side:
-            yield
+        return self._on(self.gather, self.post_optim_event)
 
     def on_reduce(self) -> contextlib.AbstractContextManager:
         """Where a reduce-scatter's collective is issued (after its input is packed)."""
