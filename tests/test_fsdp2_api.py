@@ -94,6 +94,79 @@ def test_every_module_compiled(backend: str) -> None:
         assert res == {"ref": 0.0, "fsdp2": 0.0}, res
 
 
+class Block(nn.Module):
+    """A block with two nested sharded modules and parameters of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.attn = nn.Linear(8, 8)
+        self.ff = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.norm(x))
+        return h + self.ff(torch.relu(h))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+def _nested_compiled(rank: int, world: int, checkpointed: bool, backend: str = "aot_eager") -> float:
+    """Each block and both of its nested sharded modules compiled in place
+    (``module.compile()``), the root eager, as FSDP2's DPO test shards them;
+    two forwards before one backward. Before the fix the first block's
+    handoff went to its own nested module (traced inline, so it never read
+    it) and that module's gradients came back None."""
+    from torch.distributed._composable import checkpoint
+
+    torch.manual_seed(42)
+    model = Nested()
+    ref = copy.deepcopy(model)
+    if checkpointed:
+        for m in (*model.layers, *ref.layers):
+            checkpoint(m)
+    for block in model.layers:
+        for m in (block.attn, block.ff, block):
+            fully_shard(m)
+            if backend != "eager":
+                m.compile(backend=backend)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+
+    def dpo(m: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (m(a).sum() - m(b).sum()).pow(2)
+
+    for step in range(3):
+        xs, ys = _inputs(step, world), _inputs(step + 10, world)
+        xs, ys = [x.repeat(1, 2) for x in xs], [y.repeat(1, 2) for y in ys]
+        dpo(model, xs[rank], ys[rank]).backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, missing
+        opt.step()
+        opt.zero_grad()
+        (sum(dpo(ref, x, y) for x, y in zip(xs, ys)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+    return max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_nested_modules_compiled_in_place(checkpointed: bool) -> None:
+    """FSDP2's test_double_forward_with_nested_fsdp_and_checkpoint, compiled
+    (aot_eager), against the one-process reference after 3 Adam steps."""
+    for diff in run_distributed(_nested_compiled, 2, checkpointed):
+        assert diff < 1e-6, diff
+
+
 def _methods(rank: int, world: int) -> dict:
     out: dict[str, Any] = {}
 

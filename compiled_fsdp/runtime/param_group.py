@@ -249,6 +249,11 @@ class FSDPParamGroup:
         if not owned:
             return
         params = [p for p, _ in owned]
+        # A module run twice before one backward reduces once per forward: the
+        # first reduce is finished before the second replaces it (otherwise
+        # one forward's gradients were dropped when nothing else reduced in
+        # between: tests/test_fsdp2_api.py::test_nested_modules_compiled_in_place).
+        self.finish_grad_sync()
         self._reduce_check = self._issue_check("reduce-scatter")
         # take_unsharded_grad cast them to the reduce dtype: see [Note: Mixed precision].
         pending = reduce_scatter_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group,

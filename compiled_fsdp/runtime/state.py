@@ -193,8 +193,7 @@ class RootContext:
         path = compiled_path()
         target = self.forward_prefetch_target(state)
         if target is None and not self.prev_forward_order:
-            at = next(i for i, s in enumerate(self.states) if s is state)
-            first_guess = self.states[at + 1] if at + 1 < len(self.states) else None
+            first_guess = self._next_in_model_order(state, outside=in_graph)
             if first_guess is not None and path.predicts_own_frame(first_guess):
                 target = first_guess
         if target is None:
@@ -203,6 +202,16 @@ class RootContext:
             self.prefetch(target, "forward")
             return None
         return path.hand_over(target, in_graph)
+
+    def _next_in_model_order(self, state: "FSDPState", outside: bool) -> Optional["FSDPState"]:
+        """The state after ``state`` in the model's order; with ``outside``, the
+        first one outside ``state``'s subtree: a module compiling its own frame
+        traces its nested sharded modules inline, so none of them runs next
+        (handing one a gather left its gradients None:
+        tests/test_fsdp2_api.py::test_nested_modules_compiled_in_place)."""
+        at = next(i for i, s in enumerate(self.states) if s is state)
+        inside = {id(m) for m in state.module.modules()} if outside else set()
+        return next((s for s in self.states[at + 1:] if id(s.module) not in inside), None)
 
     def forward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
         """See [Note: Prefetch order]."""
