@@ -126,7 +126,15 @@ def _bad_input_rank(rank: int, world: int) -> list[str]:
         compiled_fsdp.config.comm.check_collectives = True
 
     with pytest.raises(ValueError, match="reshard_after_forward"):
-        fully_shard(nn.Linear(2, 2), reshard_after_forward=2)
+        fully_shard(nn.Linear(2, 2), reshard_after_forward="yes")
+    # FSDP2's int form: 1 is False, the group's size is True, a size between is refused.
+    with pytest.warns(UserWarning, match="reshard_after_forward=1"):
+        one = fully_shard(nn.Linear(2, 2), reshard_after_forward=1)
+    assert one._get_fsdp_state().param_group.reshard_after_forward is False
+    whole = fully_shard(nn.Linear(2, 2), reshard_after_forward=world)
+    assert whole._get_fsdp_state().param_group.reshard_after_forward is True
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=3"):
+        fully_shard(nn.Linear(2, 2), reshard_after_forward=3)
 
     # A parent reading a separately sharded child's parameter in its forward.
     class Parent(nn.Module):
@@ -163,7 +171,7 @@ def test_bad_input_is_a_clear_error_on_every_rank() -> None:
 def test_device_and_backend_must_match(devices: set, backend: str, wrong) -> None:
     """The check ``fully_shard`` runs (and agrees on across ranks, like every
     check of ``_validate``: test_bad_input_is_a_clear_error_on_every_rank)."""
-    from compiled_fsdp.runtime.api import device_backend_error
+    from compiled_fsdp.runtime.validation import device_backend_error
     msg = device_backend_error(devices, backend)
     if wrong is None:
         assert msg is None

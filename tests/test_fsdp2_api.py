@@ -167,6 +167,66 @@ def test_nested_modules_compiled_in_place(checkpointed: bool) -> None:
         assert diff < 1e-6, diff
 
 
+class NormHead(nn.Module):
+    """FSDP2's list form: ``fully_shard([model.norm, model.head])``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(torch.relu(self.body(x)))
+        return h if skip_head else self.head(h)
+
+
+def _list_of_modules(rank: int, world: int, backend: str) -> dict:
+    out: dict[str, Any] = {}
+    for name, fs in (("ours", fully_shard), ("fsdp2", torch_fsdp.fully_shard)):
+        torch.manual_seed(0)
+        model = NormHead()
+        ref = copy.deepcopy(model)
+        fs([model.norm, model.head])
+        fs(model)
+        same = fully_shard.state(model.norm) is fully_shard.state(model.head) if name == "ours" else None
+        run = model if backend == "eager" or name == "fsdp2" else torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        gathers = []
+        for step in range(3):
+            xs = [x.repeat(1, 2) for x in _inputs(step, world)]
+            compiled_fsdp.reset_collective_counts()
+            skip = step == 1  # the head does not run: the group completes at the root's post-forward
+            run(xs[rank], skip).pow(2).sum().backward()
+            gathers.append(compiled_fsdp.collective_counts().get("all_gather"))
+            opt.step()
+            opt.zero_grad()
+            (sum(ref(x, skip).pow(2).sum() for x in xs) / world).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+        out[name] = {n: full[n] for n, _ in ref.named_parameters()}
+        out[name + "_ref"] = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+        if name == "ours":
+            out["same_state"], out["gathers"] = same, gathers
+    out["fsdp2"] = max((out["ours"][n] - out["fsdp2"][n]).abs().max().item() for n in out["ours"])
+    del out["ours"]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_list_of_modules(backend: str) -> None:
+    """``fully_shard([norm, head])``: one state and one group for both modules
+    (one all-gather for the pair in forward and one in backward), a step where
+    the head does not run, equal to the reference and to FSDP2."""
+    for res in run_distributed(_list_of_modules, 2, backend):
+        assert res["same_state"] is True, res
+        assert res["ours_ref"] < 1e-6 and res["fsdp2"] < 1e-6, res
+        if backend == "eager":  # root, [norm, head]: forward and backward
+            assert res["gathers"][0] == 3, res
+
+
 def _methods(rank: int, world: int) -> dict:
     out: dict[str, Any] = {}
 

@@ -243,7 +243,9 @@ def _may_compile_own_frame(state: FSDPState) -> bool:
     because Dynamo broke the graph inside it: that falls back), and not once
     its frames were split."""
     group, ctx = state.param_group, state.ctx
-    if group is None or ctx.phase is Phase.COMPILED_FORWARD or ctx.root.path is not Path.EAGER:
+    if group is None or len(state.modules) > 1:  # (a list: [Note: A list of modules as one group])
+        return False
+    if ctx.phase is Phase.COMPILED_FORWARD or ctx.root.path is not Path.EAGER:
         return False
     return not frames.is_split(entry_of(group).split_key)
 

@@ -102,10 +102,10 @@ def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
 
 def iter_fsdp_states(module: nn.Module) -> list["FSDPState"]:
     """States of ``module``'s subtree (itself included) in ``module.modules()`` order."""
-    out = []
+    out: list[FSDPState] = []
     for m in module.modules():
         st = get_fsdp_state(m)
-        if st is not None:
+        if st is not None and not any(st is o for o in out):  # (a list's state: once)
             out.append(st)
     return out
 
@@ -210,7 +210,7 @@ class RootContext:
         (handing one a gather left its gradients None:
         tests/test_fsdp2_api.py::test_nested_modules_compiled_in_place)."""
         at = next(i for i, s in enumerate(self.states) if s is state)
-        inside = {id(m) for m in state.module.modules()} if outside else set()
+        inside = {id(m) for root in state.modules for m in root.modules()} if outside else set()
         return next((s for s in self.states[at + 1:] if id(s.module) not in inside), None)
 
     def forward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
@@ -236,9 +236,13 @@ class FSDPState:
     """What ``fully_shard`` attaches to one module: its parameter group and hooks."""
 
     def __init__(
-        self, module: nn.Module, param_group: Optional[FSDPParamGroup], mp_policy: MixedPrecisionPolicy
+        self, modules: tuple[nn.Module, ...], param_group: Optional[FSDPParamGroup], mp_policy: MixedPrecisionPolicy
     ) -> None:
-        self.module = module
+        # One module, or FSDP2's list form: see [Note: A list of modules as one group].
+        self.modules = modules
+        self.module = modules[0]
+        # Modules of the list still to run in this forward (empty: none ran yet).
+        self._to_run: list[nn.Module] = []
         self.param_group = param_group
         self.mp_policy = mp_policy
         self.ctx: Optional[RootContext] = None
@@ -252,11 +256,16 @@ class FSDPState:
         # targets in place of [Note: Prefetch order]'s (None: implicit).
         self.forward_prefetch: Optional[list[FSDPState]] = None
         self.backward_prefetch: Optional[list[FSDPState]] = None
-        _MODULE_STATE[module] = weakref.ref(self)
-        compat.register_composable_state(module, self)
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
-        module.register_forward_hook(_annotate_failed_forward, always_call=True)
+        for module in modules:
+            _MODULE_STATE[module] = weakref.ref(self)
+            compat.register_composable_state(module, self)
+            if len(modules) == 1:
+                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+                module.register_forward_hook(self._post_forward)
+            else:
+                module.register_forward_pre_hook(self._list_pre_forward, prepend=True, with_kwargs=True)
+                module.register_forward_hook(self._list_post_forward)
+            module.register_forward_hook(_annotate_failed_forward, always_call=True)
 
     @property
     def is_root(self) -> bool:
@@ -302,6 +311,35 @@ class FSDPState:
             return cast_floating(mp.param_dtype, (args, kwargs))
         return None
 
+    def _list_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """[Note: A list of modules as one group]
+        ``fully_shard([m1, m2])`` (FSDP2's list form) makes one group of the
+        modules' parameters, with one state registered for each module. The
+        group's pre-forward runs when the first of them starts (gather), its
+        post-forward when the last of them finishes (reshard, backward hooks),
+        as FSDP2's group forward hooks do. A forward in which some of them do
+        not run leaves the group unsharded to the end of the iteration (it is
+        completed at the root's post-forward, without resharding: the
+        backward of those that ran reads the gathered parameters). Such a
+        group never compiles a frame of its own: its modules are separate
+        frames. Tested by tests/test_fsdp2_api.py::test_list_of_modules."""
+        if not self._to_run or torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling():
+                self._to_run = list(self.modules)
+            return self._pre_forward(module, args, kwargs)
+        mp = self.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            return cast_floating(mp.param_dtype, (args, kwargs))
+        return None
+
+    def _list_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._post_forward(module, args, output)
+        self._to_run = [m for m in self._to_run if m is not module]
+        if not self._to_run:
+            return self._post_forward(module, args, output)
+        return cast_floating(self.mp_policy.output_dtype, output)
+
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if not torch.compiler.is_compiling():
             output = self._eager_post_forward(output)
@@ -346,6 +384,8 @@ class FSDPState:
         if path.after_own_frame(self, output):
             return output
         if self.is_root:
+            for st in ctx.states:  # see [Note: A list of modules as one group]
+                st._to_run = []
             compiled = ctx.phase is Phase.COMPILED_FORWARD
             ctx.phase = Phase.IDLE
             path.end_forward(ctx)

@@ -1,0 +1,206 @@
+"""``fully_shard``'s local checks: what it owns, and FSDP2's errors for bad
+input (its exception types and words, raised where FSDP2 raises them). Each
+check runs on every rank and its verdict is agreed before anyone raises
+([Note: Agreeing at fully_shard] in api.py)."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
+from compiled_fsdp.runtime.state import get_fsdp_state
+
+# Original parameter -> its FSDPParam, to detect a parameter claimed twice.
+# (Keyed by identity: tensors compare elementwise.)
+MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    """FSDP2's mesh checks, with its exception types and words (the same
+    arguments on every rank, so every rank raises here together)."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: pass a 1-D mesh "
+                         "(or None for the whole world).")
+    if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise AssertionError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
+                "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard')).")
+        raise NotImplementedError(
+            f"fully_shard: a 2-D mesh {mesh} (HSDP: replicate x shard) is not supported yet; pass the "
+            "1-D shard mesh (mesh['shard']) to shard within it.")
+
+
+# The device types each backend carries; a backend not named here is not checked.
+_BACKEND_DEVICES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "fake": None}
+
+
+def check_device_and_backend(module_name: str, owners: dict, group: dist.ProcessGroup) -> None:
+    msg = device_backend_error({p.device.type for p in owners}, str(dist.get_backend(group)))
+    if msg is not None:
+        raise ValueError(f"fully_shard({module_name}): {msg}")
+
+
+def device_backend_error(devices: set[str], backend: str) -> Optional[str]:
+    """What is wrong when parameters on ``devices`` are sharded over a group
+    with ``backend`` (a CUDA model under gloo, a CPU model under NCCL), or
+    None; ``cpu:gloo,cuda:nccl`` style backends carry the devices they name,
+    a backend this does not know is not checked."""
+    devices = devices - {"meta"}
+    if ":" in backend:
+        carried: Optional[set[str]] = {part.split(":")[0] for part in backend.split(",")}
+    elif backend in _BACKEND_DEVICES:
+        carried = _BACKEND_DEVICES[backend]
+    else:
+        return None
+    if not devices or carried is None or devices <= carried:
+        return None
+    device = sorted(devices - carried)[0]
+    hint = ("use init_process_group('nccl') for CUDA parameters" if device == "cuda"
+            else f"move the module to the group's device ({', '.join(sorted(carried))}) before fully_shard")
+    return (f"its parameters are on {device}, but the process group's backend {backend!r} communicates "
+            f"{', '.join(sorted(carried))} tensors: {hint}, or use a backend that carries both "
+            "(init_process_group('cpu:gloo,cuda:nccl')).")
+
+
+def label(modules: Sequence[nn.Module]) -> str:
+    """How messages name one application: its module's class, or the list's."""
+    names = [type(m).__name__ for m in modules]
+    return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+
+
+def validate(
+    modules: Sequence[nn.Module], ignored: set[nn.Parameter], mp: MixedPrecisionPolicy,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str, str]]], list[str]]:
+    """Local checks, raising FSDP2's exception types with what was wrong and
+    what to do: the owned parameters and the names of those another
+    application already owns (see ``shared_across_groups``). ``modules``:
+    one module, or the modules of FSDP2's list form (one group for all)."""
+    for module in modules:
+        if get_fsdp_state(module) is not None:
+            raise AssertionError(
+                "Each distinct composable distributed API can only be applied to a module once. fully_shard "
+                f"has already been applied to this {type(module).__name__}: apply it once per module "
+                "(blocks first, then the root)."
+            )
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: {type(module).__name__}. "
+                "Apply fully_shard to each module in it, or to the module whose forward calls them."
+            )
+    module_name = label(modules)
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    conflicts: list[str] = []
+    for i, module in enumerate(modules):
+        theirs, lost = collect_owned(module, ignored, "" if len(modules) == 1 else f"[{i}]")
+        for p, places in theirs.items():
+            owners.setdefault(p, []).extend(places)
+        conflicts += lost
+    for p, places in owners.items():
+        check_placement(places[0][2], p, shard_placement_fn)
+    devices = sorted({str(p.device) for p in owners})
+    if len(devices) > 1:
+        raise ValueError(
+            f"fully_shard({module_name}): its parameters are on several devices {devices}; "
+            "move the module to one device (e.g. module.to(device)) before fully_shard."
+        )
+    # One bucket carries one dtype (see [Note: Mixed precision] in policy.py).
+    dtypes = {str(mp.compute_dtype(p.dtype)): places[0][2] for p, places in owners.items()}
+    if len(dtypes) > 1:
+        examples = ", ".join(f"{fqn!r} ({dtype})" for dtype, fqn in sorted(dtypes.items()))
+        raise ValueError(
+            f"fully_shard({module_name}): its parameters would be communicated in several "
+            f"dtypes: {examples}. One fully_shard application gathers its parameters in one dtype, as "
+            "in FSDP2: convert them to one dtype, apply fully_shard to the odd ones' module "
+            "separately, or pass them in ignored_params."
+        )
+    return owners, conflicts
+
+
+def collect_owned(
+    module: nn.Module, ignored: set[nn.Parameter], prefix: str = ""
+) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str, str]]], list[str]]:
+    """Parameters this application owns, each with every (module, name, fqn) place
+    it is registered at, in ``named_modules`` order, and the names of those
+    another application already owns. See [Note: Ownership]."""
+    owned: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    conflicts: list[str] = []
+    for path, m, in modules_outside_nested(module):
+        path = ".".join(part for part in (prefix, path) if part)
+        for name, p in list(m._parameters.items()):
+            if p is None or p in ignored:
+                continue
+            fqn = f"{path}.{name}" if path else name
+            # (A shard is a DTensor; no registry holds it: a weak reference would stop
+            # to_empty() from swapping it, see [Note: Meta-device init].)
+            if p in MANAGED or isinstance(p, DTensor):
+                conflicts.append(fqn)
+                continue
+            if p.dim() == 0:
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is a scalar (0-dim); a "
+                    f"sharded parameter is a DTensor sharded on dim 0, which a scalar has not. Change {fqn} "
+                    "to a 1D tensor with numel equal to 1 (e.g. nn.Parameter(torch.tensor([1.5])))."
+                )
+            if not p.is_contiguous():
+                raise NotImplementedError(
+                    f"FSDP does not support non-contiguous parameters yet: fully_shard({type(module).__name__}) "
+                    f"got {fqn!r} with shape {tuple(p.shape)} and stride {p.stride()} (e.g. channels_last). "
+                    "Make it contiguous (module.to(memory_format=torch.contiguous_format)) before fully_shard."
+                )
+            owned.setdefault(p, []).append((m, name, fqn))
+    return owned, conflicts
+
+
+def shared_across_groups(module_name: str, conflicts: list[str]) -> Optional[str]:
+    """The error for parameters another ``fully_shard`` application already
+    owns (a weight shared between two fully sharded modules, or a parent
+    sharded before its child), or None. As in FSDP2 it is raised at the
+    root's first forward (lazy init), on every rank: the same model gives
+    every rank the same verdict."""
+    if not conflicts:
+        return None
+    return (f"fully_shard({module_name}): parameter {conflicts[0]!r} is already managed by another "
+            "fully_shard application (a weight shared between two fully sharded modules, or fully_shard "
+            "applied to a parent before its child). Apply fully_shard to a common ancestor of every module "
+            "that uses it (children first, then parents), or pass it in ignored_params.")
+
+
+def check_placement(fqn: str, param: nn.Parameter,
+                     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]]) -> None:
+    """FSDP2's ``shard_placement_fn``: None or ``Shard(0)`` are dim 0, the only
+    layout the bucket ([Note: Bucket layout]) and the passes know."""
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return
+    if not isinstance(placement, Shard):
+        raise TypeError(f"fully_shard: shard_placement_fn must return a Shard or None, got {placement!r} "
+                        f"for {fqn!r}.")
+    dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
+    if not 0 <= dim < param.dim():
+        raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {fqn!r}")
+    if dim != 0:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for {fqn!r}; compiled_fsdp "
+            "shards every parameter on dim 0 (its bucket layout and passes know no other). Return None or "
+            "Shard(0).")
+
+
+def modules_outside_nested(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(prefix, module) for ``module``'s subtree, skipping subtrees already sharded."""
+    out = []
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        out.append((prefix, m))
+        for name, child in m.named_children():
+            if get_fsdp_state(child) is None:
+                visit(f"{prefix}.{name}" if prefix else name, child)
+
+    visit("", module)
+    return out
