@@ -24,8 +24,8 @@ the end of the iteration.
 A hook either is inlined into a graph Dynamo traces, or runs as Python:
 
 1. Inlined (a module called from traced code, including the compiled root's
-   own ``__call__`` when nothing breaks): ``torch.compiler.is_compiling()`` is
-   True and the hook returns at once, tracing to nothing. Parameter reads emit
+   own ``__call__`` when nothing breaks): ``dynamo_traces()`` ([Note: Traced
+   in this thread] in extension.py) is True and the hook returns at once, tracing to nothing. Parameter reads emit
    markers; the passes own the module's communication.
 2. Python, inside a ``torch.compile``d call (``_is_in_optimized_module()``):
    for the root, the compiled forward follows and owns the communication, so
@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 from compiled_fsdp.core import compat
 from compiled_fsdp.runtime.divergence import Checker, annotate_error
-from compiled_fsdp.runtime.extension import compiled_path
+from compiled_fsdp.runtime.extension import compiled_path, dynamo_traces
 from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase, ShardedState
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, cast_floating
 from compiled_fsdp.runtime.streams import CommStreams
@@ -304,7 +304,7 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         """See [Note: Hooks under Dynamo]. Traced inside a graph, only the input
         casts remain: the passes own this module's communication."""
-        if not torch.compiler.is_compiling():
+        if not dynamo_traces():
             self._eager_pre_forward(_is_in_optimized_module())
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:  # [Note: Mixed precision]
@@ -323,8 +323,8 @@ class FSDPState:
         backward of those that ran reads the gathered parameters). Such a
         group never compiles a frame of its own: its modules are separate
         frames. Tested by tests/test_fsdp2_api.py::test_list_of_modules."""
-        if not self._to_run or torch.compiler.is_compiling():
-            if not torch.compiler.is_compiling():
+        if not self._to_run or dynamo_traces():
+            if not dynamo_traces():
                 self._to_run = list(self.modules)
             return self._pre_forward(module, args, kwargs)
         mp = self.mp_policy
@@ -333,7 +333,7 @@ class FSDPState:
         return None
 
     def _list_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if dynamo_traces():
             return self._post_forward(module, args, output)
         self._to_run = [m for m in self._to_run if m is not module]
         if not self._to_run:
@@ -341,7 +341,7 @@ class FSDPState:
         return cast_floating(self.mp_policy.output_dtype, output)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if not torch.compiler.is_compiling():
+        if not dynamo_traces():
             output = self._eager_post_forward(output)
         return cast_floating(self.mp_policy.output_dtype, output)
 
@@ -422,7 +422,7 @@ def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:
     """Runs after every forward, also one that raised (``always_call``): a
     collective error there (a peer exited after a failed check) gets that
     peer's report as a note. See [Note: Agreeing on collectives] in divergence.py."""
-    if output is None and not torch.compiler.is_compiling():  # (None: the forward raised)
+    if output is None and not dynamo_traces():  # (None: the forward raised)
         exc = sys.exc_info()[1]
         if exc is not None:
             annotate_error(exc)
