@@ -388,7 +388,7 @@ def test_thread_ranks(backend: str) -> None:
     per-rank helper groups, no hang ([Note: Helper groups]); the losses and
     parameters bitwise equal to the reference. In a fresh process (the
     threaded group replaces the process's default group), under a timeout.
-    Under aot_eager half the runs hung before [Note: Traced in this thread]."""
+    Under aot_eager half the runs hung before [Note: Traced in this thread] (state.py)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "import sys; from test_fsdp2_api import thread_ranks_main; thread_ranks_main(sys.argv[1])"
     proc = subprocess.run([sys.executable, "-c", code, backend], capture_output=True, text=True, timeout=300,

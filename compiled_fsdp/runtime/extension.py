@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from compiled_fsdp.runtime.param_group import FSDPParamGroup
     from compiled_fsdp.runtime.state import FSDPState, RootContext
 
-__all__ = ["CompiledPath", "compiled_path", "dynamo_traces", "set_compiled_path"]
+__all__ = ["CompiledPath", "compiled_path", "set_compiled_path"]
 
 
 class CompiledPath:
@@ -98,16 +98,3 @@ def set_compiled_path(path: CompiledPath) -> None:
     global _PATH
     _PATH = path
 
-
-def dynamo_traces() -> bool:
-    """[Note: Traced in this thread]
-    Whether Dynamo is tracing the calling code. The hooks and the parameter
-    property ask this, not ``torch.compiler.is_compiling()``: that reads a
-    process-wide flag, True in every thread while any one of them compiles,
-    so with thread ranks (torch's multi-thread process group) a rank whose
-    hooks ran as Python while another rank compiled skipped its pre-forward
-    as if traced (measured: half the runs hung in a reduce-scatter).
-    ``torch.compiler.is_dynamo_compiling()`` is False when the code runs and
-    folded to True by Dynamo while it traces, so it holds per thread.
-    Tested by tests/test_fsdp2_api.py::test_thread_ranks[aot_eager]."""
-    return torch.compiler.is_dynamo_compiling()

@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
-from compiled_fsdp.runtime.extension import compiled_path, dynamo_traces
+from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ class FSDPParam:
         views = group.exposed_views
         if views is not None:
             return views[self.index]
-        if dynamo_traces():
+        if torch.compiler.is_dynamo_compiling():
             return compiled_path().traced_read(self)
         value = compiled_path().untraced_read(self)
         if value is not None:

@@ -24,8 +24,8 @@ the end of the iteration.
 A hook either is inlined into a graph Dynamo traces, or runs as Python:
 
 1. Inlined (a module called from traced code, including the compiled root's
-   own ``__call__`` when nothing breaks): ``dynamo_traces()`` ([Note: Traced
-   in this thread] in extension.py) is True and the hook returns at once, tracing to nothing. Parameter reads emit
+   own ``__call__`` when nothing breaks): ``torch.compiler.is_dynamo_compiling()``
+   is True and the hook returns at once, tracing to nothing. Parameter reads emit
    markers; the passes own the module's communication.
 2. Python, inside a ``torch.compile``d call (``_is_in_optimized_module()``):
    for the root, the compiled forward follows and owns the communication, so
@@ -40,6 +40,20 @@ own; ``is_compiling()`` is True while it traces, so that compiled hook would do
 nothing, silently (measured: the pre-hook of a graph-broken child never ran).
 So the hook code objects, and every frame they call, are skipped by Dynamo's
 frame evaluation (``set_code_exec_strategy``); inlining is unaffected.
+
+[Note: Traced in this thread]
+The hooks and the parameter property ask ``torch.compiler.is_dynamo_compiling()``,
+called inline, not ``is_compiling()``: that reads a process-wide flag, True in
+every thread while any one compiles, so with thread ranks (torch's
+multi-thread process group) a rank whose hooks ran as Python while another
+rank compiled skipped its pre-forward as if traced (measured: half the
+aot_eager runs hung in a reduce-scatter). ``is_dynamo_compiling()`` is False
+when the code runs and folded to True while Dynamo traces it, so it holds per
+thread. Inline, not in a helper of ours: Dynamo converts a helper called from
+a frame it evaluates into a frame that returns the folded True (measured:
+per-parameter collectives ran eagerly under a failing backend). Tested by
+tests/test_fsdp2_api.py::test_thread_ranks[aot_eager] and
+tests/test_untraced_frames.py.
 Measured on torch 2.13: with the hooks skipped, ``torch.compile(model)`` runs
 the root's hooks as Python and compiles ``forward`` as the frame; without
 skipping, it traces ``_wrapped_call_impl`` with the hooks inlined.
@@ -60,7 +74,7 @@ from torch.utils._pytree import tree_flatten
 
 from compiled_fsdp.core import compat
 from compiled_fsdp.runtime.divergence import Checker, annotate_error
-from compiled_fsdp.runtime.extension import compiled_path, dynamo_traces
+from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase, ShardedState
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, cast_floating
 from compiled_fsdp.runtime.streams import CommStreams
@@ -304,7 +318,7 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         """See [Note: Hooks under Dynamo]. Traced inside a graph, only the input
         casts remain: the passes own this module's communication."""
-        if not dynamo_traces():
+        if not torch.compiler.is_dynamo_compiling():
             self._eager_pre_forward(_is_in_optimized_module())
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:  # [Note: Mixed precision]
@@ -323,8 +337,8 @@ class FSDPState:
         backward of those that ran reads the gathered parameters). Such a
         group never compiles a frame of its own: its modules are separate
         frames. Tested by tests/test_fsdp2_api.py::test_list_of_modules."""
-        if not self._to_run or dynamo_traces():
-            if not dynamo_traces():
+        if not self._to_run or torch.compiler.is_dynamo_compiling():
+            if not torch.compiler.is_dynamo_compiling():
                 self._to_run = list(self.modules)
             return self._pre_forward(module, args, kwargs)
         mp = self.mp_policy
@@ -333,7 +347,7 @@ class FSDPState:
         return None
 
     def _list_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if dynamo_traces():
+        if torch.compiler.is_dynamo_compiling():
             return self._post_forward(module, args, output)
         self._to_run = [m for m in self._to_run if m is not module]
         if not self._to_run:
@@ -341,7 +355,7 @@ class FSDPState:
         return cast_floating(self.mp_policy.output_dtype, output)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if not dynamo_traces():
+        if not torch.compiler.is_dynamo_compiling():
             output = self._eager_post_forward(output)
         return cast_floating(self.mp_policy.output_dtype, output)
 
@@ -422,7 +436,7 @@ def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:
     """Runs after every forward, also one that raised (``always_call``): a
     collective error there (a peer exited after a failed check) gets that
     peer's report as a note. See [Note: Agreeing on collectives] in divergence.py."""
-    if output is None and not dynamo_traces():  # (None: the forward raised)
+    if output is None and not torch.compiler.is_dynamo_compiling():  # (None: the forward raised)
         exc = sys.exc_info()[1]
         if exc is not None:
             annotate_error(exc)
@@ -430,5 +444,6 @@ def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:
 
 # See [Note: Hooks under Dynamo]: skip these frames and every frame they call.
 _SKIP_RECURSIVELY = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-for _hook in (FSDPState._pre_forward, FSDPState._post_forward, _annotate_failed_forward):
+for _hook in (FSDPState._pre_forward, FSDPState._post_forward, FSDPState._list_pre_forward,
+              FSDPState._list_post_forward, _annotate_failed_forward):
     set_code_exec_strategy(_hook.__code__, _SKIP_RECURSIVELY)
