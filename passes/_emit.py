@@ -39,3 +39,9 @@ def emit_reduce(b: NodeBuilder, flat: fx.Node, world_size: int, group_name: str,
         return sum_received(b, b(c10d.wait_tensor.default, a2a), world_size)
     rs = b(c10d.reduce_scatter_tensor.default, flat, "sum", world_size, group_name)
     return b(c10d.wait_tensor.default, rs)
+
+
+def emit_all_reduce(b: NodeBuilder, summed: fx.Node, group_name: str) -> fx.Node:
+    """HSDP: the reduced ``[T]`` summed over the replicas (``all_reduce`` on
+    the replicate group), waited."""
+    return b(c10d.wait_tensor.default, b(c10d.all_reduce.default, summed, "sum", group_name))

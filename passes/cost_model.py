@@ -37,7 +37,11 @@ RS = c10d.reduce_scatter_tensor.default
 # On gloo a gradient bucket is reduced by an all-to-all plus a local sum (see
 # [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py); it plays the reduce-scatter's part.
 A2A = c10d.all_to_all_single.default
-ISSUES = (AG, RS, A2A)  # the collectives the passes issue (each has one wait)
+# HSDP: the reduced shard summed over the replicas (see [Note: HSDP] in
+# compiled_fsdp/runtime/api.py); priced as a ring's reduce-scatter plus
+# all-gather over the replicate group, which spans nodes.
+AR = c10d.all_reduce.default
+ISSUES = (AG, RS, A2A, AR)  # the collectives the passes issue (each has one wait)
 WAIT = c10d.wait_tensor.default
 
 
@@ -114,7 +118,18 @@ def _collective_kind(node: fx.Node) -> str | None:
         return "all_gather"
     if node.target is RS or node.target is A2A:
         return "reduce_scatter"
+    if node.target is AR:
+        return "all_reduce"
     return None
+
+
+def _group_size(group_name: str) -> int:
+    """The size of a named process group (the same on every rank); 2 when
+    the name is not a live group (a hand-built graph)."""
+    try:
+        return torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+    except Exception:  # noqa: BLE001
+        return 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,13 +184,17 @@ class CostModel:
         moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)
         return moved / self.compute.bytes_per_s
 
-    def link(self, kind: str, world_size: int) -> CommConstants:
-        """The constants of a ring over ``world_size`` ranks: its slowest link."""
-        spans_nodes = self.inter_node is not None and world_size > self.ranks_per_node
+    def link(self, kind: str, world_size: int, across_nodes: bool = False) -> CommConstants:
+        """The constants of a ring over ``world_size`` ranks: its slowest link
+        (``across_nodes``: a group known to span nodes, HSDP's replicas)."""
+        spans_nodes = self.inter_node is not None and (across_nodes or world_size > self.ranks_per_node)
         return (self.inter_node if spans_nodes else self.comm)[kind]
 
-    def comm_time(self, kind: str, unsharded_bytes: int, world_size: int) -> float:
-        c = self.link(kind, world_size)
+    def comm_time(self, kind: str, unsharded_bytes: int, world_size: int, across_nodes: bool = False) -> float:
+        if kind == "all_reduce":
+            return (self.comm_time("reduce_scatter", unsharded_bytes, world_size, across_nodes)
+                    + self.comm_time("all_gather", unsharded_bytes, world_size, across_nodes))
+        c = self.link(kind, world_size, across_nodes)
         steps = max(world_size - 1, 0)
         return steps * c.alpha_s + steps / max(world_size, 1) * unsharded_bytes / c.link_bytes_per_s
 
@@ -184,6 +203,8 @@ class CostModel:
         kind = _collective_kind(node)
         if kind is None:
             return 0.0
+        if kind == "all_reduce":
+            return self.comm_time(kind, node_bytes(node.args[0]), _group_size(str(node.args[-1])), True)
         world = (len(node.args[1]) if node.target is A2A
                  else node.args[-2] if kind == "reduce_scatter" else node.args[1])
         buf = node if kind == "all_gather" else node.args[0]

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from compiled_fsdp.core.layout import pack_grads, reduce_input, split_reduced, unpack_gathered
 
-from ._emit import emit_gather, emit_reduce
+from ._emit import emit_all_reduce, emit_gather, emit_reduce
 from .bucketing import merge_small_buckets
 from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_marker, plan_handoff
 from .config import overlap
@@ -93,6 +93,13 @@ class BucketPlan:
     # Every (module_key, unit) in the bucket; more than one after bucketing
     # merged small ones.
     units: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def after_reduce(self) -> tuple:
+        """What follows the bucket's reduce, which a merged bucket must share:
+        the all-reduce over the replicas (HSDP) and the divisor."""
+        args = self.slots[0].args
+        return (args.replicate_group_name, args.spec.divisor)
 
     @property
     def module_keys(self) -> list[int]:
@@ -387,6 +394,9 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
             return _replace_roots(graph, plan, grads)
         summed = emit_reduce(b, pack_grads(b, grads, specs), plan.world_size, plan.group_name,
                              plan.by_all_to_all)
+        replicate_group = plan.slots[0].args.replicate_group_name
+        if replicate_group is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
+            summed = emit_all_reduce(b, summed, replicate_group)
         results = split_reduced(b, summed, specs, [s.args.local_rows for s in plan.slots],
                                 [s.args.grad_dtype for s in plan.slots])
     _replace_roots(graph, plan, results)

@@ -17,6 +17,7 @@ AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 A2A = torch.ops._c10d_functional.all_to_all_single.default  # the gloo reduce (see compiled_fsdp/_reduce.py)
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+AR = torch.ops._c10d_functional.all_reduce.default  # HSDP's sum over the replicas
 
 
 class GraphCapture:
@@ -31,11 +32,12 @@ class GraphCapture:
         def compiler(graphs: list[fx.GraphModule], phase: str) -> Any:
             def compile_one(gm: fx.GraphModule, example_inputs: Any) -> Any:
                 graphs.append(gm)
-                n_ag, n_rs = count(gm, AG), count_reduces(gm)
+                n_ag, n_rs, n_ar = count(gm, AG), count_reduces(gm), count(gm, AR)
 
                 def run(args: list) -> Any:
                     self.runtime[f"{phase}_all_gather"] += n_ag
                     self.runtime[f"{phase}_reduce_scatter"] += n_rs
+                    self.runtime[f"{phase}_all_reduce"] += n_ar
                     return gm(*args)
 
                 run._boxed_call = True  # take the argument list, as AOTAutograd prefers

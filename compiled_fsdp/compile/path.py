@@ -124,6 +124,9 @@ class TorchCompilePath(CompiledPath):
             bucket_offset=param.bucket_offset if gathered is not None else 0,
             bucket_numel=group.bucket_numel if gathered is not None else 0,
             reduce_by_all_to_all=group.reduce_by_all_to_all,
+            replicate_group_name=group.replicate_group_name,
+            replicas=param.spec.replicas,
+            divide_factor=param.spec.divide_factor,
         )
         if own and entry.handoff_next is not None and not entry.handoff_traced:
             # After this module's own first read, so that its own gather

@@ -35,7 +35,7 @@ from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, sum_received
 
 __all__ = [
-    "PendingCollective", "all_gather_flat", "collective_bytes", "collective_counts", "count",
+    "PendingCollective", "all_gather_flat", "all_reduce_flat", "collective_bytes", "collective_counts", "count",
     "reduce_scatter_flat", "reset_collective_counts", "uses_all_to_all",
 ]
 
@@ -122,3 +122,13 @@ def reduce_scatter_flat(
     out = flat_in.new_empty(flat_in.numel() // world)
     work = compat.reduce_scatter_single(out, flat_in, group=group, async_op=async_op)
     return PendingCollective(out, work if async_op else None)
+
+
+def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True) -> PendingCollective:
+    """HSDP: the sum of ``flat`` over ``group`` (the replicas of a shard
+    group), in place. A group of one rank communicates nothing."""
+    if group.size() == 1:
+        return PendingCollective(flat, None)
+    count("all_reduce", flat.numel() * flat.element_size())
+    work = dist.all_reduce(flat, group=group, async_op=async_op)
+    return PendingCollective(flat, work if async_op else None)

@@ -56,8 +56,17 @@ class ShardSpec:
     full_shape: tuple[int, ...]
     world_size: int
     # What the summed gradient is divided by (FSDP2's
-    # ``set_reduce_scatter_divide_factor``); None: the world size (the mean).
+    # ``set_reduce_scatter_divide_factor``); None: ``divisor``'s mean.
     divide_factor: Optional[float] = None
+    # HSDP: how many replicas of this shard group the gradient is also summed
+    # over (all-reduced on the replicate group); see [Note: HSDP] in runtime/api.py.
+    replicas: int = 1
+
+    @property
+    def divisor(self) -> float:
+        """What the summed gradient is divided by: the factor set, else the
+        number of ranks that contributed (shard group x replicas): the mean."""
+        return self.divide_factor or self.world_size * self.replicas
 
     @property
     def dim0(self) -> int:
@@ -252,7 +261,7 @@ def split_reduced(
 ) -> list[Any]:
     """The averaged gradient of each local shard from the summed ``[T]``, in
     the parameter's dtype (``dtypes``)."""
-    avg = op(aten.div.Tensor, summed, specs[0].divide_factor or specs[0].world_size)
+    avg = op(aten.div.Tensor, summed, specs[0].divisor)
     grads = []
     for i, (spec, off, rows) in enumerate(zip(specs, bucket_offsets(specs), local_rows)):
         piece = op(aten.slice.Tensor, avg, 0, off, off + spec.shard_numel)

@@ -54,7 +54,7 @@ def _arg(schema_type: str, default: Any = _NO_DEFAULT) -> Any:
 def _schema_default(value: Any) -> str:
     if value is None or isinstance(value, bool):
         return str(value)
-    assert isinstance(value, int), value
+    assert isinstance(value, (int, float)), value
     return str(value)
 
 
@@ -135,10 +135,15 @@ class _OneParameter:
     outermost: bool
     reduce_by_all_to_all: bool
 
+    replicate_group_name: Optional[str]
+    replicas: int
+    divide_factor: Optional[float]
+
     @property
     def spec(self) -> ShardSpec:
-        """The parameter's layout; see [Note: Shard layout] in core/layout.py."""
-        return ShardSpec(tuple(self.full_shape), self.world_size)
+        """The parameter's layout and gradient divisor; see [Note: Shard layout]
+        in core/layout.py."""
+        return ShardSpec(tuple(self.full_shape), self.world_size, self.divide_factor, self.replicas)
 
     @property
     def reshards(self) -> bool:
@@ -146,9 +151,10 @@ class _OneParameter:
         The reshard rule] in core/rules.py (the passes apply it per unit)."""
         return rules.reshards_after_forward(bool(self.reshard_after_forward), self.outermost)
 
-    def bucket_signature(self) -> tuple[str, int, bool]:
-        """What every marker of one bucket shares: its group and how it reduces."""
-        return (self.group_name, self.world_size, self.reduce_by_all_to_all)
+    def bucket_signature(self) -> tuple:
+        """What every marker of one bucket shares: its groups and how it reduces."""
+        return (self.group_name, self.world_size, self.reduce_by_all_to_all, self.replicate_group_name,
+                self.replicas, self.divide_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +192,11 @@ class Unshard(Marker, _OneParameter):
     bucket_offset: int = _arg("int", 0)
     bucket_numel: int = _arg("int", 0)
     reduce_by_all_to_all: bool = _arg("bool", False)
+    # HSDP ([Note: HSDP] in runtime/api.py): the group the reduced shard is
+    # all-reduced on (None: no replicas) and its size; and FSDP2's divide factor.
+    replicate_group_name: Optional[str] = _arg("str?", None)
+    replicas: int = _arg("int", 1)
+    divide_factor: Optional[float] = _arg("float?", None)
 
     @property
     def reduce_group(self) -> str:
@@ -220,6 +231,11 @@ class ReduceGrad(Marker, _OneParameter):
     bucket_offset: int = _arg("int", 0)
     bucket_numel: int = _arg("int", 0)
     reduce_by_all_to_all: bool = _arg("bool", False)
+    # HSDP ([Note: HSDP] in runtime/api.py): the group the reduced shard is
+    # all-reduced on (None: no replicas) and its size; and FSDP2's divide factor.
+    replicate_group_name: Optional[str] = _arg("str?", None)
+    replicas: int = _arg("int", 1)
+    divide_factor: Optional[float] = _arg("float?", None)
 
     # A reduce marker carries no gather policy.
     reshard_after_forward: ClassVar[None] = None
@@ -237,7 +253,9 @@ class ReduceGrad(Marker, _OneParameter):
                    kept=read.kept if read.sync else None, sync=read.sync,
                    bucket_offset=read.bucket_offset if handed else 0,
                    bucket_numel=read.bucket_numel if handed else 0,
-                   reduce_by_all_to_all=read.reduce_by_all_to_all)
+                   reduce_by_all_to_all=read.reduce_by_all_to_all,
+                   replicate_group_name=read.replicate_group_name, replicas=read.replicas,
+                   divide_factor=read.divide_factor)
 
 
 @dataclasses.dataclass(frozen=True)

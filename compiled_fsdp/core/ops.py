@@ -166,7 +166,7 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 @torch.library.custom_op(ReduceGrad.qualname(), mutates_args=(), schema=ReduceGrad.schema())
 def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = ReduceGrad.bind(args, kwargs)
-    specs = [ShardSpec(tuple(m.full_shape), m.world_size)]
+    specs = [m.spec]
     if m.bucket_numel:  # the gradient of a handed-over gather: this parameter's columns
         return _fresh(pack_grads(EAGER, [m.grad], specs, [m.bucket_offset], m.bucket_numel), m.grad)
     if not m.sync:  # the full gradient for the sink; see [Note: Accumulation without sync in graphs]
@@ -183,6 +183,8 @@ def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
         comm.count("unbucketed_reduce_scatter")
         _before_collective("reduce-scatter", m.module_key, m.param_index)
     summed = _reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all)
+    if m.replicate_group_name is not None:  # HSDP: summed over the replicas too
+        summed = comm.all_reduce_flat(summed, _group(m.replicate_group_name), async_op=False).wait()
     # Sum then divide, cut to the local rows: the bucketed path's steps.
     return split_reduced(EAGER, summed, specs, [m.local_rows], [m.grad_dtype])[0]
 

@@ -1,5 +1,21 @@
 """``fully_shard``: the public entry point.
 
+[Note: HSDP]
+A 2-D mesh is FSDP2's HSDP mesh: dim 0 replicates, dim 1 shards (whatever
+the names; FSDP2 asks only that there are some). Parameters are DTensors
+``(Replicate(), Shard(0))`` on it; each shard group (the ranks of one row)
+gathers and reduce-scatters as a 1-D application does, and each reduced
+shard is then summed over its replicas (an all-reduce on the column's
+group) and divided by every contributing rank (R x S: the mean, as FSDP2).
+One definition of that: ``ShardSpec.replicas`` and ``divisor`` (core/layout.py),
+which the eager runtime (``finish_grad_sync``), the markers and the lowering
+(``emit_all_reduce`` after the bucket's reduce) all read. The replicas'
+all-reduce runs on its own group, so the schedule orders it apart from the
+shard group's collectives; the cost model prices it on the inter-node link.
+Gathers are not handed between blocks' graphs for HSDP groups
+([Note: Gathers handed to the next block's graph] carries no replicas).
+Tested by tests/test_hsdp.py.
+
 [Note: Ownership]
 Each application of ``fully_shard`` owns the parameters of its subtree that no
 nested application already owns (the "fully sharded module" of pytorch#90933): apply it to
@@ -64,8 +80,8 @@ class ShardingOptions:
     # [Note: A second group for reduce-scatters]. Made (with ``checker``) by
     # ``_with_groups`` once the ranks agreed on the settings.
     reduce_group: Optional[dist.ProcessGroup] = None
-    # The user's 1-D mesh, or None: one is built over ``process_group`` for the
-    # parameters' device type (see ``mesh_for``).
+    # The user's mesh (1-D, or HSDP's 2-D), or None: one is built over
+    # ``process_group`` for the parameters' device type (see ``mesh_for``).
     mesh: Optional[DeviceMesh] = None
     # What the user passed as ``mp_policy``; checked (on every rank together) by
     # ``_shard_one``. See [Note: Mixed precision] in policy.py.
@@ -81,6 +97,8 @@ class ShardingOptions:
     gloo_reduce_by_all_to_all: bool = True
     # FSDP2's per-parameter placement hook (checked in ``_validate``).
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None
+    # HSDP: the replicas' group (the mesh's dim 0), or None. See [Note: HSDP].
+    replicate_group: Optional[dist.ProcessGroup] = None
 
     def mesh_for(self, device_type: str) -> DeviceMesh:
         """The mesh the parameters' DTensors live on."""
@@ -118,13 +136,15 @@ def _resolve_options(
         group = dist.distributed_c10d._get_default_group()
     elif isinstance(mesh, DeviceMesh):
         check_mesh(mesh)
-        group = mesh.get_group()
+        group = mesh.get_group(mesh.ndim - 1)
     elif isinstance(mesh, dist.ProcessGroup):
         group = mesh
     else:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
+    hsdp = isinstance(mesh, DeviceMesh) and mesh.ndim == 2
     return ShardingOptions(group, _reshard_rule(reshard_after_forward, group.size()), None,
-                           mesh if isinstance(mesh, DeviceMesh) else None, mp_policy)
+                           mesh if isinstance(mesh, DeviceMesh) else None, mp_policy,
+                           replicate_group=mesh.get_group(0) if hsdp else None)
 
 
 def _reshard_rule(reshard_after_forward: Union[bool, int], shard_size: int) -> bool:
@@ -163,7 +183,7 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
     group = options.process_group
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
     return replace(options, reduce_group=reduce_group, checker=checker_for(group),
-                   hand_over_gathers=comm.hand_over_gathers,
+                   hand_over_gathers=comm.hand_over_gathers and options.replicate_group is None,
                    gloo_reduce_by_all_to_all=comm.gloo_reduce_by_all_to_all)
 
 
@@ -284,7 +304,9 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     except _AGREED_ERRORS as exc:
         error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
-    _agree(options.process_group, label(modules), error, (fingerprint, repr(mp)), _comm_settings())
+    for agreeing in (options.process_group, options.replicate_group):  # (HSDP: the replicas too)
+        if agreeing is not None:
+            _agree(agreeing, label(modules), error, (fingerprint, repr(mp)), _comm_settings())
     options = _with_groups(options)
     group = None
     if owners:
@@ -299,7 +321,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
             fsdp_params, options.process_group, options.reduce_group, _next_key(),
             options.reshard_after_forward, label(modules), options.checker,
             reduce_by_all_to_all=uses_all_to_all(options.reduce_group, options.gloo_reduce_by_all_to_all),
-            hand_over_gathers=options.hand_over_gathers,
+            hand_over_gathers=options.hand_over_gathers, replicate_group=options.replicate_group,
         )
         by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
         for fp in fsdp_params:

@@ -16,7 +16,7 @@ from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, ShardSpec, pack_grads, pack_shards, unpack_gathered
 from compiled_fsdp.runtime.streams import CommStreams
 
-__all__ = ["all_gather_bucket", "copy_out_all_gather", "reduce_scatter_bucket"]
+__all__ = ["all_gather_bucket", "all_reduce_bucket", "copy_out_all_gather", "reduce_scatter_bucket"]
 
 
 def all_gather_bucket(
@@ -60,3 +60,12 @@ def reduce_scatter_bucket(
     comm.count("reduce_scatter", flat.numel() * flat.element_size())
     with streams.on_reduce() if streams is not None else contextlib.nullcontext():
         return comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op)
+
+
+def all_reduce_bucket(
+    summed: torch.Tensor, group: dist.ProcessGroup, streams: Optional[CommStreams] = None
+) -> torch.Tensor:
+    """HSDP: a reduced bucket ``[T]`` summed over the replicas (in place, on
+    the reduce stream), waited."""
+    with streams.on_reduce() if streams is not None else contextlib.nullcontext():
+        return comm.all_reduce_flat(summed, group, async_op=False).wait()

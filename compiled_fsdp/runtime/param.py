@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
 from compiled_fsdp.runtime.extension import compiled_path
@@ -75,7 +75,9 @@ class FSDPParam:
         self.fqn = fqn
         self.owners = owners
         self.mesh = mesh
-        self.spec = ShardSpec(tuple(param.shape), mesh.size())
+        # A 2-D mesh is HSDP's (replicate, shard): sharded over its last dim.
+        self.spec = ShardSpec(tuple(param.shape), mesh.size(mesh.ndim - 1),
+                              replicas=mesh.size(0) if mesh.ndim == 2 else 1)
         self.local_rows = self.spec.local_dim0(rank)
         self.orig_dtype = param.dtype
         # See [Note: Mixed precision] in policy.py.
@@ -97,10 +99,11 @@ class FSDPParam:
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """A ``Shard(0)`` DTensor over this rank's rows ``local`` (no copy, no
-        communication)."""
+        communication); on HSDP's 2-D mesh ``(Replicate(), Shard(0))``."""
         full = self.spec.full_shape
+        placements = (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
         return DTensor.from_local(
-            local, self.mesh, (Shard(0),), run_check=False,
+            local, self.mesh, placements, run_check=False,
             shape=torch.Size(full), stride=_contiguous_strides(full),
         )
 

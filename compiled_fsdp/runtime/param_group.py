@@ -28,7 +28,8 @@ import torch.distributed as dist
 from compiled_fsdp.core import registry, rules
 from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, bucket_offsets, split_reduced
-from compiled_fsdp.runtime.collectives import all_gather_bucket, copy_out_all_gather, reduce_scatter_bucket
+from compiled_fsdp.runtime.collectives import (all_gather_bucket, all_reduce_bucket, copy_out_all_gather,
+                                               reduce_scatter_bucket)
 from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from compiled_fsdp.runtime.param import FSDPParam
 
@@ -85,6 +86,7 @@ class FSDPParamGroup:
         *,
         reduce_by_all_to_all: bool,
         hand_over_gathers: bool,
+        replicate_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
@@ -92,6 +94,10 @@ class FSDPParamGroup:
         # See [Note: A second group for reduce-scatters] in api.py.
         self.reduce_group = reduce_group
         self.reduce_group_name = reduce_group.group_name
+        # HSDP: the replicas' group, over which each reduced shard is also
+        # summed ([Note: HSDP] in api.py); None: a 1-D mesh.
+        self.replicate_group = replicate_group
+        self.replicate_group_name = replicate_group.group_name if replicate_group is not None else None
         # See [Note: Reduce-scatter on gloo] in core/comm.py (decided at fully_shard).
         self.reduce_by_all_to_all = reduce_by_all_to_all
         self.key = key
@@ -270,8 +276,11 @@ class FSDPParamGroup:
         if self._pending_reduce is not None:
             pending, params = self._pending_reduce
             self._pending_reduce = None
+            summed = pending.wait()
+            if self.replicate_group is not None:  # HSDP: [Note: HSDP] in api.py
+                summed = all_reduce_bucket(summed, self.replicate_group, streams=self._streams())
             grads = split_reduced(
-                EAGER, pending.wait(), [p.spec for p in params], [p.local_rows for p in params],
+                EAGER, summed, [p.spec for p in params], [p.local_rows for p in params],
                 [p.orig_dtype for p in params],
             )
             for p, g in zip(params, grads):

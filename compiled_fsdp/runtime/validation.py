@@ -31,9 +31,6 @@ def check_mesh(mesh: DeviceMesh) -> None:
             raise AssertionError(
                 "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
                 "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard')).")
-        raise NotImplementedError(
-            f"fully_shard: a 2-D mesh {mesh} (HSDP: replicate x shard) is not supported yet; pass the "
-            "1-D shard mesh (mesh['shard']) to shard within it.")
 
 
 # The device types each backend carries; a backend not named here is not checked.
