@@ -22,6 +22,7 @@ from compiled_fsdp.runtime.divergence import CollectiveMismatchError  # noqa: E4
 from compiled_fsdp.runtime.extension import set_compiled_path as _set_compiled_path  # noqa: E402
 from compiled_fsdp.runtime.module import FSDPModule, UnshardHandle, register_fsdp_forward_method  # noqa: E402
 from compiled_fsdp.runtime.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+from compiled_fsdp.runtime.replicate import replicate  # noqa: E402
 from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states  # noqa: E402
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "get_fsdp_state",
     "iter_fsdp_states",
     "register_fsdp_forward_method",
+    "replicate",
     "reset_collective_counts",
 ]
 

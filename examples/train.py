@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train.py            # Inductor
     torchrun --nproc-per-node 2 examples/train.py --compile none   # eager hook runtime
     torchrun --nproc-per-node 2 examples/train.py --compile-blocks # each block compiled on its own
+    torchrun --nproc-per-node 4 examples/train.py --hsdp 2         # HSDP: 2 replicas x 2 shards
 
 Uses CUDA + NCCL when a GPU is available, CPU + gloo otherwise. Each rank gets its
 own batches (data parallel); rank 0 prints the loss and what each rank holds.
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from compiled_fsdp import MixedPrecisionPolicy, explain, fully_shard  # noqa: E402
 from examples import gpt  # noqa: E402
@@ -47,6 +49,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2,
                         help="backward passes per optimizer step (gradient sync on the last only)")
     parser.add_argument("--checkpoint", default=None, help="DCP checkpoint folder (default: a temporary one)")
+    parser.add_argument("--hsdp", type=int, default=0, metavar="R",
+                        help="HSDP: R replicas, each sharded over world/R ranks (a 2-D mesh; default: 1-D)")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -68,9 +72,14 @@ def main() -> None:
     total = sum(p.numel() for p in model.parameters())
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if args.precision == "bf16" else None
+    mesh = None
+    if args.hsdp:
+        if args.hsdp < 1 or world % args.hsdp:
+            parser.error(f"--hsdp {args.hsdp}: the world size {world} must be a multiple of R")
+        mesh = init_device_mesh(device.type, (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
     for block in model.layers:
-        fully_shard(block, reshard_after_forward=not args.no_reshard, mp_policy=mp_policy)
-    fully_shard(model, reshard_after_forward=not args.no_reshard, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=not args.no_reshard, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=not args.no_reshard, mp_policy=mp_policy)
     local = sum(p.to_local().numel() for p in model.parameters())
     # fused: one kernel per step instead of one DTensor dispatch per tensor and op (DESIGN.md)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

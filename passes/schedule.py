@@ -85,9 +85,17 @@ import torch
 import torch.fx as fx
 
 from .config import OverlapConfig
-from .cost_model import AG, ISSUES, WAIT, CostModel, node_bytes
+from .cost_model import A2A, AG, RS, WAIT, CostModel, node_bytes
 from ._graph import ChainTag, chain_tag, is_tangent
 from .timeline import Timeline, estimate_peak, simulate
+
+# The collectives the schedule places. HSDP's all-reduce over the replicas
+# (cost_model.AR) is not one of them: it reads only its reduce-scatter's
+# result, so it rides in that collective's lazy tail (issued and waited when
+# the reduced gradient is needed or the budget asks for room). Scheduled on
+# its own, its cone swallowed the reduce-scatter's wait and the planner
+# looped (a 4-rank HSDP job under Inductor hung in make_room).
+_SCHEDULED = (AG, RS, A2A)
 
 _FOREIGN_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "compiled_fsdp")
 
@@ -161,7 +169,7 @@ def _find_colls(graph: fx.Graph) -> list[_Coll]:
     colls = []
     for n in graph.nodes:
         info = chain_tag(n)
-        if info is None or n.target not in ISSUES:
+        if info is None or n.target not in _SCHEDULED:
             continue
         cone: list[fx.Node] = []
         stack = list(n.all_input_nodes)
@@ -358,7 +366,7 @@ def _sequence(order: list[fx.Node]) -> list[str]:
     seq = []
     for n in order:
         info = chain_tag(n)
-        if info is None or n.target not in (*ISSUES, WAIT):
+        if info is None or n.target not in (*_SCHEDULED, WAIT):
             continue
         what = "wait" if n.target is WAIT else "all_gather" if n.target is AG else "reduce_scatter"
         seq.append(f"{what}:{info.bucket}")
@@ -397,7 +405,7 @@ def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None =
     in_flight, peak_flight = 0, 0
     live: dict[fx.Node, int] = {}
     for n in plan.order:
-        if n.target in ISSUES and chain_tag(n) is not None:
+        if n.target in _SCHEDULED and chain_tag(n) is not None:
             c = next(x for x in colls if x.node is n)
             live[n] = c.nbytes
             in_flight += c.nbytes

@@ -24,14 +24,15 @@ D = 64
 
 def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = None,
            interleaved: bool = False, reduce_group: str = GROUP, all_to_all: bool = False,
-           first_reduce_factor: int = 1) -> fx.Graph:
+           first_reduce_factor: int = 1, replicas_group: str | None = None) -> fx.Graph:
     """x -> [gather_i, x = x @ w_i] for each module, then optional reduce-scatters
     of ``x``-derived grads; a foreign all_reduce before module ``foreign_at``.
     ``interleaved``: each module's reduce-scatter right after its compute, as in
     a backward graph (gather i, compute i, reduce i, gather i+1, ...).
     ``all_to_all``: reduce as the lowering does on gloo (a bucket made by
     a copy, all-to-all, then a local sum over ranks). ``first_reduce_factor``:
-    module 0's gradient is that many times larger (the output layer's)."""
+    module 0's gradient is that many times larger (the output layer's).
+    ``replicas_group``: HSDP, each reduced shard then all-reduced on that group."""
     mode = FakeTensorMode()
     g = fx.Graph()
     vals: dict[fx.Node, torch.Tensor] = {}
@@ -61,7 +62,11 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
             bucket = node(aten.clone.default, flat, meta=meta)  # the lowering's pad + cat
             a2a = node(A2A, bucket, [D * D // 2] * 2, [D * D // 2] * 2, reduce_group, meta=meta)
             rows = node(aten.view.default, node(WAIT, a2a, meta=meta), [2, D * D // 2], meta=meta)
-            return node(aten.div.Tensor, node(aten.sum.dim_IntList, rows, [0], meta=meta), 2, meta=meta)
+            summed = node(aten.sum.dim_IntList, rows, [0], meta=meta)
+            if replicas_group is not None:
+                summed = node(WAIT, node(c10d.all_reduce.default, summed, "sum", replicas_group, meta=meta),
+                              meta=meta)
+            return node(aten.div.Tensor, summed, 2, meta=meta)
         rs = node(RS, flat, "sum", 2, reduce_group, meta=meta)  # (k * D * D / 2 out)
         return node(aten.div.Tensor, node(WAIT, rs, meta=meta), 2, meta=meta)
 
@@ -227,6 +232,26 @@ def test_reduce_tail_follows_its_wait() -> None:
     seq = rep.sequence
     for i in range(5):  # and the overlap it is for: the next gather passes the reduce
         assert seq.index(f"all_gather:{i + 1}.0") < seq.index(f"reduce_scatter:{i}.0"), seq
+
+
+def test_hsdp_all_reduce_rides_in_its_reduce_tail() -> None:
+    """HSDP: each reduced shard is all-reduced over the replicas. The
+    all-reduce is part of its reduce's tail (right after the local sum, before
+    the divide), the reduces keep their order, and the planner terminates
+    (scheduled as a collective of its own, its cone swallowed the reduce's
+    wait and make_room looped forever: a 4-rank HSDP job hung in Inductor)."""
+    g = _build(n_modules=4, interleaved=True, reduce_group="g1", all_to_all=True, replicas_group="g2")
+    before = _per_group(g)
+    rep = schedule_graph(g, OverlapConfig(cover=1e9))
+    _check_invariants(g)
+    assert rep.changed and rep.graph == "backward", rep.reason
+    assert _per_group(g) == before
+    nodes = list(g.nodes)
+    ars = [i for i, n in enumerate(nodes) if n.target is c10d.all_reduce.default]
+    assert len(ars) == 4
+    for i in ars:
+        assert nodes[i - 1].target is aten.sum.dim_IntList and nodes[i + 1].target is WAIT, nodes[i - 1:i + 2]
+        assert nodes[i + 2].target is aten.div.Tensor, nodes[i:i + 3]
 
 
 def test_foreign_collective_is_a_barrier() -> None:

@@ -99,15 +99,20 @@ class ShardingOptions:
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None
     # HSDP: the replicas' group (the mesh's dim 0), or None. See [Note: HSDP].
     replicate_group: Optional[dist.ProcessGroup] = None
+    # Which composable API applies it: "fully_shard" or "replicate" (see
+    # [Note: replicate] in replicate.py).
+    api: str = "fully_shard"
 
     def mesh_for(self, device_type: str) -> DeviceMesh:
-        """The mesh the parameters' DTensors live on."""
+        """The mesh the parameters' DTensors live on (``replicate``'s: over
+        the replicas)."""
         if self.mesh is not None:
             return self.mesh
-        meshes = _MESHES.setdefault(self.process_group, {})
+        over = self.replicate_group if self.api == "replicate" else self.process_group
+        meshes = _MESHES.setdefault(over, {})
         mesh = meshes.get(device_type)
         if mesh is None or mesh.get_group() not in dist.distributed_c10d._world.pg_map:
-            mesh = meshes[device_type] = DeviceMesh.from_group(self.process_group, device_type)
+            mesh = meshes[device_type] = DeviceMesh.from_group(over, device_type)
         return mesh
 
 
@@ -299,7 +304,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     mp = MixedPrecisionPolicy()
     try:
         mp = check_policy(options.mp_policy)
-        owners, conflicts = validate(modules, ignored, mp, options.shard_placement_fn)
+        owners, conflicts = validate(modules, ignored, mp, options.shard_placement_fn, options.api)
         check_device_and_backend(label(modules), owners, options.process_group)
     except _AGREED_ERRORS as exc:
         error = (type(exc).__name__, str(exc))
@@ -312,9 +317,11 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     if owners:
         mesh = options.mesh_for(_mesh_device_type(next(iter(owners)), options.process_group))
         rank = options.process_group.rank()
+        shard_size = options.process_group.size()
         fsdp_params = []
         for param, places in owners.items():
-            fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank, mp)
+            fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank, mp,
+                           shard_size=shard_size)
             MANAGED[param] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
@@ -337,7 +344,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         for nested in iter_fsdp_states(module):
             if nested.param_group is not None:
                 nested.param_group.outermost = False
-    state = FSDPState(modules, group, mp)
+    state = FSDPState(modules, group, mp, options.api)
     state.deferred_error = shared_across_groups(label(modules), conflicts)
     for module in modules:
         install_class(module, mixin=FSDPModule)

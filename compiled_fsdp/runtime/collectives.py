@@ -32,7 +32,8 @@ def all_gather_bucket(
     gather stream ([Note: Streams and events])."""
     with streams.on_gather() if streams is not None else contextlib.nullcontext():
         flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs, dtypes)
-        comm.count("all_gather", flat_in.numel() * flat_in.element_size())
+        if group.size() > 1:  # (a group of one communicates nothing)
+            comm.count("all_gather", flat_in.numel() * flat_in.element_size())
         return comm.all_gather_flat(flat_in, group, async_op)
 
 
@@ -57,7 +58,8 @@ def reduce_scatter_bucket(
     averaged. Packed on the compute stream, reduced on the reduce stream
     ([Note: Streams and events])."""
     flat = pack_grads(EAGER, grads, specs)
-    comm.count("reduce_scatter", flat.numel() * flat.element_size())
+    if group.size() > 1:
+        comm.count("reduce_scatter", flat.numel() * flat.element_size())
     with streams.on_reduce() if streams is not None else contextlib.nullcontext():
         return comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op)
 

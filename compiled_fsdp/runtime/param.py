@@ -71,13 +71,17 @@ class FSDPParam:
         mesh: DeviceMesh,
         rank: int,
         mp_policy: MixedPrecisionPolicy,
+        shard_size: Optional[int] = None,
     ) -> None:
         self.fqn = fqn
         self.owners = owners
         self.mesh = mesh
         # A 2-D mesh is HSDP's (replicate, shard): sharded over its last dim.
-        self.spec = ShardSpec(tuple(param.shape), mesh.size(mesh.ndim - 1),
-                              replicas=mesh.size(0) if mesh.ndim == 2 else 1)
+        # ``replicate``'s 1-D mesh holds the replicas of a group of one
+        # (``shard_size`` 1): [Note: replicate] in replicate.py.
+        shard_size = mesh.size(mesh.ndim - 1) if shard_size is None else shard_size
+        replicas = mesh.size(0) if mesh.ndim == 2 else mesh.size() // shard_size
+        self.spec = ShardSpec(tuple(param.shape), shard_size, replicas=replicas)
         self.local_rows = self.spec.local_dim0(rank)
         self.orig_dtype = param.dtype
         # See [Note: Mixed precision] in policy.py.
@@ -101,7 +105,8 @@ class FSDPParam:
         """A ``Shard(0)`` DTensor over this rank's rows ``local`` (no copy, no
         communication); on HSDP's 2-D mesh ``(Replicate(), Shard(0))``."""
         full = self.spec.full_shape
-        placements = (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
+        placements = ((Replicate(), Shard(0)) if self.mesh.ndim == 2
+                      else (Replicate(),) if self.spec.world_size == 1 and self.spec.replicas > 1 else (Shard(0),))
         return DTensor.from_local(
             local, self.mesh, placements, run_check=False,
             shape=torch.Size(full), stride=_contiguous_strides(full),

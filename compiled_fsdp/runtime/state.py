@@ -250,8 +250,10 @@ class FSDPState:
     """What ``fully_shard`` attaches to one module: its parameter group and hooks."""
 
     def __init__(
-        self, modules: tuple[nn.Module, ...], param_group: Optional[FSDPParamGroup], mp_policy: MixedPrecisionPolicy
+        self, modules: tuple[nn.Module, ...], param_group: Optional[FSDPParamGroup], mp_policy: MixedPrecisionPolicy,
+        api: str = "fully_shard",
     ) -> None:
+        self.api = api  # the composable API that made it: "fully_shard" or "replicate"
         # One module, or FSDP2's list form: see [Note: A list of modules as one group].
         self.modules = modules
         self.module = modules[0]

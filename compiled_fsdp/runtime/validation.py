@@ -74,16 +74,24 @@ def label(modules: Sequence[nn.Module]) -> str:
 def validate(
     modules: Sequence[nn.Module], ignored: set[nn.Parameter], mp: MixedPrecisionPolicy,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    api: str = "fully_shard",
 ) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str, str]]], list[str]]:
     """Local checks, raising FSDP2's exception types with what was wrong and
     what to do: the owned parameters and the names of those another
     application already owns (see ``shared_across_groups``). ``modules``:
     one module, or the modules of FSDP2's list form (one group for all)."""
     for module in modules:
-        if get_fsdp_state(module) is not None:
+        state = get_fsdp_state(module)
+        if state is not None and state.api != api:
+            raise ValueError(
+                f"{api} cannot be applied to this {type(module).__name__}: {state.api} was applied to it "
+                "already. Apply one of fully_shard and replicate per module (each may be applied to other "
+                "submodules of the same model)."
+            )
+        if state is not None:
             raise AssertionError(
-                "Each distinct composable distributed API can only be applied to a module once. fully_shard "
-                f"has already been applied to this {type(module).__name__}: apply it once per module "
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"{api} has already been applied to this {type(module).__name__}: apply it once per module "
                 "(blocks first, then the root)."
             )
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):

@@ -1,0 +1,98 @@
+"""``replicate``: composable data parallelism (the composable API the project
+grew from had ``replicate`` beside ``fully_shard``).
+
+[Note: replicate]
+``replicate(module)`` keeps full parameters on every rank and averages the
+gradients over the ranks. It is HSDP with shard groups of one rank ([Note:
+HSDP] in api.py): each rank is its own shard group (a process group of one,
+made locally), so the gather and the reduce-scatter move nothing, and every
+reduced bucket is summed over the replicas, the ``replicate`` group. The
+parameters are DTensors ``Replicate()`` on a 1-D mesh over that group (the
+same mesh object ``fully_shard`` builds over it), so ``clip_grad_norm_``, DCP
+and the state-dict API handle them as they handle shards, and a model that
+mixes both (a replicated embedding, sharded blocks) is one model to them.
+The state is the runtime's ``FSDPState`` with ``api == "replicate"``, found
+the same way from any submodule (one registry); ``fully_shard`` on a
+replicated module and the reverse are refused on every rank.
+
+Buckets: one per application, reduced when its backward completes, as for
+``fully_shard`` (apply it per block for overlap in eager); under compile the
+passes cut and merge buckets by ``config.overlap.bucket_bytes`` and schedule
+each all-reduce for overlap, as they do the reduce-scatters. The full
+parameter is also copied into the unsharded buffer the hooks expose (a group
+of one gathers by copying), as FSDP2 does at world size 1.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Union
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from compiled_fsdp.runtime.api import ShardingOptions, _shard_one
+from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
+from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state
+
+__all__ = ["replicate"]
+
+# Group -> this rank's group of one, made once per group object (per rank,
+# as the other helper groups: [Note: Helper groups] in divergence.py).
+_ALONE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
+
+
+def _group_of_one(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    alone = _ALONE.get(group)
+    if alone is None or alone not in dist.distributed_c10d._world.pg_map:
+        rank = dist.get_rank()
+        alone = dist.new_group([rank], backend=dist.get_backend(group), use_local_synchronization=True,
+                               group_desc=f"compiled_fsdp_alone_{group.group_name}")
+        assert alone is not None
+        _ALONE[group] = alone
+    return alone
+
+
+def replicate(
+    module: nn.Module,
+    *,
+    mesh: Union[DeviceMesh, dist.ProcessGroup, None] = None,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+    ignored_params: Optional[set[nn.Parameter]] = None,
+) -> nn.Module:
+    """Replicate ``module``'s parameters on every rank of ``mesh`` (a 1-D mesh,
+    a process group, or None: the world) and average their gradients over it
+    after each backward (``set_requires_gradient_sync(False)`` accumulates
+    without). Composes with ``fully_shard`` on other submodules; returns the
+    same module. See [Note: replicate]."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "replicate: torch.distributed is not initialized. Call "
+            "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) first."
+        )
+    if mesh is None:
+        group = dist.distributed_c10d._get_default_group()
+    elif isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(f"replicate expects a 1-D DeviceMesh, got {mesh}: for replicas of shard groups "
+                             "use fully_shard with a 2-D (replicate, shard) mesh (HSDP).")
+        group = mesh.get_group()
+    elif isinstance(mesh, dist.ProcessGroup):
+        group = mesh
+    else:
+        raise TypeError(f"replicate: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
+    options = ShardingOptions(
+        _group_of_one(group), False, None, mesh if isinstance(mesh, DeviceMesh) else None, mp_policy,
+        replicate_group=group, api="replicate",
+    )
+    _shard_one((module,), options, ignored_params)
+    return module
+
+
+def _replicate_state(module: nn.Module) -> Optional[FSDPState]:
+    """The state ``replicate`` attached to ``module``, or None."""
+    state = get_fsdp_state(module)
+    return state if state is not None and state.api == "replicate" else None
+
+
+replicate.state = _replicate_state  # type: ignore[attr-defined]  # as fully_shard.state
