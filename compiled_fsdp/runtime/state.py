@@ -41,6 +41,10 @@ nothing, silently (measured: the pre-hook of a graph-broken child never ran).
 So the hook code objects, and every frame they call, are skipped by Dynamo's
 frame evaluation (``set_code_exec_strategy``); inlining is unaffected.
 
+Measured on torch 2.13: with the hooks skipped, ``torch.compile(model)`` runs
+the root's hooks as Python and compiles ``forward`` as the frame; without
+skipping, it traces ``_wrapped_call_impl`` with the hooks inlined.
+
 [Note: Traced in this thread]
 The hooks and the parameter property ask ``torch.compiler.is_dynamo_compiling()``,
 called inline, not ``is_compiling()``: that reads a process-wide flag, True in
@@ -54,9 +58,6 @@ a frame it evaluates into a frame that returns the folded True (measured:
 per-parameter collectives ran eagerly under a failing backend). Tested by
 tests/test_fsdp2_api.py::test_thread_ranks[aot_eager] and
 tests/test_untraced_frames.py.
-Measured on torch 2.13: with the hooks skipped, ``torch.compile(model)`` runs
-the root's hooks as Python and compiles ``forward`` as the frame; without
-skipping, it traces ``_wrapped_call_impl`` with the hooks inlined.
 """
 from __future__ import annotations
 
@@ -330,7 +331,7 @@ class FSDPState:
     def _list_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         """[Note: A list of modules as one group]
         ``fully_shard([m1, m2])`` (FSDP2's list form) makes one group of the
-        modules' parameters, with one state registered for each module. The
+        modules' parameters, with one state, registered for each module. The
         group's pre-forward runs when the first of them starts (gather), its
         post-forward when the last of them finishes (reshard, backward hooks),
         as FSDP2's group forward hooks do. A forward in which some of them do
