@@ -10,8 +10,8 @@ group) and divided by every contributing rank (R x S: the mean, as FSDP2).
 One definition of that: ``ShardSpec.replicas`` and ``divisor`` (core/layout.py),
 which the eager runtime (``finish_grad_sync``), the markers and the lowering
 (``emit_all_reduce`` after the bucket's reduce) all read. The replicas'
-all-reduce runs on its own group, so the schedule orders it apart from the
-shard group's collectives; the cost model prices it on the inter-node link.
+all-reduce runs on its own group and rides in its reduce's lazy tail in the
+schedule (passes/schedule.py); the cost model prices it on the inter-node link.
 Gathers are not handed between blocks' graphs for HSDP groups
 ([Note: Gathers handed to the next block's graph] carries no replicas).
 Tested by tests/test_hsdp.py.
@@ -95,7 +95,7 @@ class ShardingOptions:
     # compile/entry.py and [Note: Reduce-scatter on gloo] in core/comm.py.
     hand_over_gathers: bool = True
     gloo_reduce_by_all_to_all: bool = True
-    # FSDP2's per-parameter placement hook (checked in ``_validate``).
+    # FSDP2's per-parameter placement hook (checked in validation.py).
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None
     # HSDP: the replicas' group (the mesh's dim 0), or None. See [Note: HSDP].
     replicate_group: Optional[dist.ProcessGroup] = None
@@ -124,12 +124,7 @@ _MESHES: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, DeviceMesh]]" =
 def _resolve_options(
     mesh: Union[DeviceMesh, dist.ProcessGroup, None], reshard_after_forward: bool, mp_policy: object
 ) -> ShardingOptions:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard: torch.distributed is not initialized. Call "
-            "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) first; "
-            "under torchrun the rendezvous variables are already set."
-        )
+    check_initialized("fully_shard")
     if reshard_after_forward is None:  # FSDP2's "auto": every module but the root, as True does here
         reshard_after_forward = True
     if not isinstance(reshard_after_forward, (bool, int)):
@@ -150,6 +145,16 @@ def _resolve_options(
     return ShardingOptions(group, _reshard_rule(reshard_after_forward, group.size()), None,
                            mesh if isinstance(mesh, DeviceMesh) else None, mp_policy,
                            replicate_group=mesh.get_group(0) if hsdp else None)
+
+
+def check_initialized(api: str) -> None:
+    """The error for a composable API applied before ``init_process_group``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{api}: torch.distributed is not initialized. Call "
+            "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) first; "
+            "under torchrun the rendezvous variables are already set."
+        )
 
 
 def _reshard_rule(reshard_after_forward: Union[bool, int], shard_size: int) -> bool:

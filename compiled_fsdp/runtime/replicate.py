@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from compiled_fsdp.runtime.api import ShardingOptions, _shard_one
+from compiled_fsdp.runtime.api import ShardingOptions, _shard_one, check_initialized
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state
 
@@ -65,11 +65,7 @@ def replicate(
     after each backward (``set_requires_gradient_sync(False)`` accumulates
     without). Composes with ``fully_shard`` on other submodules; returns the
     same module. See [Note: replicate]."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "replicate: torch.distributed is not initialized. Call "
-            "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) first."
-        )
+    check_initialized("replicate")
     if mesh is None:
         group = dist.distributed_c10d._get_default_group()
     elif isinstance(mesh, DeviceMesh):
