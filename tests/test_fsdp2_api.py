@@ -382,6 +382,33 @@ def test_world_size_one_communicates_nothing() -> None:
     assert run_distributed(_world_of_one, 1) == [{"ours": 0, "fsdp2": 0}]
 
 
+def _managed(rank: int, world: int) -> dict:
+    """What torch's own helpers see of modules sharded by ours and by FSDP2."""
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_managed_modules
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    out = {}
+    for name, fs in (("ours", fully_shard), ("fsdp2", torch_fsdp.fully_shard)):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+        (compiled_fsdp.replicate if name == "ours" else fs)(model[0])
+        fs(model[2])
+        index = {m: i for i, m in enumerate(model.modules())}
+        out[name] = {
+            "managed": sorted(index[m] for m in _get_managed_modules((model,))),
+            "state": [_get_module_fsdp_state(m) is not None for m in model],
+        }
+    return out
+
+
+def test_torch_helpers_see_sharded_modules() -> None:
+    """torch's ``_get_managed_modules`` (what fully_shard and tools walk) stops
+    at a module sharded (or replicated) here as at one sharded by FSDP2 ([Note: Seen as FSDP2's state] in core/compat.py). Before,
+    it descended into ours: the expected [0, 4, 5, 6] came out as all ten."""
+    res = run_distributed(_managed, 1)[0]
+    assert res["ours"]["managed"] == res["fsdp2"]["managed"] == [0, 4, 5, 6], res
+    assert res["ours"]["state"] == res["fsdp2"]["state"] == [True, False, True], res
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_thread_ranks(backend: str) -> None:
     """torch's multi-thread process group (one thread per rank) at world size 4:

@@ -327,6 +327,20 @@ def fix_rng_state_order() -> Callable[[], None]:
     return restore
 
 
+def torch_fsdp_state_class() -> type:
+    """torch's FSDP2 state class. [Note: Seen as FSDP2's state]: the state
+    ``fully_shard`` attaches derives from it, and only so that torch's helpers
+    that filter the composable states by it (``_get_module_fsdp_state``, hence
+    ``_get_managed_modules`` and the tools that walk composable states) treat a
+    module sharded here as sharded; none of its methods or attributes is used
+    (its ``__init__`` is not run). Private to torch; the same path in every
+    supported release (2.11-2.15). Test: tests/test_fsdp2_api.py::
+    test_torch_helpers_see_sharded_modules."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return FSDPState
+
+
 def register_composable_state(module: Any, state: Any) -> None:
     """Enter ``state`` in torch's map of composable-API states (the one
     ``torch.distributed._composable_state._get_module_state`` reads), so

@@ -247,8 +247,10 @@ class RootContext:
         return None
 
 
-class FSDPState:
-    """What ``fully_shard`` attaches to one module: its parameter group and hooks."""
+class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
+    """What ``fully_shard`` attaches to one module: its parameter group and hooks.
+    Derives from torch's FSDP2 state only to be recognised as one: see
+    [Note: Seen as FSDP2's state] in core/compat.py."""
 
     def __init__(
         self, modules: tuple[nn.Module, ...], param_group: Optional[FSDPParamGroup], mp_policy: MixedPrecisionPolicy,
