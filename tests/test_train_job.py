@@ -64,8 +64,8 @@ def _kill_matching(marker: str) -> int:
 @pytest.mark.parametrize("compile", ["none", "aot_eager"])
 def test_kill_and_resume_is_bitwise(tmp_path, compile: str) -> None:
     """8 steps straight, against 8 steps with checkpoints every 2, the ranks
-    SIGKILLed while step 6 runs (after step 5 finished, so its work is lost)
-    and the job resumed from step 4: the same losses from step 5 on and the
+    SIGKILLed while step 6 runs (after step 5 finished, so its work is lost;
+    a half-written save of step 6 beside it) and the job resumed from step 4: the same losses from step 5 on and the
     same parameter bytes at the end."""
     steps = ["--steps", "8", "--compile", compile]
     ref_out = str(tmp_path / "ref")
@@ -86,6 +86,10 @@ def test_kill_and_resume_is_bitwise(tmp_path, compile: str) -> None:
     job.wait(timeout=60)
     assert job.returncode != 0
 
+    # What a kill during the save of step 6 would have left: ignored, then replaced.
+    os.makedirs(os.path.join(ckpt, ".step-000006.tmp"))
+    with open(os.path.join(ckpt, ".step-000006.tmp", "__0_0.distcp"), "wb") as f:
+        f.write(b"half a shard")
     _run(2, *args, "--resume")
     run = _records(out)
     assert [r["resumed_at"] for r in run if r["event"] == "start"] == [None, 4]
