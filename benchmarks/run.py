@@ -4,7 +4,7 @@
         [--paired-steps 10] [--paired-kinds KIND ...] [--only KIND ...] [--out DIR]
 
 Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
-4x256 per rank, AdamW) on 2 gloo ranks, 1 thread each, in fresh processes:
+4x256 per rank, AdamW) on 2 gloo ranks (``--world``), 1 thread each, in fresh processes:
 
   ours_compiled          compiled_fsdp + torch.compile (Inductor), scheduling on
   ours_compiled_nosched  the same, scheduling off (the partitioner's order;
@@ -37,7 +37,14 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   ..._bf16               ours_compiled, fsdp2_eager, fsdp2_compiled and
                          compute_compiled with bf16 parameters for compute and
                          gathers, fp32 reduce (MixedPrecisionPolicy)
-  compute_eager/compiled unsharded model, two processes at once, no communication
+  ..._hsdp               ours_compiled, ours_eager, fsdp2_eager, fsdp2_compiled
+                         on a (2, world/2) HSDP mesh: gathers and reduce-scatters
+                         within each half, gradients all-reduced across them.
+                         Only when named (--only, --paired-kinds), with --world 4:
+                         python benchmarks/run.py --world 4 --layers 4 --rounds 0
+                           --paired-kinds ours_compiled_hsdp ours_eager_hsdp
+                           fsdp2_eager_hsdp fsdp2_compiled_hsdp compute_compiled
+  compute_eager/compiled unsharded model, one process per rank at once, no communication
   comm_only              the step's collectives alone (same buckets and count)
   overlap_limit          compute_compiled with comm_only on a second thread at
                          the same time: the best any overlap can do here
@@ -93,6 +100,8 @@ TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_composed
                "ours_compiled_nocheck", "ours_compiled_single", "ours_compiled_single_nounits",
                "ours_compiled_nounits", "ours_compiled_blocks", "ours_compiled_blocks_nohandoff", "ours_eager", "ours_eager_single", "ours_eager_nocheck", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
                "ours_compiled_bf16", "fsdp2_eager_bf16", "fsdp2_compiled_bf16", "compute_compiled_bf16"]
+# HSDP on a (2, world/2) mesh, both FSDPs: only when named with --only (they need --world 4).
+HSDP_KINDS = ["ours_compiled_hsdp", "ours_eager_hsdp", "fsdp2_eager_hsdp", "fsdp2_compiled_hsdp"]
 
 
 def _summary(rounds: list[list[dict]]) -> dict:
@@ -163,6 +172,11 @@ _RATIOS = [  # (name, numerator, denominator); "max(a, b)" means the larger of b
     ("ours_compiled / ours_compiled_nounits", "ours_compiled", "ours_compiled_nounits"),
     ("ours_eager_single / ours_eager", "ours_eager_single", "ours_eager"),
     ("ours_compiled / ours_compiled_nocheck", "ours_compiled", "ours_compiled_nocheck"),
+    ("ours_compiled_hsdp / fsdp2_eager_hsdp", "ours_compiled_hsdp", "fsdp2_eager_hsdp"),
+    ("ours_compiled_hsdp / fsdp2_compiled_hsdp", "ours_compiled_hsdp", "fsdp2_compiled_hsdp"),
+    ("ours_compiled_hsdp / compute_compiled", "ours_compiled_hsdp", "compute_compiled"),
+    ("fsdp2_compiled_hsdp / compute_compiled", "fsdp2_compiled_hsdp", "compute_compiled"),
+    ("ours_eager_hsdp / fsdp2_eager_hsdp", "ours_eager_hsdp", "fsdp2_eager_hsdp"),
     ("ours_eager / ours_eager_nocheck", "ours_eager", "ours_eager_nocheck"),
     ("ours_compiled_bf16 / compute_compiled_bf16", "ours_compiled_bf16", "compute_compiled_bf16"),
     ("ours_compiled_bf16 / fsdp2_eager_bf16", "ours_compiled_bf16", "fsdp2_eager_bf16"),
@@ -186,9 +200,9 @@ def _ratios(c: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _paired(kinds: list[str], warmup: int, steps: int) -> dict:
+def _paired(kinds: list[str], warmup: int, steps: int, world: int = 2, n_layers: int = 8) -> dict:
     """See [Note: Paired steps]."""
-    per_rank = run_distributed(paired_rank, 2, kinds, warmup, steps, timeout=1800)
+    per_rank = run_distributed(paired_rank, world, kinds, warmup, steps, n_layers, timeout=1800)
     per_step = [{k: max(r["times_s"][k][i] for r in per_rank) for k in kinds}
                 for i in range(steps)]
     ratios = [_ratios(step) for step in per_step]
@@ -213,19 +227,23 @@ def main() -> None:
                     help="steps of the paired run (0: skip); see [Note: Paired steps]")
     ap.add_argument("--paired-kinds", nargs="*", default=PAIRED_KINDS,
                     help="configurations of the paired run (default: the headline ones)")
+    ap.add_argument("--world", type=int, default=2, help="ranks (HSDP_KINDS need 4)")
+    ap.add_argument("--layers", type=int, default=8, help="blocks of the benchmark GPT")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results: dict = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "configs": {}}
-    kinds = [k for k in TRAIN_KINDS + ["comm_only", "overlap_limit"] if not args.only or k in args.only]
+    kinds = [k for k in TRAIN_KINDS + ["comm_only", "overlap_limit"] + HSDP_KINDS
+             if (k in args.only if args.only else k not in HSDP_KINDS)]
     raw: dict[str, list[list[dict]]] = {k: [] for k in kinds}
     for rnd in range(args.rounds):
         for kind in kinds:
             t0 = time.perf_counter()
             if kind in ("comm_only", "overlap_limit"):
                 fn = comm_rank if kind == "comm_only" else overlap_limit_rank
-                per_rank = run_distributed(fn, 2, args.warmup, args.steps, timeout=1200)
+                per_rank = run_distributed(fn, args.world, args.warmup, args.steps, timeout=1200)
             else:
-                per_rank = run_distributed(train_rank, 2, kind, args.warmup, args.steps, timeout=1200)
+                per_rank = run_distributed(train_rank, args.world, kind, args.warmup, args.steps, args.layers,
+                                           timeout=1200)
             raw[kind].append(per_rank)
             print(f"round {rnd} {kind:22s} median {max(r['step_s'] for r in per_rank):.3f} s "
                   f"(wall {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -249,7 +267,7 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"{k:52s} {v:.3f}")
     if args.paired_steps:
-        results["paired"] = _paired(args.paired_kinds, args.warmup, args.paired_steps)
+        results["paired"] = _paired(args.paired_kinds, args.warmup, args.paired_steps, args.world, args.layers)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     plotted = bool(results["configs"]) and _plot(results, os.path.join(args.out, "results.png"))

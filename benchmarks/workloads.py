@@ -74,6 +74,15 @@ def _build(kind: str, n_layers: int = 8) -> tuple[torch.nn.Module, torch.nn.Modu
     ``_blocks_nohandoff`` without the gathers handed from block to block."""
     model = bench(n_layers)
     bf16 = kind.endswith("_bf16")
+    mesh = None
+    if kind.endswith("_hsdp"):  # 2 replicas, each sharded over half the ranks
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        if world < 4 or world % 2:
+            raise ValueError(f"{kind}: HSDP needs an even world of at least 4 ranks (--world 4), not {world}")
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        kind = kind.removesuffix("_hsdp")
     # Every configuration compiles from scratch (the first step is the compile
     # time a user waits for), and for ours a cache hit would skip the passes,
     # leaving the schedule report empty.
@@ -85,13 +94,13 @@ def _build(kind: str, n_layers: int = 8) -> tuple[torch.nn.Module, torch.nn.Modu
         mp = compiled_fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
         if "_single" not in kind:  # manual nesting; else one call (see [Note: Units])
             for block in model.layers:
-                compiled_fsdp.fully_shard(block, mp_policy=mp)
-        compiled_fsdp.fully_shard(model, mp_policy=mp)
+                compiled_fsdp.fully_shard(block, mesh=mesh, mp_policy=mp)
+        compiled_fsdp.fully_shard(model, mesh=mesh, mp_policy=mp)
     elif kind.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = mesh or init_device_mesh("cpu", (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -317,7 +326,7 @@ def overlap_limit_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
     return {"step_s": statistics.median(times), "times_s": times}
 
 
-def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int) -> dict:
+def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int, n_layers: int = 8) -> dict:
     """Several configurations in one process pair, alternating step by step.
     See [Note: Paired steps] in benchmarks/run.py."""
     fns: dict[str, Callable[[], float]] = {}
@@ -328,7 +337,7 @@ def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int
             elif kind == "overlap_limit":
                 fn = _overlap_step(rank, world)
             else:
-                fn = _train_step(kind, rank)
+                fn = _train_step(kind, rank, n_layers)
             for _ in range(warmup):
                 fn()
         fns[kind] = fn

@@ -132,19 +132,25 @@ def _resolve_options(
             f"reshard_after_forward should be a bool or an int representing the group size to reshard to, "
             f"not {reshard_after_forward!r}: pass True, False or None."
         )
-    if mesh is None:
-        group = dist.distributed_c10d._get_default_group()
-    elif isinstance(mesh, DeviceMesh):
+    if isinstance(mesh, DeviceMesh):
         check_mesh(mesh)
-        group = mesh.get_group(mesh.ndim - 1)
-    elif isinstance(mesh, dist.ProcessGroup):
-        group = mesh
-    else:
-        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
+    group = mesh_group("fully_shard", mesh)
     hsdp = isinstance(mesh, DeviceMesh) and mesh.ndim == 2
     return ShardingOptions(group, _reshard_rule(reshard_after_forward, group.size()), None,
                            mesh if isinstance(mesh, DeviceMesh) else None, mp_policy,
                            replicate_group=mesh.get_group(0) if hsdp else None)
+
+
+def mesh_group(api: str, mesh: Union[DeviceMesh, dist.ProcessGroup, None]) -> dist.ProcessGroup:
+    """The group ``api`` communicates over: the world for None, a process group
+    as given, a mesh's last dimension (HSDP's shard dimension)."""
+    if mesh is None:
+        return dist.distributed_c10d._get_default_group()
+    if isinstance(mesh, DeviceMesh):
+        return mesh.get_group(mesh.ndim - 1)
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    raise TypeError(f"{api}: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
 
 
 def check_initialized(api: str) -> None:
@@ -192,9 +198,19 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
     """``options`` with its reduce group and checker, created collectively."""
     group = options.process_group
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
-    return replace(options, reduce_group=reduce_group, checker=checker_for(group),
+    return replace(options, reduce_group=reduce_group, checker=checker_for(group, _mesh_ranks(options)),
                    hand_over_gathers=comm.hand_over_gathers and options.replicate_group is None,
                    gloo_reduce_by_all_to_all=comm.gloo_reduce_by_all_to_all)
+
+
+def _mesh_ranks(options: ShardingOptions) -> Optional[list[int]]:
+    """Every rank that HSDP's or ``replicate``'s collectives connect (None: the
+    shard group's alone)."""
+    if options.replicate_group is None:
+        return None
+    if options.mesh is not None:
+        return options.mesh.mesh.flatten().tolist()
+    return dist.get_process_group_ranks(options.replicate_group)  # replicate over a group
 
 
 # Gather group -> its reduce group, created once per gather group (keyed by the

@@ -355,13 +355,19 @@ def ranks_are_processes(group: dist.ProcessGroup) -> bool:
     return parts <= {"gloo", "nccl"}
 
 
-def checker_for(group: dist.ProcessGroup) -> Optional[Checker]:
-    """The checker over ``group``'s ranks, created (collectively, at
-    ``fully_shard``) the first time; None when checks are off or cannot run
-    ([Note: Helper groups])."""
-    if not comm.check_collectives or not ranks_are_processes(group) or group.size() == 1:
+def checker_for(group: dist.ProcessGroup, ranks: Optional[Sequence[int]] = None) -> Optional[Checker]:
+    """The checker over ``ranks`` (default: ``group``'s), created
+    (collectively, at ``fully_shard``) the first time; None when checks are
+    off or cannot run ([Note: Helper groups]). HSDP and ``replicate`` pass
+    every rank of their mesh: a rank whose forward differs from the others of
+    its shard group must stop the other replicas too, which would otherwise
+    wait for it in their all-reduce
+    (tests/test_hsdp.py::test_hsdp_and_replicate_with_mixed_precision_no_sync_meta_and_fallback)."""
+    if not comm.check_collectives or not ranks_are_processes(group):
+        return None
+    ranks = tuple(sorted(ranks if ranks is not None else dist.get_process_group_ranks(group)))
+    if len(ranks) == 1:
         return None  # (one rank: nothing to pair up with)
-    ranks = tuple(dist.get_process_group_ranks(group))
     checker = _CHECKERS.get(ranks)
     if checker is None or not checker.alive():
         local = len(ranks) != dist.get_world_size()

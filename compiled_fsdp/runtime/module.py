@@ -85,6 +85,19 @@ class FSDPModule:
         if group is not None:
             group.reshard()
 
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: on the root module,
+        await and drop what the iteration had in flight (its gradients are
+        lost, as on FSDP2), reshard every group, and clear the iteration's
+        bookkeeping, so that the next forward and backward run cleanly."""
+        state = self._state("reset_iter_state")
+        if state.ctx is None:  # nothing ran yet
+            return
+        if not state.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module (the module the "
+                               "outermost fully_shard was applied to), not on a nested one.")
+        state.ctx.reset_iteration()
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the gathered parameters are freed after forward (and gathered
         again in backward). A compiled graph keeps the choice it was traced with:

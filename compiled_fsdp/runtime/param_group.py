@@ -297,6 +297,21 @@ class FSDPParamGroup:
         what = f"the eager {op} of {self.label} ({len(self.fsdp_params)} parameters)"
         return self.checker.issue(Checkpoint(COLLECTIVE, self.checker.step, stable_code(op, self.identity), what))
 
+    def abandon_iteration(self) -> None:
+        """After an exception aborted the iteration (``reset_iter_state``): an
+        issued reduction is awaited (every rank issued it) and its result
+        dropped, as FSDP2 drops a failed iteration's gradients; an issued
+        gather is finished and freed; nothing of the iteration is kept."""
+        self._reduce_check = None
+        if self._pending_reduce is not None:
+            pending, _ = self._pending_reduce
+            self._pending_reduce = None
+            pending.wait()
+        self.reshard()
+        self.exposed_views = None
+        self._iter_views = None
+        self.needs_grad_sync = False
+
     def end_iteration(self) -> None:
         """Reset per-iteration state: finish communication, free unsharded memory."""
         self.finish_grad_sync()

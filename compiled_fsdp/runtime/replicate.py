@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from compiled_fsdp.runtime.api import ShardingOptions, _shard_one, check_initialized
+from compiled_fsdp.runtime.api import ShardingOptions, _shard_one, check_initialized, mesh_group
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state
 
@@ -66,17 +66,10 @@ def replicate(
     without). Composes with ``fully_shard`` on other submodules; returns the
     same module. See [Note: replicate]."""
     check_initialized("replicate")
-    if mesh is None:
-        group = dist.distributed_c10d._get_default_group()
-    elif isinstance(mesh, DeviceMesh):
-        if mesh.ndim != 1:
-            raise ValueError(f"replicate expects a 1-D DeviceMesh, got {mesh}: for replicas of shard groups "
-                             "use fully_shard with a 2-D (replicate, shard) mesh (HSDP).")
-        group = mesh.get_group()
-    elif isinstance(mesh, dist.ProcessGroup):
-        group = mesh
-    else:
-        raise TypeError(f"replicate: mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}.")
+    if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
+        raise ValueError(f"replicate expects a 1-D DeviceMesh, got {mesh}: for replicas of shard groups "
+                         "use fully_shard with a 2-D (replicate, shard) mesh (HSDP).")
+    group = mesh_group("replicate", mesh)
     options = ShardingOptions(
         _group_of_one(group), False, None, mesh if isinstance(mesh, DeviceMesh) else None, mp_policy,
         replicate_group=group, api="replicate",

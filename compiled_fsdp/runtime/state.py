@@ -176,6 +176,21 @@ class RootContext:
         if self.streams is not None:
             self.streams.post_optim_event = None
 
+    def reset_iteration(self) -> None:
+        """``FSDPModule.reset_iter_state``: after an exception aborted a forward
+        or backward, the next forward starts as the first of an iteration
+        (tests/test_fsdp2_api.py::test_reset_iter_state_after_exception)."""
+        for g in self.groups():
+            g.abandon_iteration()
+        compiled_path().end_iteration(self)
+        self.pending_reduces = []
+        self.forward_order, self.post_forward_order = [], []
+        self.callback_queued = False
+        self.phase = Phase.IDLE
+        self.prefetched = []
+        for st in self.states:
+            st._to_run = []
+
     def ensure_callback_queued(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
