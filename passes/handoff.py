@@ -155,7 +155,7 @@ def _meta(src: fx.Node, role: str, module_key: int, reshard: bool | None) -> dic
 def _apply_issue(graph: fx.Graph, n: fx.Node) -> None:
     a = GatherNext.parse(n)
     shards = list(a.shards)
-    specs = split_specs(a.full_shapes, [s.meta["val"].dim() for s in shards], a.world_size)
+    specs = split_specs(a.full_shapes, [s.meta["val"].dim() for s in shards], a.world_size, a.divide_factor)
     b = NodeBuilder(graph, _meta(n, "handoff_issue", NEXT_KEY, None))
     with graph.inserting_before(n):
         gathered = emit_gather(b, shards, specs, [a.param_dtype] * len(specs), a.world_size, a.group_name)
@@ -165,7 +165,7 @@ def _apply_issue(graph: fx.Graph, n: fx.Node) -> None:
 
 def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
     a = ReduceNext.parse(n)
-    specs = split_specs(a.full_shapes, a.ndims, a.world_size)
+    specs = split_specs(a.full_shapes, a.ndims, a.world_size, a.divide_factor)
     b = NodeBuilder(graph, _meta(n, "reduce_chain" if a.sync else "keep_chain", NEXT_KEY, None))
     with graph.inserting_before(n):
         if not a.sync:  # the full gradients, for the sinks

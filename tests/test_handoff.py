@@ -194,3 +194,32 @@ def test_handoff_off_at_fully_shard() -> None:
     for res in run_distributed(_off_rank, 2, timeout=600):
         assert_close(res, 0.0)
         assert res["graph_counts"] == [{"fw_all_gather": 2, "bw_all_gather": 2, "bw_reduce_scatter": 2}] * 3
+
+
+def _factor_rank(rank: int, world: int) -> dict:
+    """One step of blocks compiled on their own (aot_eager; the handoff on),
+    with ``set_reduce_scatter_divide_factor(1.0)`` (the sum over ranks) and
+    with the default (the mean), each set before the first compiled step."""
+    _, make_batch, loss = gpt_case(False)
+    grads = {}
+    for factor in (1.0, None):
+        model = _routed()
+        _shard()(model)
+        if factor is not None:
+            model.set_reduce_scatter_divide_factor(factor)
+        _per_block("aot_eager")(model)
+        tokens = make_batch(rank)[0]
+        loss(model(tokens), tokens).backward()
+        grads[factor] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {n: (grads[1.0][n] / world - g).abs().max().item() for n, g in grads[None].items()}
+
+
+def test_divide_factor_in_handed_over_reduces() -> None:
+    """The gradients reduced by the handed-over gathers' backward
+    (``reduce_next``) honour FSDP2's divide factor, as the others do: the sum
+    is exactly ``world`` times the mean for every parameter. Before, the
+    handoff markers did not carry the factor: every block (each one's gather
+    is handed to it, layers.0's by the root) came out as the mean with the
+    factor 1, up to 0.02 off."""
+    for res in run_distributed(_factor_rank, 2):
+        assert max(res.values()) == 0.0, {n: d for n, d in res.items() if d}

@@ -138,7 +138,8 @@ class CompiledEntry:
             full_shapes=self.full_shapes, local_rows=self.local_rows, group_name=group.group_name,
             world_size=group.specs[0].world_size, module_key=module_key,
             reduce_group_name=group.reduce_group_name, param_dtype=first.param_dtype,
-            reduce_dtype=first.reduce_dtype, sync=sync, reduce_by_all_to_all=group.reduce_by_all_to_all)
+            reduce_dtype=first.reduce_dtype, sync=sync, reduce_by_all_to_all=group.reduce_by_all_to_all,
+            divide_factor=group.specs[0].divide_factor)
 
     def reset(self) -> None:
         """At an iteration's start: not compiled yet, nothing handed over."""

@@ -106,13 +106,14 @@ class ShardSpec:
         return rows.clone(memory_format=torch.contiguous_format)
 
 
-def split_specs(full_shapes: Sequence[int], ndims: Sequence[int], world_size: int) -> list[ShardSpec]:
+def split_specs(full_shapes: Sequence[int], ndims: Sequence[int], world_size: int,
+                divide_factor: Optional[float] = None) -> list[ShardSpec]:
     """The specs of a bucket whose full shapes come flattened into one list
     (``gather_next``'s and ``reduce_next``'s ``full_shapes``), with each
-    parameter's number of dimensions."""
+    parameter's number of dimensions and the bucket's divide factor."""
     out, at = [], 0
     for nd in ndims:
-        out.append(ShardSpec(tuple(int(d) for d in full_shapes[at:at + nd]), world_size))
+        out.append(ShardSpec(tuple(int(d) for d in full_shapes[at:at + nd]), world_size, divide_factor))
         at += nd
     return out
 

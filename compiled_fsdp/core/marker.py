@@ -284,6 +284,8 @@ class GatherNext(Marker):
     reduce_dtype: Optional[torch.dtype] = _arg("ScalarType?")
     sync: bool = _arg("bool")
     reduce_by_all_to_all: bool = _arg("bool")
+    # FSDP2's set_reduce_scatter_divide_factor (None: the mean over world_size).
+    divide_factor: Optional[float] = _arg("float?")
 
     @property
     def reduce_group(self) -> str:
@@ -312,6 +314,7 @@ class ReduceNext(Marker):
     grad_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
     sync: bool = _arg("bool", True)
     reduce_by_all_to_all: bool = _arg("bool", False)
+    divide_factor: Optional[float] = _arg("float?", None)
 
     @classmethod
     def of_gather(cls, gather: GatherNext, grad: Any) -> "ReduceNext":
@@ -321,7 +324,7 @@ class ReduceNext(Marker):
                    local_rows=list(gather.local_rows), group_name=gather.reduce_group,
                    world_size=gather.world_size, module_key=gather.module_key,
                    reduce_dtype=gather.reduce_dtype, grad_dtype=shards[0].dtype, sync=gather.sync,
-                   reduce_by_all_to_all=gather.reduce_by_all_to_all)
+                   reduce_by_all_to_all=gather.reduce_by_all_to_all, divide_factor=gather.divide_factor)
 
 
 MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext)

@@ -207,7 +207,7 @@ def _reduce_grad_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def _next_specs(m: GatherNext) -> list[ShardSpec]:
-    return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size)
+    return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size, m.divide_factor)
 
 
 @torch.library.custom_op(GatherNext.qualname(), mutates_args=(), schema=GatherNext.schema())
@@ -259,7 +259,7 @@ def reduce_next(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
     """The backward of ``gather_next``: ``grad`` is the full gradient of the
     whole bucket, in the gather's layout."""
     m = ReduceNext.bind(args, kwargs)
-    specs = split_specs(m.full_shapes, m.ndims, m.world_size)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size, m.divide_factor)
     if not m.sync:  # the full gradients, for the sinks
         full = cast(EAGER, m.grad, m.reduce_dtype)
         return [f.clone() for f in unpack_gathered(EAGER, full, specs)]
@@ -277,7 +277,7 @@ def reduce_next(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
 @reduce_next.register_fake
 def _reduce_next_fake(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
     m = ReduceNext.bind(args, kwargs)
-    specs = split_specs(m.full_shapes, m.ndims, m.world_size)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size, m.divide_factor)
     if not m.sync:
         return [m.grad.new_empty(list(s.full_shape), dtype=m.reduce_dtype or m.grad.dtype) for s in specs]
     return [m.grad.new_empty([rows, *s.rest], dtype=m.grad_dtype or m.grad.dtype)
