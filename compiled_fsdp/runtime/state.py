@@ -45,6 +45,19 @@ Measured on torch 2.13: with the hooks skipped, ``torch.compile(model)`` runs
 the root's hooks as Python and compiles ``forward`` as the frame; without
 skipping, it traces ``_wrapped_call_impl`` with the hooks inlined.
 
+[Note: A root compiled in place]
+``model.compile()`` compiles the root's ``_call_impl`` in place: no
+``OptimizedModule`` wraps the call, so ``_is_in_optimized_module()`` is False
+for the sharded modules its frame calls as Python (Dynamo breaks the graph
+there, or, for a parameterless ``Sequential`` root, never traces them), and
+they were served as in plain eager, outside any iteration the compiled root
+began: with micro-batches accumulating without sync, their gradients came out
+0.06 off, silently (FSDP2's test_train_parity_hsdp with every module
+compiled in place). A module run as Python while its root's forward is
+compiled (``Phase.COMPILED_FORWARD``) is in a compiled call either way: it is
+served as a fallback, exactly as under ``torch.compile(model)``. Tested by
+tests/test_compile_in_place.py.
+
 [Note: Traced in this thread]
 The hooks and the parameter property ask ``torch.compiler.is_dynamo_compiling()``,
 called inline, not ``is_compiling()``: that reads a process-wide flag, True in
@@ -393,8 +406,13 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
                 self.set_path(Path.COMPILED)
                 return
             ctx.phase = Phase.FORWARD
-        elif path.begins_own_frame(self, in_compiled_call):
-            return
+        else:
+            # A root compiled in place (``model.compile()``: no OptimizedModule
+            # around the call) is in a compiled forward all the same; see
+            # [Note: A root compiled in place].
+            in_compiled_call = in_compiled_call or ctx.phase is Phase.COMPILED_FORWARD
+            if path.begins_own_frame(self, in_compiled_call):
+                return
         # See [Note: Fallback decision rule] in compile/frames.py.
         self.set_path(Path.FALLBACK if in_compiled_call else Path.EAGER)
         self.run_eagerly()
