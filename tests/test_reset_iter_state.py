@@ -13,12 +13,12 @@ import torch.nn as nn
 from torch.distributed import fsdp as torch_fsdp
 
 import compiled_fsdp
+from compiled_fsdp.core import compat
 from compiled_fsdp.tools.models import batch, loss_fn, tiny
 from _dist import run_distributed
 
 FAILS = {1: "forward", 2: "backward"}  # step -> where it raises
-# FSDP2 has the method from torch 2.13 on.
-FSDP2_HAS_IT = hasattr(torch_fsdp.FSDPModule, "reset_iter_state")
+FSDP2_HAS_IT = compat.fsdp2_has_reset_iter_state()
 
 
 def _train(rank: int, world: int, fully_shard: Callable, backend: str, fails: dict[int, str]) -> tuple[dict, dict]:

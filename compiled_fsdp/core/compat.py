@@ -341,6 +341,14 @@ def torch_fsdp_state_class() -> type:
     return FSDPState
 
 
+def fsdp2_has_reset_iter_state() -> bool:
+    """Whether torch's own FSDP2 has ``FSDPModule.reset_iter_state`` (added in
+    2.13): the tests compare ours with it where it exists."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "reset_iter_state")
+
+
 def register_composable_state(module: Any, state: Any) -> None:
     """Enter ``state`` in torch's map of composable-API states (the one
     ``torch.distributed._composable_state._get_module_state`` reads), so
