@@ -85,3 +85,15 @@ def assert_close(result: dict, tol: float) -> None:
     for key in ("loss", "grad", "param"):
         worst = max(result[key])
         assert worst <= tol, f"{key} differs from the reference by {worst:.3e} (> {tol:.1e}): {result[key]}"
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of a sharded (or replicated) model gathered whole, by
+    its name in the model without ``torch.compile``'s wrapper (a collective:
+    every rank calls it)."""
+    return {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+
+
+def full_diff(full: dict[str, torch.Tensor], ref: nn.Module) -> float:
+    """max |full - ref| over the reference's parameters."""
+    return max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())

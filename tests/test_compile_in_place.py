@@ -11,6 +11,7 @@ import torch
 import compiled_fsdp
 from compiled_fsdp import fully_shard
 from _dist import run_distributed
+from _parity import full_diff, full_params
 
 
 class _MLP(torch.nn.Module):
@@ -46,8 +47,8 @@ def _rank(rank: int, world: int) -> dict:
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return {"diff": max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()),
+    full = full_params(model)
+    return {"diff": full_diff(full, ref),
             "paths": [r.path for r in compiled_fsdp.explain(model)]}
 
 

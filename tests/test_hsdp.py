@@ -21,6 +21,7 @@ import compiled_fsdp
 from compiled_fsdp import fully_shard, replicate
 from compiled_fsdp.tools.models import batch, loss_fn, tiny
 from _dist import run_distributed
+from _parity import full_diff, full_params
 from _graphs import GraphCapture
 from _models import BreakGPT
 
@@ -56,8 +57,8 @@ def _train(rank: int, world: int, backend: str, checkpoint: str) -> dict:
         (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
-    diff = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    full = full_params(model)
+    diff = full_diff(full, ref)
     if checkpoint:
         dcp.save(model.state_dict(), checkpoint_id=checkpoint)
         if rank == 0:
@@ -145,9 +146,9 @@ def _replicated(rank: int, world: int, backend: str) -> dict:
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-        full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+        full = full_params(model)
         out[how] = {
-            "diff": max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()),
+            "diff": full_diff(full, ref),
             "placements": sorted({str(tuple(p.placements)) for p in model.parameters()}),
             "counts": counts,
             "norms": max(abs(a - b) for a, b in norms),
@@ -236,8 +237,8 @@ def _features(rank: int, world: int) -> dict:
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-        full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
-        out[how] = {"diff": max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()),
+        full = full_params(model)
+        out[how] = {"diff": full_diff(full, ref),
                     "paths": {r.fqn: r.path for r in compiled_fsdp.explain(model)},
                     "counts": counts, "grad_dtypes": grad_dtypes}
     # One rank skips a block: every rank raises, none hangs (the launcher's timeout).

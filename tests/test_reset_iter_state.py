@@ -16,6 +16,7 @@ import compiled_fsdp
 from compiled_fsdp.core import compat
 from compiled_fsdp.tools.models import batch, loss_fn, tiny
 from _dist import run_distributed
+from _parity import full_diff, full_params
 
 FAILS = {1: "forward", 2: "backward"}  # step -> where it raises
 FSDP2_HAS_IT = compat.fsdp2_has_reset_iter_state()
@@ -60,8 +61,8 @@ def _train(rank: int, world: int, fully_shard: Callable, backend: str, fails: di
         (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
-    diff = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    full = full_params(model)
+    diff = full_diff(full, ref)
     nested = None
     try:
         model.layers[0].reset_iter_state()
