@@ -40,7 +40,7 @@ from compiled_fsdp.core.layout import (
 )
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, ReduceNext, Unshard
 
-from ._emit import emit_gather, emit_reduce
+from ._emit import emit_all_reduce, emit_gather, emit_reduce
 from .units import Unit
 from ._graph import (
     ChainTag,
@@ -155,7 +155,8 @@ def _meta(src: fx.Node, role: str, module_key: int, reshard: bool | None) -> dic
 def _apply_issue(graph: fx.Graph, n: fx.Node) -> None:
     a = GatherNext.parse(n)
     shards = list(a.shards)
-    specs = split_specs(a.full_shapes, [s.meta["val"].dim() for s in shards], a.world_size, a.divide_factor)
+    specs = split_specs(a.full_shapes, [s.meta["val"].dim() for s in shards], a.world_size, a.divide_factor,
+                        a.replicas)
     b = NodeBuilder(graph, _meta(n, "handoff_issue", NEXT_KEY, None))
     with graph.inserting_before(n):
         gathered = emit_gather(b, shards, specs, [a.param_dtype] * len(specs), a.world_size, a.group_name)
@@ -165,7 +166,7 @@ def _apply_issue(graph: fx.Graph, n: fx.Node) -> None:
 
 def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
     a = ReduceNext.parse(n)
-    specs = split_specs(a.full_shapes, a.ndims, a.world_size, a.divide_factor)
+    specs = split_specs(a.full_shapes, a.ndims, a.world_size, a.divide_factor, a.replicas)
     b = NodeBuilder(graph, _meta(n, "reduce_chain" if a.sync else "keep_chain", NEXT_KEY, None))
     with graph.inserting_before(n):
         if not a.sync:  # the full gradients, for the sinks
@@ -175,6 +176,8 @@ def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
             kept_flat = pack_grads(b, kept, specs) if any(k is not None for k in kept) else None
             flat = reduce_input(b, a.grad, kept_flat, a.reduce_dtype)
             summed = emit_reduce(b, flat, a.world_size, a.group_name, a.reduce_by_all_to_all)
+            if a.replicate_group_name is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
+                summed = emit_all_reduce(b, summed, a.replicate_group_name)
             results = split_reduced(b, summed, specs, list(a.local_rows), [a.grad_dtype] * len(specs))
     for u in list(n.users):
         assert u.target is operator.getitem, u

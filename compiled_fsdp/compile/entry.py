@@ -139,7 +139,8 @@ class CompiledEntry:
             world_size=group.specs[0].world_size, module_key=module_key,
             reduce_group_name=group.reduce_group_name, param_dtype=first.param_dtype,
             reduce_dtype=first.reduce_dtype, sync=sync, reduce_by_all_to_all=group.reduce_by_all_to_all,
-            divide_factor=group.specs[0].divide_factor)
+            divide_factor=group.specs[0].divide_factor, replicate_group_name=group.replicate_group_name,
+            replicas=group.specs[0].replicas)
 
     def reset(self) -> None:
         """At an iteration's start: not compiled yet, nothing handed over."""

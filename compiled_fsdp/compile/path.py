@@ -159,7 +159,7 @@ class TorchCompilePath(CompiledPath):
             ctx.forward_order.insert(0, state)
         state.set_path(Path.UNTRACED)
         group.pre_forward()
-        return group.exposed_views[param.index]
+        return group.view_of(param.index)
 
     # -- forward ---------------------------------------------------------------
     def root_compiles(self, state: FSDPState, in_compiled_call: bool) -> bool:

@@ -107,13 +107,13 @@ class ShardSpec:
 
 
 def split_specs(full_shapes: Sequence[int], ndims: Sequence[int], world_size: int,
-                divide_factor: Optional[float] = None) -> list[ShardSpec]:
+                divide_factor: Optional[float] = None, replicas: int = 1) -> list[ShardSpec]:
     """The specs of a bucket whose full shapes come flattened into one list
     (``gather_next``'s and ``reduce_next``'s ``full_shapes``), with each
-    parameter's number of dimensions and the bucket's divide factor."""
+    parameter's number of dimensions, the bucket's divide factor and replicas."""
     out, at = [], 0
     for nd in ndims:
-        out.append(ShardSpec(tuple(int(d) for d in full_shapes[at:at + nd]), world_size, divide_factor))
+        out.append(ShardSpec(tuple(int(d) for d in full_shapes[at:at + nd]), world_size, divide_factor, replicas))
         at += nd
     return out
 

@@ -286,6 +286,9 @@ class GatherNext(Marker):
     reduce_by_all_to_all: bool = _arg("bool")
     # FSDP2's set_reduce_scatter_divide_factor (None: the mean over world_size).
     divide_factor: Optional[float] = _arg("float?")
+    # HSDP: the replicas' group (None: none) and how many there are.
+    replicate_group_name: Optional[str] = _arg("str?")
+    replicas: int = _arg("int")
 
     @property
     def reduce_group(self) -> str:
@@ -315,6 +318,9 @@ class ReduceNext(Marker):
     sync: bool = _arg("bool", True)
     reduce_by_all_to_all: bool = _arg("bool", False)
     divide_factor: Optional[float] = _arg("float?", None)
+    # HSDP: the reduced bucket is also summed over the replicas' group.
+    replicate_group_name: Optional[str] = _arg("str?", None)
+    replicas: int = _arg("int", 1)
 
     @classmethod
     def of_gather(cls, gather: GatherNext, grad: Any) -> "ReduceNext":
@@ -324,7 +330,8 @@ class ReduceNext(Marker):
                    local_rows=list(gather.local_rows), group_name=gather.reduce_group,
                    world_size=gather.world_size, module_key=gather.module_key,
                    reduce_dtype=gather.reduce_dtype, grad_dtype=shards[0].dtype, sync=gather.sync,
-                   reduce_by_all_to_all=gather.reduce_by_all_to_all, divide_factor=gather.divide_factor)
+                   reduce_by_all_to_all=gather.reduce_by_all_to_all, divide_factor=gather.divide_factor,
+                   replicate_group_name=gather.replicate_group_name, replicas=gather.replicas)
 
 
 MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext)

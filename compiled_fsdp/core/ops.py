@@ -207,7 +207,7 @@ def _reduce_grad_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def _next_specs(m: GatherNext) -> list[ShardSpec]:
-    return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size, m.divide_factor)
+    return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size, m.divide_factor, m.replicas)
 
 
 @torch.library.custom_op(GatherNext.qualname(), mutates_args=(), schema=GatherNext.schema())
@@ -259,7 +259,7 @@ def reduce_next(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
     """The backward of ``gather_next``: ``grad`` is the full gradient of the
     whole bucket, in the gather's layout."""
     m = ReduceNext.bind(args, kwargs)
-    specs = split_specs(m.full_shapes, m.ndims, m.world_size, m.divide_factor)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size, m.divide_factor, m.replicas)
     if not m.sync:  # the full gradients, for the sinks
         full = cast(EAGER, m.grad, m.reduce_dtype)
         return [f.clone() for f in unpack_gathered(EAGER, full, specs)]
@@ -270,6 +270,8 @@ def reduce_next(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
         comm.count("reduce_scatter")
         _before_collective("reduce-scatter", m.module_key, -1)
     summed = _reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all)
+    if m.replicate_group_name is not None:  # HSDP: summed over the replicas too
+        summed = comm.all_reduce_flat(summed, _group(m.replicate_group_name), async_op=False).wait()
     dtypes = [m.grad_dtype] * len(specs)
     return [g.clone() for g in split_reduced(EAGER, summed, specs, list(m.local_rows), dtypes)]
 

@@ -12,8 +12,8 @@ which the eager runtime (``finish_grad_sync``), the markers and the lowering
 (``emit_all_reduce`` after the bucket's reduce) all read. The replicas'
 all-reduce runs on its own group and rides in its reduce's lazy tail in the
 schedule (passes/schedule.py); the cost model prices it on the inter-node link.
-Gathers are not handed between blocks' graphs for HSDP groups
-([Note: Gathers handed to the next block's graph] carries no replicas).
+Gathers handed between blocks' graphs ([Note: Gathers handed to the next
+block's graph]) carry the replicas' group too, and their reduce all-reduces.
 Tested by tests/test_hsdp.py.
 
 [Note: Ownership]
@@ -102,6 +102,9 @@ class ShardingOptions:
     # Which composable API applies it: "fully_shard" or "replicate" (see
     # [Note: replicate] in replicate.py).
     api: str = "fully_shard"
+    # ``replicate``'s ``bucket_cap_mb`` as the user passed it (checked, on
+    # every rank together, by ``_shard_one``): see [Note: replicate's buckets].
+    bucket_cap_mb: object = None
 
     def mesh_for(self, device_type: str) -> DeviceMesh:
         """The mesh the parameters' DTensors live on (``replicate``'s: over
@@ -199,7 +202,7 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
     group = options.process_group
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
     return replace(options, reduce_group=reduce_group, checker=checker_for(group, _mesh_ranks(options)),
-                   hand_over_gathers=comm.hand_over_gathers and options.replicate_group is None,
+                   hand_over_gathers=comm.hand_over_gathers,
                    gloo_reduce_by_all_to_all=comm.gloo_reduce_by_all_to_all)
 
 
@@ -323,8 +326,10 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
     conflicts: list[str] = []
     mp = MixedPrecisionPolicy()
+    bucket_bytes: Optional[int] = None
     try:
         mp = check_policy(options.mp_policy)
+        bucket_bytes = _bucket_bytes(options.bucket_cap_mb)
         owners, conflicts = validate(modules, ignored, mp, options.shard_placement_fn, options.api)
         check_device_and_backend(label(modules), owners, options.process_group)
     except _AGREED_ERRORS as exc:
@@ -332,7 +337,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
     for agreeing in (options.process_group, options.replicate_group):  # (HSDP: the replicas too)
         if agreeing is not None:
-            _agree(agreeing, label(modules), error, (fingerprint, repr(mp)), _comm_settings())
+            _agree(agreeing, label(modules), error, (fingerprint, repr(mp), bucket_bytes), _comm_settings())
     options = _with_groups(options)
     group = None
     if owners:
@@ -351,6 +356,8 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
             reduce_by_all_to_all=uses_all_to_all(options.reduce_group, options.gloo_reduce_by_all_to_all),
             hand_over_gathers=options.hand_over_gathers, replicate_group=options.replicate_group,
         )
+        if bucket_bytes is not None:
+            group.set_reduce_buckets(bucket_bytes)
         by_module: dict[nn.Module, dict[str, FSDPParam]] = {}
         for fp in fsdp_params:
             for m, n in fp.owners:
@@ -370,6 +377,16 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     for module in modules:
         install_class(module, mixin=FSDPModule)
     compiled_path().on_fully_shard(group)
+
+
+def _bucket_bytes(bucket_cap_mb: object) -> Optional[int]:
+    """``replicate``'s ``bucket_cap_mb`` in bytes (None: one bucket)."""
+    if bucket_cap_mb is None:
+        return None
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"replicate: bucket_cap_mb must be a positive number of megabytes (DDP's meaning), "
+                         f"got {bucket_cap_mb!r}.")
+    return max(1, int(bucket_cap_mb * 1024 * 1024))
 
 
 def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup) -> str:
@@ -431,6 +448,7 @@ def _agree(
             raise ValueError(
                 f"fully_shard({module_name}): rank {r} shards different parameters than rank "
                 f"{group.rank()} (a different number of parameters, different names, shapes or dtypes, or "
-                "a different mp_policy). Build the same model on every rank (same config and seed) and "
+                "a different mp_policy or bucket_cap_mb). Build the same model on every rank (same config and seed) "
+                "and "
                 "call fully_shard with the same arguments."
             )

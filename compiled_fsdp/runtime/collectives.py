@@ -16,7 +16,7 @@ from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, ShardSpec, pack_grads, pack_shards, unpack_gathered
 from compiled_fsdp.runtime.streams import CommStreams
 
-__all__ = ["all_gather_bucket", "all_reduce_bucket", "copy_out_all_gather", "reduce_scatter_bucket"]
+__all__ = ["all_gather_bucket", "copy_out_all_gather", "reduce_bucket"]
 
 
 def all_gather_bucket(
@@ -46,28 +46,38 @@ def copy_out_all_gather(
             dest.copy_(full)
 
 
-def reduce_scatter_bucket(
+def reduce_bucket(
     grads: Sequence[torch.Tensor],
     specs: Sequence[ShardSpec],
     group: dist.ProcessGroup,
     by_all_to_all: bool,
-    async_op: bool = True,
+    replicate_group: Optional[dist.ProcessGroup] = None,
     streams: Optional[CommStreams] = None,
 ) -> PendingCollective:
-    """One reduce-scatter (sum) of the full ``grads``: output ``[T]``, not yet
-    averaged. Packed on the compute stream, reduced on the reduce stream
-    ([Note: Streams and events])."""
+    """One bucket's gradient reduction, issued, not awaited: output ``[T]``
+    summed over the shard group and, with ``replicate_group`` (HSDP,
+    ``replicate``), over the replicas too; not yet averaged. Packed on the
+    compute stream, reduced on the reduce stream ([Note: Streams and events]).
+    A shard group of one (``replicate``) reduces nothing within the group,
+    so the replicas' all-reduce is issued at once; otherwise it follows the
+    reduce-scatter when that is awaited ([Note: HSDP] in api.py)."""
     flat = pack_grads(EAGER, grads, specs)
-    if group.size() > 1:
-        comm.count("reduce_scatter", flat.numel() * flat.element_size())
-    with streams.on_reduce() if streams is not None else contextlib.nullcontext():
-        return comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op)
+    with _on_reduce(streams):
+        if group.size() > 1:
+            comm.count("reduce_scatter", flat.numel() * flat.element_size())
+        pending = comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op=True)
+        if replicate_group is None:
+            return pending
+        if group.size() == 1:
+            return comm.all_reduce_flat(pending.output, replicate_group, async_op=True)
+
+    def then_all_reduce(_: torch.Tensor) -> torch.Tensor:
+        summed = pending.wait()
+        with _on_reduce(streams):
+            return comm.all_reduce_flat(summed, replicate_group, async_op=False).wait()
+
+    return PendingCollective(pending.output, None, finish=then_all_reduce)
 
 
-def all_reduce_bucket(
-    summed: torch.Tensor, group: dist.ProcessGroup, streams: Optional[CommStreams] = None
-) -> torch.Tensor:
-    """HSDP: a reduced bucket ``[T]`` summed over the replicas (in place, on
-    the reduce stream), waited."""
-    with streams.on_reduce() if streams is not None else contextlib.nullcontext():
-        return comm.all_reduce_flat(summed, group, async_op=False).wait()
+def _on_reduce(streams: Optional[CommStreams]) -> contextlib.AbstractContextManager:
+    return streams.on_reduce() if streams is not None else contextlib.nullcontext()

@@ -219,9 +219,8 @@ class FSDPParam:
         group = self.group
         if group is None:
             return self.sharded
-        views = group.exposed_views
-        if views is not None:
-            return views[self.index]
+        if group.exposed_views is not None:
+            return group.view_of(self.index)
         if torch.compiler.is_dynamo_compiling():
             return compiled_path().traced_read(self)
         value = compiled_path().untraced_read(self)

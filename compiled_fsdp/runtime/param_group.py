@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,7 @@ import torch.distributed as dist
 from compiled_fsdp.core import registry, rules
 from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, bucket_offsets, split_reduced
-from compiled_fsdp.runtime.collectives import (all_gather_bucket, all_reduce_bucket, copy_out_all_gather,
-                                               reduce_scatter_bucket)
+from compiled_fsdp.runtime.collectives import all_gather_bucket, copy_out_all_gather, reduce_bucket
 from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from compiled_fsdp.runtime.param import FSDPParam
 
@@ -53,22 +52,30 @@ class ShardedState(enum.Enum):
 
 
 class _UnshardFn(torch.autograd.Function):
-    """See [Note: Eager autograd through UnshardFn]."""
+    """See [Note: Eager autograd through UnshardFn]: one per reduce bucket."""
 
     @staticmethod
-    def forward(ctx: Any, group: "FSDPParamGroup", *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(ctx: Any, group: "FSDPParamGroup", bucket: int, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.bucket = group, bucket
         ctx.set_materialize_grads(False)
-        outs = tuple(p.unsharded.view_as(p.unsharded) for p in group.fsdp_params)
-        ctx.mark_non_differentiable(
-            *(o for o, p in zip(outs, group.fsdp_params) if not p.sharded.requires_grad)
-        )
+        params = [group.fsdp_params[i] for i in group.reduce_buckets[bucket]]
+        outs = tuple(p.unsharded.view_as(p.unsharded) for p in params)
+        ctx.mark_non_differentiable(*(o for o, p in zip(outs, params) if not p.sharded.requires_grad))
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[None, ...]:
-        ctx.group.post_backward(grads)
-        return (None,) * (1 + len(grads))
+        ctx.group.post_backward(grads, ctx.bucket)
+        return (None,) * (2 + len(grads))
+
+
+@dataclasses.dataclass
+class _PendingReduce:
+    """One reduce bucket's issued collective, its check, and its parameters."""
+
+    collective: PendingCollective
+    check: Optional[PendingCheck]
+    params: list[FSDPParam]
 
 
 class FSDPParamGroup:
@@ -127,12 +134,17 @@ class FSDPParamGroup:
         registry.register_owner(self)
         self._pending_gather: Optional[PendingCollective] = None
         self._gather_check: Optional[PendingCheck] = None
-        self._pending_reduce: Optional[tuple[PendingCollective, list[FSDPParam]]] = None
-        self._reduce_check: Optional[PendingCheck] = None
+        # The parameters' indices of each reduce bucket, in backward order
+        # (one bucket, all of them, but for ``replicate``'s byte buckets:
+        # ``set_reduce_buckets``), and which of them reduced this iteration.
+        self.reduce_buckets: tuple[tuple[int, ...], ...] = (tuple(range(len(fsdp_params))),)
+        self._reduced_buckets: set[int] = set()
+        self._pending_reduces: list[_PendingReduce] = []
         # Views handed to the module's code while it runs eagerly; see [Note: Parameter property].
-        self.exposed_views: Optional[tuple[torch.Tensor, ...]] = None
-        # Autograd outputs of this iteration's _UnshardFn, reused by later calls.
-        self._iter_views: Optional[tuple[torch.Tensor, ...]] = None
+        self.exposed_views: Optional[Sequence[Optional[torch.Tensor]]] = None
+        # Autograd outputs of this iteration's _UnshardFn (None: its bucket's
+        # not applied yet: ``view_of``), reused by later calls.
+        self._iter_views: Optional[Sequence[Optional[torch.Tensor]]] = None
         self.needs_grad_sync = False  # a backward was registered for this iteration
         # The root's RootContext (see [Note: Roots and iterations]), set at lazy init.
         self.ctx: Optional["RootContext"] = None
@@ -145,6 +157,23 @@ class FSDPParamGroup:
         for p in self.fsdp_params:
             p.spec = dataclasses.replace(p.spec, divide_factor=factor)
         self.specs = [p.spec for p in self.fsdp_params]
+
+    def set_reduce_buckets(self, bucket_bytes: int) -> None:
+        """Cut the gradients' reduction into buckets of at most ``bucket_bytes``
+        (a larger parameter is a bucket of its own), filled in reverse
+        registration order, as DDP does: see [Note: replicate's buckets] in
+        replicate.py."""
+        buckets: list[list[int]] = []
+        size = 0
+        for i in reversed(range(len(self.fsdp_params))):
+            p = self.fsdp_params[i]
+            nbytes = p.spec.shard_numel * p.spec.world_size * p.reduce_dtype.itemsize
+            if not buckets or (size + nbytes > bucket_bytes and size > 0):
+                buckets.append([])
+                size = 0
+            buckets[-1].append(i)
+            size += nbytes
+        self.reduce_buckets = tuple(tuple(sorted(b)) for b in buckets)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -220,11 +249,30 @@ class FSDPParamGroup:
         if self._iter_views is None:
             shards = [p.sharded for p in self.fsdp_params]
             if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
-                self._iter_views = _UnshardFn.apply(self, *shards)
+                self._iter_views = [None] * len(shards)
+                if len(self.reduce_buckets) == 1:
+                    self._apply_bucket(0)
                 self.needs_grad_sync = True
             else:
                 self._iter_views = tuple(p.unsharded.view_as(p.unsharded) for p in self.fsdp_params)
         self.exposed_views = self._iter_views
+
+    def view_of(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s unsharded view for the module's eager code
+        (its bucket's autograd function applied at the first read: [Note:
+        replicate's buckets] in replicate.py)."""
+        assert self.exposed_views is not None
+        view = self.exposed_views[index]
+        if view is None:
+            self._apply_bucket(next(b for b, ix in enumerate(self.reduce_buckets) if index in ix))
+            view = self.exposed_views[index]
+        return view
+
+    def _apply_bucket(self, bucket: int) -> None:
+        indices = self.reduce_buckets[bucket]
+        outs = _UnshardFn.apply(self, bucket, *(self.fsdp_params[i].sharded for i in indices))
+        for i, out in zip(indices, outs):
+            self._iter_views[i] = out
 
     def post_forward(self, reshard: bool) -> None:
         self.exposed_views = None
@@ -241,44 +289,46 @@ class FSDPParamGroup:
         # (tests/test_eager_parity.py::test_activation_checkpointing).
         self.exposed_views = self._iter_views
 
-    def post_backward(self, grads: tuple[Optional[torch.Tensor], ...]) -> None:
-        """Reshard and issue the group's reduce-scatter (not awaited here)."""
-        self.exposed_views = None
-        if self.reshard_after_backward:
-            self.reshard()
+    def post_backward(self, grads: tuple[Optional[torch.Tensor], ...], bucket: int = 0) -> None:
+        """Every gradient of reduce bucket ``bucket`` exists: issue its
+        reduction (not awaited here); after the group's last bucket, reshard."""
+        self._reduced_buckets.add(bucket)
+        if len(self._reduced_buckets) == len(self.reduce_buckets):
+            self.exposed_views = None
+            if self.reshard_after_backward:
+                self.reshard()
+        bucket_params = [self.fsdp_params[i] for i in self.reduce_buckets[bucket]]
         if not self.reduce_grads:  # see [Note: Gradient accumulation without sync]
-            for p, g in zip(self.fsdp_params, grads):
+            for p, g in zip(bucket_params, grads):
                 p.accumulate_unsharded_grad(g)
             return
-        owned = [(p, p.take_unsharded_grad(g)) for p, g in zip(self.fsdp_params, grads)]
+        owned = [(p, p.take_unsharded_grad(g)) for p, g in zip(bucket_params, grads)]
         owned = [(p, g) for p, g in owned if g is not None]
         if not owned:
             return
         params = [p for p, _ in owned]
-        # A module run twice before one backward reduces once per forward: the
-        # first reduce is finished before the second replaces it (otherwise
-        # one forward's gradients were dropped when nothing else reduced in
-        # between: tests/test_fsdp2_api.py::test_nested_modules_compiled_in_place).
-        self.finish_grad_sync()
-        self._reduce_check = self._issue_check("reduce-scatter")
+        check = self._issue_check("reduce-scatter" if self.process_group.size() > 1 else "all-reduce", bucket)
         # take_unsharded_grad cast them to the reduce dtype: see [Note: Mixed precision].
-        pending = reduce_scatter_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group,
-                                        self.reduce_by_all_to_all, streams=self._streams())
-        self._pending_reduce = (pending, params)
+        pending = reduce_bucket([g for _, g in owned], [p.spec for p in params], self.reduce_group,
+                                self.reduce_by_all_to_all, self.replicate_group, streams=self._streams())
+        # A module run twice before one backward reduces once per forward:
+        # each reduce is kept until finished (earlier ones first), none
+        # replaces another (tests/test_fsdp2_api.py::test_nested_modules_compiled_in_place).
+        self._pending_reduces.append(_PendingReduce(pending, check, params))
         if self.ctx is not None:
             self.ctx.on_reduce_issued(self)
 
-    def finish_grad_sync(self) -> None:
-        """Await the reduce-scatter and accumulate the averaged shards into ``.grad``."""
-        if self._reduce_check is not None:
-            check, self._reduce_check = self._reduce_check, None
-            check.wait()
-        if self._pending_reduce is not None:
-            pending, params = self._pending_reduce
-            self._pending_reduce = None
-            summed = pending.wait()
-            if self.replicate_group is not None:  # HSDP: [Note: HSDP] in api.py
-                summed = all_reduce_bucket(summed, self.replicate_group, streams=self._streams())
+    def finish_grad_sync(self, keep_newest: bool = False) -> None:
+        """Await the issued reductions (oldest first; with ``keep_newest``, all
+        but the last issued) and accumulate the averaged shards into ``.grad``."""
+        keep = self._pending_reduces[-1:] if keep_newest else []
+        done = self._pending_reduces[:len(self._pending_reduces) - len(keep)]
+        self._pending_reduces = keep
+        for reduce in done:
+            if reduce.check is not None:
+                reduce.check.wait()
+            summed = reduce.collective.wait()
+            params = reduce.params
             grads = split_reduced(
                 EAGER, summed, [p.spec for p in params], [p.local_rows for p in params],
                 [p.orig_dtype for p in params],
@@ -290,10 +340,13 @@ class FSDPParamGroup:
         """The root's side streams ([Note: Streams and events]); None before lazy init."""
         return self.ctx.streams if self.ctx is not None else None
 
-    def _issue_check(self, op: str) -> Optional[PendingCheck]:
-        """Announce this group's next eager collective; see [Note: Agreeing on collectives]."""
+    def _issue_check(self, op: str, bucket: int = 0) -> Optional[PendingCheck]:
+        """Announce this group's next eager collective (of reduce bucket
+        ``bucket``); see [Note: Agreeing on collectives]."""
         if self.checker is None:
             return None
+        if len(self.reduce_buckets) > 1:
+            op = f"{op} of bucket {bucket}"
         what = f"the eager {op} of {self.label} ({len(self.fsdp_params)} parameters)"
         return self.checker.issue(Checkpoint(COLLECTIVE, self.checker.step, stable_code(op, self.identity), what))
 
@@ -302,11 +355,10 @@ class FSDPParamGroup:
         issued reduction is awaited (every rank issued it) and its result
         dropped, as FSDP2 drops a failed iteration's gradients; an issued
         gather is finished and freed; nothing of the iteration is kept."""
-        self._reduce_check = None
-        if self._pending_reduce is not None:
-            pending, _ = self._pending_reduce
-            self._pending_reduce = None
-            pending.wait()
+        pending, self._pending_reduces = self._pending_reduces, []
+        for reduce in pending:
+            reduce.collective.wait()
+        self._reduced_buckets = set()
         self.reshard()
         self.exposed_views = None
         self._iter_views = None
@@ -317,6 +369,7 @@ class FSDPParamGroup:
         self.finish_grad_sync()
         if self.reshard_after_backward or not self.needs_grad_sync:
             self.reshard()
+        self._reduced_buckets = set()
         self.exposed_views = None
         self._iter_views = None
         self.needs_grad_sync = False

@@ -15,12 +15,25 @@ The state is the runtime's ``FSDPState`` with ``api == "replicate"``, found
 the same way from any submodule (one registry); ``fully_shard`` on a
 replicated module and the reverse are refused on every rank.
 
-Buckets: one per application, reduced when its backward completes, as for
-``fully_shard`` (apply it per block for overlap in eager); under compile the
-passes cut and merge buckets by ``config.overlap.bucket_bytes`` and schedule
-each all-reduce for overlap, as they do the reduce-scatters. The full
-parameter is also copied into the unsharded buffer the hooks expose (a group
-of one gathers by copying), as FSDP2 does at world size 1.
+The full parameter is also copied into the unsharded buffer the hooks
+expose (a group of one gathers by copying), as FSDP2 does at world size 1.
+
+[Note: replicate's buckets]
+DDP all-reduces gradients in buckets of at most ``bucket_cap_mb`` (25 MB by
+default), filled in reverse registration order, so the last layers' bucket
+is on the wire while backward computes the earlier ones. ``replicate`` does
+the same in eager: ``FSDPParamGroup.set_reduce_buckets`` cuts the
+application's parameters into such buckets, and the group's autograd
+function is applied once per bucket ([Note: Eager autograd through
+UnshardFn]), so each bucket's all-reduce is issued as soon as its last
+gradient exists, and awaited when the next bucket is issued (or at the end
+of backward). ``fully_shard`` keeps one bucket per application, as FSDP2.
+Under compile the reductions are the graph's: the passes cut the
+application into units at the modules it calls and merge small ones
+([Note: Units] in passes/units.py), one all-reduce per unit, scheduled for
+overlap as the reduce-scatters are. The bucketing never changes a result
+(an all-reduce sums element by element). Tested by
+tests/test_hsdp.py::test_replicate_buckets_overlap_backward.
 """
 from __future__ import annotations
 
@@ -59,11 +72,14 @@ def replicate(
     mesh: Union[DeviceMesh, dist.ProcessGroup, None] = None,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     ignored_params: Optional[set[nn.Parameter]] = None,
+    bucket_cap_mb: float = 25,
 ) -> nn.Module:
     """Replicate ``module``'s parameters on every rank of ``mesh`` (a 1-D mesh,
     a process group, or None: the world) and average their gradients over it
-    after each backward (``set_requires_gradient_sync(False)`` accumulates
-    without). Composes with ``fully_shard`` on other submodules; returns the
+    during each backward, in all-reduces of at most ``bucket_cap_mb``
+    megabytes issued as each bucket's gradients exist (DDP's buckets: [Note:
+    replicate's buckets]); ``set_requires_gradient_sync(False)`` accumulates
+    without. Composes with ``fully_shard`` on other submodules; returns the
     same module. See [Note: replicate]."""
     check_initialized("replicate")
     if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
@@ -72,7 +88,7 @@ def replicate(
     group = mesh_group("replicate", mesh)
     options = ShardingOptions(
         _group_of_one(group), False, None, mesh if isinstance(mesh, DeviceMesh) else None, mp_policy,
-        replicate_group=group, api="replicate",
+        replicate_group=group, api="replicate", bucket_cap_mb=bucket_cap_mb,
     )
     _shard_one((module,), options, ignored_params)
     return module

@@ -212,9 +212,10 @@ class RootContext:
 
     def on_reduce_issued(self, group: FSDPParamGroup) -> None:
         self.ensure_callback_queued()
-        # Await earlier reduce-scatters so at most two buckets are in flight.
+        # Await the earlier reductions: one bucket stays in flight while
+        # backward computes the next.
         for g in self.pending_reduces:
-            g.finish_grad_sync()
+            g.finish_grad_sync(keep_newest=g is group)
         self.pending_reduces = [group]
 
     def prefetch(self, target: Optional["FSDPState"], phase: str) -> None:
