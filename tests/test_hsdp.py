@@ -152,7 +152,8 @@ def _replicated(rank: int, world: int, backend: str) -> dict:
             replicate(model.embed)
             _shard(model, None)
         capture = GraphCapture()
-        run = model if backend == "eager" else torch.compile(model, backend=capture.backend)
+        run = (model if backend == "eager" else torch.compile(model) if backend == "inductor"
+               else torch.compile(model, backend=capture.backend))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         counts, norms = [], []
@@ -189,23 +190,27 @@ def _replicated(rank: int, world: int, backend: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_replicate(backend: str) -> None:
     """``replicate`` (composable data parallelism) on 4 gloo ranks: within 1e-5
-    of the reference after 3 clipped AdamW steps, alone and mixed with ``fully_shard``;
+    of the reference after 3 clipped AdamW steps (Inductor: 1e-4, as for
+    HSDP), alone and mixed with ``fully_shard``;
     ``Replicate()`` DTensors (``Shard(0)`` for the sharded ones); eager: one
     all-reduce per application and nothing gathered for the replicated one;
     compiled: the all-reduces in the backward graph."""
     for res in run_distributed(_replicated, 4, backend, timeout=900):
         for how in ("alone", "mixed"):
             r = res[how]
-            assert r["diff"] < 1e-5 and r["norms"] < 1e-5, (how, r)  # (clipped: 4 ranks' sum order)
+            tol = 1e-4 if backend == "inductor" else 1e-5  # (clipped: 4 ranks' sum order)
+            assert r["diff"] < tol and r["norms"] < tol, (how, r)
             assert r["state"] is True, r
             for eager, graph in r["counts"]:
                 if backend == "eager":
                     want = {"all_reduce": 1} if how == "alone" else \
                         {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 1}
                     assert eager == want, (how, eager)
+                elif backend == "inductor":
+                    assert not eager, (how, eager)
                 else:
                     assert graph.get("bw_all_reduce", 0) >= 1 and not eager, (how, eager, graph)
         assert res["alone"]["placements"] == ["(Replicate(),)"], res["alone"]
@@ -304,10 +309,11 @@ def test_hsdp_and_replicate_with_mixed_precision_no_sync_meta_and_fallback() -> 
 
 def _bucketed(rank: int, world: int) -> dict:
     """``replicate(model)`` eager with DDP-style byte buckets and with one
-    bucket (a cap larger than the model), 3 AdamW steps each against the
-    one-process reference: the all-reduces
-    issued per step, how many were issued before backward reached the first
-    block (a hook on its output's gradient), and the parameters."""
+    bucket (a cap larger than the model), 3 AdamW steps of 2 micro-batches
+    (the first without gradient sync) against the one-process reference:
+    the all-reduces issued per step, how many were issued before each
+    backward reached the first block (a hook on its output's gradient), the
+    parameters."""
     out: dict[str, Any] = {}
     for cap in (0.02, 100):
         ref = tiny()
@@ -323,11 +329,13 @@ def _bucketed(rank: int, world: int) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         counts = []
         for step in range(3):
-            tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
             compiled_fsdp.reset_collective_counts()
-            loss_fn(model(tokens[rank]), tokens[rank]).backward()
+            for micro in range(2):
+                tokens = [batch(ref.cfg, 2, 100 * step + 10 * micro + r) for r in range(world)]
+                model.set_requires_gradient_sync(micro == 1)
+                (loss_fn(model(tokens[rank]), tokens[rank]) / 2).backward()
+                (sum(loss_fn(ref(t), t) for t in tokens) / (2 * world)).backward()
             counts.append(compiled_fsdp.collective_counts().get("all_reduce", 0))
-            (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
@@ -339,15 +347,18 @@ def _bucketed(rank: int, world: int) -> dict:
 
 def test_replicate_buckets_overlap_backward() -> None:
     """[Note: replicate's buckets]: with ``bucket_cap_mb`` below the model's
-    size, one all-reduce per bucket per step, some issued before backward
-    reaches the first block (with one bucket: none before the end), within
-    1e-6 of the reference, and the same parameters bitwise as with one bucket (an all-reduce sums element by
-    element, whatever the bucket)."""
+    size, one all-reduce per bucket per step (none in the micro-batch without
+    sync), some issued before the synced backward reaches the first block
+    (with one bucket: none before the end), within 1e-6 of the reference,
+    and the same parameters bitwise as with one bucket (an all-reduce sums
+    element by element, whatever the bucket)."""
     for res in run_distributed(_bucketed, 2, timeout=300):
         small, whole = res[0.02], res[100]
         assert whole["buckets"] == 1 and whole["counts"] == [1, 1, 1], whole["counts"]
-        assert whole["before_first_block"] == [0, 0, 0], whole["before_first_block"]
-        assert small["buckets"] >= 3 and small["counts"] == [small["buckets"]] * 3, (small["buckets"], small["counts"])
-        assert all(n >= 1 for n in small["before_first_block"]), small["before_first_block"]
+        assert whole["before_first_block"] == [0] * 6, whole["before_first_block"]
+        assert small["buckets"] >= 3 and small["counts"] == [small["buckets"]] * 3, (small["buckets"],
+                                                                                       small["counts"])
+        synced, unsynced = small["before_first_block"][1::2], small["before_first_block"][0::2]
+        assert unsynced == [0, 0, 0] and all(n >= 1 for n in synced), small["before_first_block"]
         assert max((small["full"][n] - whole["full"][n]).abs().max().item() for n in whole["full"]) == 0.0
         assert small["diff"] < 1e-6, small["diff"]  # the reference sums the ranks' losses, not their gradients
