@@ -327,20 +327,25 @@ def _bucketed(rank: int, world: int) -> dict:
 
         model.layers[0].register_forward_hook(on_output)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        counts = []
+        counts, shared = [], []
+        group = replicate.state(model).param_group
         for step in range(3):
             compiled_fsdp.reset_collective_counts()
             for micro in range(2):
                 tokens = [batch(ref.cfg, 2, 100 * step + 10 * micro + r) for r in range(world)]
                 model.set_requires_gradient_sync(micro == 1)
-                (loss_fn(model(tokens[rank]), tokens[rank]) / 2).backward()
+                loss = loss_fn(model(tokens[rank]), tokens[rank]) / 2
+                # Between forward and backward: the unsharded parameters are the shards' storage.
+                shared.append(all(p.unsharded is not None and p.unsharded.data_ptr() == p.local_shard().data_ptr()
+                                  for p in group.fsdp_params))
+                loss.backward()
                 (sum(loss_fn(ref(t), t) for t in tokens) / (2 * world)).backward()
             counts.append(compiled_fsdp.collective_counts().get("all_reduce", 0))
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
         full = full_params(model)
-        out[cap] = {"buckets": len(replicate.state(model).param_group.reduce_buckets), "counts": counts,
+        out[cap] = {"buckets": len(group.reduce_buckets), "counts": counts, "shared": shared,
                     "before_first_block": seen, "full": full, "diff": full_diff(full, ref)}
     return out
 
@@ -351,7 +356,9 @@ def test_replicate_buckets_overlap_backward() -> None:
     sync), some issued before the synced backward reaches the first block
     (with one bucket: none before the end), within 1e-6 of the reference,
     and the same parameters bitwise as with one bucket (an all-reduce sums
-    element by element, whatever the bucket)."""
+    element by element, whatever the bucket). Between forward and backward
+    the unsharded parameters are the shards' own storage ([Note: A group of
+    one reads its shards]: no second copy)."""
     for res in run_distributed(_bucketed, 2, timeout=300):
         small, whole = res[0.02], res[100]
         assert whole["buckets"] == 1 and whole["counts"] == [1, 1, 1], whole["counts"]
@@ -362,3 +369,4 @@ def test_replicate_buckets_overlap_backward() -> None:
         assert unsynced == [0, 0, 0] and all(n >= 1 for n in synced), small["before_first_block"]
         assert max((small["full"][n] - whole["full"][n]).abs().max().item() for n in whole["full"]) == 0.0
         assert small["diff"] < 1e-6, small["diff"]  # the reference sums the ranks' losses, not their gradients
+        assert small["shared"] == whole["shared"] == [True] * 6, (small["shared"], whole["shared"])

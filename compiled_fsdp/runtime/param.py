@@ -196,9 +196,27 @@ class FSDPParam:
             )
 
     # -- unsharded storage -------------------------------------------------
+    @property
+    def reads_shard(self) -> bool:
+        """[Note: A group of one reads its shards]
+        On a shard group of one rank (``replicate``, HSDP with shard size 1,
+        ``fully_shard`` on a world of one) the shard is the whole parameter.
+        Where it is also computed in its own dtype (no ``param_dtype`` cast),
+        the unsharded buffer is the shard's own storage: nothing is gathered,
+        copied or freed, so the module holds one copy of its parameters, not
+        two (a gather into a second buffer used to keep both alive from
+        forward to backward). Autograd's views of it share the parameter's
+        version counter, which nothing bumps between forward and backward
+        (the optimizer steps after). Tested by
+        tests/test_hsdp.py::test_replicate_buckets_overlap_backward."""
+        return self.spec.world_size == 1 and self.param_dtype == self.orig_dtype
+
     def alloc_unsharded(self) -> torch.Tensor:
-        """The unsharded buffer with its storage allocated (contents undefined)."""
-        if self.unsharded is None:
+        """The unsharded buffer with its storage allocated (contents undefined,
+        but for [Note: A group of one reads its shards]: the shard itself)."""
+        if self.reads_shard:
+            self.unsharded = self.local_shard().detach()
+        elif self.unsharded is None:
             self.unsharded = self.local_shard().new_empty(self.spec.full_shape, dtype=self.param_dtype)
         else:
             storage = self.unsharded.untyped_storage()
@@ -210,7 +228,9 @@ class FSDPParam:
     def free_unsharded(self) -> None:
         """Free the unsharded storage. Autograd's saved views keep the tensor object
         but not the bytes; the next unshard refills the same storage in place."""
-        if self.unsharded is not None:
+        if self.reads_shard:  # (the parameter's own storage)
+            self.unsharded = None
+        elif self.unsharded is not None:
             self.unsharded.untyped_storage().resize_(0)
 
     # -- what a read of ``module.<name>`` returns --------------------------

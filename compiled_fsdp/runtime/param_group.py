@@ -211,6 +211,10 @@ class FSDPParamGroup:
     # -- all-gather ----------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Issue the group's all-gather (if sharded); with ``async_op=False`` also wait."""
+        if self.state is ShardedState.SHARDED and all(p.reads_shard for p in self.fsdp_params):
+            for p in self.fsdp_params:  # see [Note: A group of one reads its shards] in param.py
+                p.alloc_unsharded()
+            self.state = ShardedState.UNSHARDED
         if self.state is ShardedState.SHARDED:
             self._gather_check = self._issue_check("all-gather")
             self._pending_gather = all_gather_bucket(

@@ -15,8 +15,9 @@ The state is the runtime's ``FSDPState`` with ``api == "replicate"``, found
 the same way from any submodule (one registry); ``fully_shard`` on a
 replicated module and the reverse are refused on every rank.
 
-The full parameter is also copied into the unsharded buffer the hooks
-expose (a group of one gathers by copying), as FSDP2 does at world size 1.
+The hooks expose the parameter's own storage as its unsharded value (no
+second copy; with a ``param_dtype`` cast, the cast copy): [Note: A group of
+one reads its shards] in param.py.
 
 [Note: replicate's buckets]
 DDP all-reduces gradients in buckets of at most ``bucket_cap_mb`` (25 MB by
