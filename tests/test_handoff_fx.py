@@ -40,7 +40,7 @@ def _joint(reshard: bool, kept: bool) -> fx.GraphModule:
                                             bucket_offset=OFFSETS[2], **kw)
         nxt = torch.ops.compiled_fsdp.gather_next(
             [n_w, n_b], [k_w, k_b] if kept else [None, None], [], [], [5, 4, 4], [3, 2], GROUP, N,
-            NEXT_KEY, None, None, None, True, False, None)
+            NEXT_KEY, None, None, None, True, False, None, None, 1)
         out = torch.nn.functional.linear(x, w, b).tanh()
         grads = torch.autograd.grad([out, nxt], [s_w, s_b, n_w, n_b, gathered, x], [t_out, t_next],
                                     allow_unused=True)
@@ -120,7 +120,8 @@ def test_handoff_lowering(reshard: bool) -> None:
 def test_handoff_without_sync_unpacks_for_the_sinks() -> None:
     def fn(n_w, sink, t_next):
         nxt = torch.ops.compiled_fsdp.gather_next([n_w], [None], [sink], [0], [5, 4], [3], GROUP, N,
-                                                  NEXT_KEY, None, None, torch.float32, False, False, None)
+                                                  NEXT_KEY, None, None, torch.float32, False, False, None,
+                                                  None, 1)
         return (nxt, *torch.autograd.grad([nxt], [n_w, sink], [t_next], allow_unused=True))
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(3, 4, requires_grad=True),

@@ -95,6 +95,19 @@ def _before_collective(op: str, module_key: int, param_index: int) -> None:
         owner.before_marker_collective(op, param_index)
 
 
+def _over_replicas(summed: torch.Tensor, m: Any, param_index: int) -> torch.Tensor:
+    """HSDP and ``replicate``: ``summed`` summed over the replicas too (a
+    ``reduce_grad``'s or ``reduce_next``'s ``m``). On a shard group of one the
+    all-reduce is the only collective, agreed on first, and runs on a copy
+    where ``summed`` is still the op's input (an op must not write it)."""
+    if m.replicate_group_name is None:
+        return summed
+    if m.world_size == 1:
+        _before_collective("all-reduce", m.module_key, param_index)
+        summed = _fresh(summed, m.grad)
+    return comm.all_reduce_flat(summed, _group(m.replicate_group_name), async_op=False).wait()
+
+
 def _fresh(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     """``out``, copied if it shares ``inp``'s storage (a custom op must not
     return an alias of its input)."""
@@ -182,9 +195,7 @@ def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
     if m.world_size > 1:
         comm.count("unbucketed_reduce_scatter")
         _before_collective("reduce-scatter", m.module_key, m.param_index)
-    summed = _reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all)
-    if m.replicate_group_name is not None:  # HSDP: summed over the replicas too
-        summed = comm.all_reduce_flat(summed, _group(m.replicate_group_name), async_op=False).wait()
+    summed = _over_replicas(_reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all), m, m.param_index)
     # Sum then divide, cut to the local rows: the bucketed path's steps.
     return split_reduced(EAGER, summed, specs, [m.local_rows], [m.grad_dtype])[0]
 
@@ -269,9 +280,7 @@ def reduce_next(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
     if m.world_size > 1:
         comm.count("reduce_scatter")
         _before_collective("reduce-scatter", m.module_key, -1)
-    summed = _reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all)
-    if m.replicate_group_name is not None:  # HSDP: summed over the replicas too
-        summed = comm.all_reduce_flat(summed, _group(m.replicate_group_name), async_op=False).wait()
+    summed = _over_replicas(_reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all), m, -1)
     dtypes = [m.grad_dtype] * len(specs)
     return [g.clone() for g in split_reduced(EAGER, summed, specs, list(m.local_rows), dtypes)]
 

@@ -386,7 +386,7 @@ def _bucket_bytes(bucket_cap_mb: object) -> Optional[int]:
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"replicate: bucket_cap_mb must be a positive number of megabytes (DDP's meaning), "
                          f"got {bucket_cap_mb!r}.")
-    return max(1, int(bucket_cap_mb * 1024 * 1024))
+    return max(1, int(min(bucket_cap_mb, 2.0 ** 40) * 1024 * 1024))  # (inf: one bucket)
 
 
 def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup) -> str:

@@ -62,9 +62,13 @@ def reduce_bucket(
     so the replicas' all-reduce is issued at once; otherwise it follows the
     reduce-scatter when that is awaited ([Note: HSDP] in api.py)."""
     flat = pack_grads(EAGER, grads, specs)
+    if group.size() > 1:
+        comm.count("reduce_scatter", flat.numel() * flat.element_size())
+    elif replicate_group is not None and any(_same_storage(flat, g) for g in grads):
+        # (one gradient, packed as itself: autograd may still hand that tensor
+        # to another edge while the all-reduce below writes it in place)
+        flat = flat.clone()
     with _on_reduce(streams):
-        if group.size() > 1:
-            comm.count("reduce_scatter", flat.numel() * flat.element_size())
         pending = comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op=True)
         if replicate_group is None:
             return pending
@@ -74,9 +78,14 @@ def reduce_bucket(
     def then_all_reduce(_: torch.Tensor) -> torch.Tensor:
         summed = pending.wait()
         with _on_reduce(streams):
-            return comm.all_reduce_flat(summed, replicate_group, async_op=False).wait()
+            issued = comm.all_reduce_flat(summed, replicate_group, async_op=True)
+        return issued.wait()  # (on the caller's stream, which then reads the sum)
 
     return PendingCollective(pending.output, None, finish=then_all_reduce)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _on_reduce(streams: Optional[CommStreams]) -> contextlib.AbstractContextManager:

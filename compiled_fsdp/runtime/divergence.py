@@ -13,7 +13,8 @@ these points:
 - ``BACKWARD``: the step's first compiled backward starts (the compiled
   root's; with blocks compiled on their own, the first block's to run);
 - ``COLLECTIVE``: each all-gather and reduce-scatter of the eager runtime
-  (issued with the collective, awaited before its result is used);
+  (``replicate``'s all-reduce of each bucket: [Note: replicate's buckets];
+  issued with the collective, awaited before its result is used);
 - ``GRAPH``: Dynamo finished compiling a frame that reads sharded parameters
   whose marker sequence no earlier graph had (so before its first run).
 

@@ -1,16 +1,19 @@
 """The parameter group: all managed parameters of one fully sharded module, the
-unit of communication (one all-gather, one reduce-scatter).
+unit of communication (one all-gather, one reduce-scatter; ``replicate``'s
+may reduce in several buckets).
 
 [Note: Eager autograd through UnshardFn]
-In eager mode a group's unsharded parameters are the outputs of one autograd
-function, ``_UnshardFn``, whose inputs are the shards. Autograd runs its backward
-exactly once per backward pass, after every use of every parameter of the group
-has produced its gradient (a module called twice included: autograd sums the
-uses). That moment is the group's post-backward: it issues one bucketed
-reduce-scatter and returns no gradient to the shards; the reduced gradients are
-written to ``shard.grad`` when the reduce-scatter is awaited (in the root's
-end-of-backward callback, so every reduce-scatter has finished when
-``backward()`` returns). The outputs are views of the unsharded buffers, so
+In eager mode a group's unsharded parameters are the outputs of an autograd
+function, ``_UnshardFn``, whose inputs are the shards: one per reduce bucket
+(one bucket, the whole group, but for [Note: replicate's buckets] in
+replicate.py). Autograd runs its backward exactly once per backward pass, after
+every use of every parameter of the bucket has produced its gradient (a module
+called twice included: autograd sums the uses). That moment is the bucket's
+post-backward: it issues one bucketed reduction and returns no gradient to the
+shards; the reduced gradients are written to ``shard.grad`` when the reduction
+is awaited (at the latest in the root's end-of-backward callback, so every
+reduction has finished when ``backward()`` returns); after the group's last
+bucket the group reshards. The outputs are views of the unsharded buffers, so
 freeing a buffer's storage after forward (reshard) and refilling it before
 backward is seen by autograd's saved tensors; the refill preserves the version
 counter, as FSDP2 does.
@@ -138,6 +141,9 @@ class FSDPParamGroup:
         # (one bucket, all of them, but for ``replicate``'s byte buckets:
         # ``set_reduce_buckets``), and which of them reduced this iteration.
         self.reduce_buckets: tuple[tuple[int, ...], ...] = (tuple(range(len(fsdp_params))),)
+        # This iteration's buckets whose autograd function has a gradient to
+        # wait for, and those whose backward ran.
+        self._applied_buckets: set[int] = set()
         self._reduced_buckets: set[int] = set()
         self._pending_reduces: list[_PendingReduce] = []
         # Views handed to the module's code while it runs eagerly; see [Note: Parameter property].
@@ -248,14 +254,19 @@ class FSDPParamGroup:
         self.state = ShardedState.SHARDED
 
     # -- forward -------------------------------------------------------------
-    def pre_forward(self) -> None:
+    def pre_forward(self, lazy_buckets: bool = False) -> None:
+        """Gather and expose the unsharded parameters. ``lazy_buckets``: the
+        module runs in a plain eager call (no compiled frame around it), so
+        each reduce bucket's autograd function may wait for the first read of
+        one of its parameters ([Note: replicate's buckets] in replicate.py)."""
         self.unshard()
         if self._iter_views is None:
             shards = [p.sharded for p in self.fsdp_params]
             if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
                 self._iter_views = [None] * len(shards)
-                if len(self.reduce_buckets) == 1:
-                    self._apply_bucket(0)
+                if len(self.reduce_buckets) == 1 or not lazy_buckets:
+                    for b in range(len(self.reduce_buckets)):
+                        self._apply_bucket(b)
                 self.needs_grad_sync = True
             else:
                 self._iter_views = tuple(p.unsharded.view_as(p.unsharded) for p in self.fsdp_params)
@@ -274,7 +285,11 @@ class FSDPParamGroup:
 
     def _apply_bucket(self, bucket: int) -> None:
         indices = self.reduce_buckets[bucket]
-        outs = _UnshardFn.apply(self, bucket, *(self.fsdp_params[i].sharded for i in indices))
+        shards = [self.fsdp_params[i].sharded for i in indices]
+        with torch.enable_grad():  # (pre_forward decided: a first read under no_grad must not lose the gradient)
+            outs = _UnshardFn.apply(self, bucket, *shards)
+        if any(s.requires_grad for s in shards):
+            self._applied_buckets.add(bucket)
         for i, out in zip(indices, outs):
             self._iter_views[i] = out
 
@@ -297,7 +312,7 @@ class FSDPParamGroup:
         """Every gradient of reduce bucket ``bucket`` exists: issue its
         reduction (not awaited here); after the group's last bucket, reshard."""
         self._reduced_buckets.add(bucket)
-        if len(self._reduced_buckets) == len(self.reduce_buckets):
+        if self._reduced_buckets >= self._applied_buckets:  # (a frozen bucket never runs its backward)
             self.exposed_views = None
             if self.reshard_after_backward:
                 self.reshard()
@@ -322,13 +337,11 @@ class FSDPParamGroup:
         if self.ctx is not None:
             self.ctx.on_reduce_issued(self)
 
-    def finish_grad_sync(self, keep_newest: bool = False) -> None:
-        """Await the issued reductions (oldest first; with ``keep_newest``, all
-        but the last issued) and accumulate the averaged shards into ``.grad``."""
-        keep = self._pending_reduces[-1:] if keep_newest else []
-        done = self._pending_reduces[:len(self._pending_reduces) - len(keep)]
-        self._pending_reduces = keep
-        for reduce in done:
+    def finish_grad_sync(self) -> None:
+        """Await the issued reductions (oldest first) and accumulate the
+        averaged shards into ``.grad``."""
+        while self._pending_reduces:
+            reduce = self._pending_reduces.pop(0)  # (one at a time: abandon_iteration waits the rest)
             if reduce.check is not None:
                 reduce.check.wait()
             summed = reduce.collective.wait()
@@ -360,9 +373,9 @@ class FSDPParamGroup:
         dropped, as FSDP2 drops a failed iteration's gradients; an issued
         gather is finished and freed; nothing of the iteration is kept."""
         pending, self._pending_reduces = self._pending_reduces, []
-        for reduce in pending:
+        for reduce in pending:  # (HSDP: the replicas' all-reduce follows its reduce-scatter, on every rank)
             reduce.collective.wait()
-        self._reduced_buckets = set()
+        self._applied_buckets, self._reduced_buckets = set(), set()
         self.reshard()
         self.exposed_views = None
         self._iter_views = None
@@ -373,7 +386,7 @@ class FSDPParamGroup:
         self.finish_grad_sync()
         if self.reshard_after_backward or not self.needs_grad_sync:
             self.reshard()
-        self._reduced_buckets = set()
+        self._applied_buckets, self._reduced_buckets = set(), set()
         self.exposed_views = None
         self._iter_views = None
         self.needs_grad_sync = False

@@ -27,13 +27,23 @@ the same in eager: ``FSDPParamGroup.set_reduce_buckets`` cuts the
 application's parameters into such buckets, and the group's autograd
 function is applied once per bucket ([Note: Eager autograd through
 UnshardFn]), so each bucket's all-reduce is issued as soon as its last
-gradient exists, and awaited when the next bucket is issued (or at the end
-of backward). ``fully_shard`` keeps one bucket per application, as FSDP2.
-Under compile the reductions are the graph's: the passes cut the
+gradient exists; the buckets stay in flight together until another group
+reduces or backward ends. For that, autograd must run the bucket's function
+early: its engine runs the ready node created last first, so a function
+applied at the module's pre-forward (before any of its compute) would run
+only after the whole backward. Each bucket's function is therefore applied
+at the first read of one of its parameters (``FSDPParamGroup.view_of``),
+in a module whose forward runs in a plain eager call; inside a compiled
+call (the fallback path) Dynamo would trace that first read, so every
+bucket is applied at the pre-forward there, and reduced when backward is
+done with the module. ``fully_shard`` keeps one bucket per application, as
+FSDP2. Under compile the reductions are the graph's: the passes cut the
 application into units at the modules it calls and merge small ones
 ([Note: Units] in passes/units.py), one all-reduce per unit, scheduled for
-overlap as the reduce-scatters are. The bucketing never changes a result
-(an all-reduce sums element by element). Tested by
+overlap as the reduce-scatters are. On 2 ranks the bucketing changes no
+result (one addition per element); on more, a ring all-reduce's order of
+summation depends on where an element falls in the buffer, so the last
+bits may differ. Tested by
 tests/test_hsdp.py::test_replicate_buckets_overlap_backward.
 """
 from __future__ import annotations

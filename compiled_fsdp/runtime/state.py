@@ -212,10 +212,12 @@ class RootContext:
 
     def on_reduce_issued(self, group: FSDPParamGroup) -> None:
         self.ensure_callback_queued()
-        # Await the earlier reductions: one bucket stays in flight while
-        # backward computes the next.
+        # Await the other groups' reductions: at most two groups' in flight
+        # (a group's own buckets, ``replicate``'s, stay in flight together
+        # until the next group reduces or backward ends, as DDP's).
         for g in self.pending_reduces:
-            g.finish_grad_sync(keep_newest=g is group)
+            if g is not group:
+                g.finish_grad_sync()
         self.pending_reduces = [group]
 
     def prefetch(self, target: Optional["FSDPState"], phase: str) -> None:
@@ -424,7 +426,7 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         ctx.forward_order.append(self)
         if self.param_group is not None:
             compiled_path().before_eager_forward(self)
-            self.param_group.pre_forward()
+            self.param_group.pre_forward(lazy_buckets=self.path is Path.EAGER)
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 ctx.prefetch(target, "forward")

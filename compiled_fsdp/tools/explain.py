@@ -36,6 +36,13 @@ _EAGER_UNIT = ("unit 0: the whole module, one bucket (the eager runtime communic
                "application at once; nest fully_shard per layer for layer-by-layer eager communication)",)
 
 
+def _eager_units(buckets: int) -> tuple[str, ...]:
+    if buckets == 1:
+        return _EAGER_UNIT
+    return (f"unit 0: the whole module gathered at once, its gradients reduced in {buckets} buckets "
+            "(replicate's bucket_cap_mb)",)
+
+
 def explain(model: nn.Module) -> list[ModuleReport]:
     """After a step: for each fully sharded module, whether its last forward ran
     compiled (in-graph collectives) or fell back to the eager runtime, and why.
@@ -65,7 +72,7 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params]
                           if key != ENTRY_KEY or max(params) < len(group.fsdp_params))
         else:
-            units = _EAGER_UNIT if path in ("fallback", "eager") else ()
+            units = _eager_units(len(group.reduce_buckets)) if path in ("fallback", "eager") else ()
         reports.append(ModuleReport(
             fqns.get(state.module, "?"),
             getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason, units))
