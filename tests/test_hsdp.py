@@ -242,8 +242,8 @@ def _features(rank: int, world: int) -> dict:
             for block in model.layers:
                 fully_shard(block, mesh=mesh, mp_policy=mp)
             fully_shard(model, mesh=mesh, mp_policy=mp)
-        else:
-            replicate(model, mp_policy=mp)
+        else:  # in a few buckets, on the fallback path: [Note: replicate's buckets]
+            replicate(model, mp_policy=mp, bucket_cap_mb=0.02)
         model.to_empty(device="cpu")
         set_model_state_dict(model, ref.state_dict(),
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -266,7 +266,8 @@ def _features(rank: int, world: int) -> dict:
         full = full_params(model)
         out[how] = {"diff": full_diff(full, ref),
                     "paths": {r.fqn: r.path for r in compiled_fsdp.explain(model)},
-                    "counts": counts, "grad_dtypes": grad_dtypes}
+                    "counts": counts, "grad_dtypes": grad_dtypes,
+                    "buckets": len(compiled_fsdp.fully_shard.state(model).param_group.reduce_buckets)}
     # One rank skips a block: every rank raises, none hangs (the launcher's timeout).
     from test_divergence import RoutedGPT, _build
 
@@ -290,8 +291,8 @@ def test_hsdp_and_replicate_with_mixed_precision_no_sync_meta_and_fallback() -> 
     gradients fp32; layers.1 ran as the eager fallback, the rest compiled;
     communication only in the synced micro-batch (the fallback block's eager
     collectives: one gather in forward and one in backward per micro-batch, one
-    reduce-scatter and one all-reduce per step under HSDP; one all-reduce per
-    step for replicate, nothing gathered). A rank-dependent forward: a
+    reduce-scatter and one all-reduce per step under HSDP; for replicate, in
+    buckets of 0.02 MB, one all-reduce per bucket per step, nothing gathered). A rank-dependent forward: a
     ``CollectiveMismatchError`` on all 4 ranks in step 1 (before checks spanned
     the mesh: on the 2 ranks of the other shard group, gloo's "Connection
     closed by peer")."""
@@ -303,7 +304,7 @@ def test_hsdp_and_replicate_with_mixed_precision_no_sync_meta_and_fallback() -> 
         assert hsdp["paths"] == {"": "compiled", "layers.0": "compiled", "layers.1": "fallback"}, hsdp
         assert all(c == {"all_gather": 4, "reduce_scatter": 1, "all_reduce": 1} for c in hsdp["counts"]), hsdp
         assert rep["paths"] == {"": "fallback"}, rep
-        assert all(c == {"all_reduce": 1} for c in rep["counts"]), rep
+        assert rep["buckets"] > 1 and all(c == {"all_reduce": rep["buckets"]} for c in rep["counts"]), rep
         assert res["diverged"] == ("CollectiveMismatchError", 1), res
 
 
