@@ -47,8 +47,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
-from torch._dynamo.eval_frame import set_code_exec_strategy
-from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -274,21 +272,6 @@ def _make_property(name: str) -> property:
         return self._fsdp_params[name].current_value()
 
     return property(getter, doc=f"managed parameter {name!r}; see [Note: Parameter property]")
-
-
-# [Note: The property as a frame]
-# Inlined into a frame Dynamo traces, the property emits the marker. But
-# Dynamo also evaluates, as frames of their own, the functions called from a
-# frame it runs as Python (measured on torch 2.15.0: in a second model
-# compiled in the same process, with a full backward pre-hook on a sharded
-# block, the getter hit the recompile limit as a frame and Dynamo traced the
-# eager runtime behind it, down to the divergence checker's message, which
-# raised in every step; 2.13 ran those frames as Python). Called from Python,
-# the read is the eager runtime's, so the getter's code is skipped by frame
-# evaluation, with every frame it calls, as the hooks are ([Note: Hooks
-# under Dynamo] in state.py); inlining is unaffected. Tested by
-# tests/test_untraced_frames.py::test_second_model_with_a_backward_pre_hook.
-set_code_exec_strategy(_make_property("").fget.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 def install_class(
