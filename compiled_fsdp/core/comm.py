@@ -36,7 +36,7 @@ from compiled_fsdp.core.layout import EAGER, sum_received
 
 __all__ = [
     "PendingCollective", "all_gather_flat", "all_reduce_flat", "collective_bytes", "collective_counts", "count",
-    "reduce_scatter_flat", "reset_collective_counts", "uses_all_to_all",
+    "reduce_scatter_flat", "reset_collective_counts", "unaliased", "uses_all_to_all",
 ]
 
 _COUNTS: collections.Counter = collections.Counter()
@@ -68,6 +68,14 @@ def count(kind: str, nbytes: int = 0) -> None:
     _COUNTS[kind] += 1
     if nbytes:
         _BYTES[kind] += nbytes
+
+
+def unaliased(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """``out``, copied if it shares ``inp``'s storage (a custom op must not
+    return an alias of its input, and an in-place collective must not write
+    a tensor autograd still hands elsewhere)."""
+    same = out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+    return out.clone() if same else out
 
 
 def uses_all_to_all(group: dist.ProcessGroup, enabled: bool) -> bool:

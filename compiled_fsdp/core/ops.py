@@ -104,15 +104,8 @@ def _over_replicas(summed: torch.Tensor, m: Any, param_index: int) -> torch.Tens
         return summed
     if m.world_size == 1:
         _before_collective("all-reduce", m.module_key, param_index)
-        summed = _fresh(summed, m.grad)
+        summed = comm.unaliased(summed, m.grad)
     return comm.all_reduce_flat(summed, _group(m.replicate_group_name), async_op=False).wait()
-
-
-def _fresh(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """``out``, copied if it shares ``inp``'s storage (a custom op must not
-    return an alias of its input)."""
-    same = out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
-    return out.clone() if same else out
 
 
 def _reduced(flat: torch.Tensor, world_size: int, group_name: str, by_all_to_all: bool) -> torch.Tensor:
@@ -133,7 +126,7 @@ def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
     specs = [ShardSpec(tuple(m.full_shape), m.world_size)]
     if m.gathered is not None:  # handed over: see [Note: Gathers handed to the next block's graph]
         flat = torch.ops._c10d_functional.wait_tensor(m.gathered)
-        return _fresh(unpack_gathered(EAGER, flat, specs, [m.bucket_offset], m.bucket_numel)[0], m.gathered)
+        return comm.unaliased(unpack_gathered(EAGER, flat, specs, [m.bucket_offset], m.bucket_numel)[0], m.gathered)
     flat = pack_shards(EAGER, [m.shard], specs, [m.param_dtype])
     if m.world_size == 1:
         gathered = flat.clone()
@@ -181,7 +174,7 @@ def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = ReduceGrad.bind(args, kwargs)
     specs = [m.spec]
     if m.bucket_numel:  # the gradient of a handed-over gather: this parameter's columns
-        return _fresh(pack_grads(EAGER, [m.grad], specs, [m.bucket_offset], m.bucket_numel), m.grad)
+        return comm.unaliased(pack_grads(EAGER, [m.grad], specs, [m.bucket_offset], m.bucket_numel), m.grad)
     if not m.sync:  # the full gradient for the sink; see [Note: Accumulation without sync in graphs]
         full = cast(EAGER, m.grad, m.reduce_dtype)
         return full.clone() if full is m.grad else full

@@ -64,10 +64,10 @@ def reduce_bucket(
     flat = pack_grads(EAGER, grads, specs)
     if group.size() > 1:
         comm.count("reduce_scatter", flat.numel() * flat.element_size())
-    elif replicate_group is not None and any(_same_storage(flat, g) for g in grads):
-        # (one gradient, packed as itself: autograd may still hand that tensor
-        # to another edge while the all-reduce below writes it in place)
-        flat = flat.clone()
+    elif replicate_group is not None and len(grads) == 1:
+        # (one gradient may be packed as itself: autograd may still hand that
+        # tensor to another edge while the all-reduce below writes it in place)
+        flat = comm.unaliased(flat, grads[0])
     with _on_reduce(streams):
         pending = comm.reduce_scatter_flat(flat, group, by_all_to_all, async_op=True)
         if replicate_group is None:
@@ -82,10 +82,6 @@ def reduce_bucket(
         return issued.wait()  # (on the caller's stream, which then reads the sum)
 
     return PendingCollective(pending.output, None, finish=then_all_reduce)
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _on_reduce(streams: Optional[CommStreams]) -> contextlib.AbstractContextManager:
