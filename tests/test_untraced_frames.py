@@ -97,11 +97,15 @@ def test_untraced_frames_train_like_eager(way: str) -> None:
     gradient reduced twice would come out doubled); no per-parameter marker
     collective. Untraced: all three modules run in the eager runtime, one
     reduce-scatter each, nothing in graphs (past the recompile limit: from the
-    second step, the first is compiled). A disabled block: the first step mixes
-    eager and in-graph reduce-scatters; Dynamo's frames after the disabled call
-    read the root's embedding again (measured: the root's first two parameters
-    are traced in frames 0 and 1), so the root falls back from the second step
-    by [Note: Fallback decision rule], and with it every module."""
+    second step, the first is compiled). A disabled block breaks the graph in
+    the root's loop over its blocks, so Dynamo skips the root's frame whole
+    and runs it as Python (measured on 2.13.0: "graph break in loop ... frame
+    skipped"): untraced from the first step, like the others. The root's
+    reason is always that it ran untraced: the parameter property's getter
+    is never a Dynamo frame of its own ([Note: The property as a frame] in
+    runtime/param.py), which once gave a failing backend's root and the
+    disabled block's first step tiny compiled getter graphs that gathered
+    and reduced the root's parameters in graphs."""
     for res in run_distributed(_rank, 2, way, timeout=600):
         assert_close(res, 0.0)
         for step, (eager, graph) in enumerate(zip(res["counts"], res["after"])):
@@ -115,23 +119,52 @@ def test_untraced_frames_train_like_eager(way: str) -> None:
                 # issued, waited and dropped ([Note: Gathers handed to the next
                 # block's graph]). From the second step the blocks are known to fall back.
                 assert eager == {"all_gather": 7, "reduce_scatter": 3} and graph == {}, (eager, graph)
-            elif way == "disabled_block" and step == 0:
-                assert eager["reduce_scatter"] >= 1 and graph["bw_reduce_scatter"] >= 1, (eager, graph)
             else:
                 assert eager == {"all_gather": 5, "reduce_scatter": 3} and graph == {}, (eager, graph)
         paths = {fqn: path for fqn, path, _ in res["explain"]}
-        if way == "disabled_block":
-            assert paths["layers.1"] == "fallback"
-        elif way.startswith("blocks_"):  # the root runs eagerly; the blocks fall back
+        if way.startswith("blocks_"):  # the root runs eagerly; the blocks fall back
             assert paths == {"": "eager", "layers.0": "fallback", "layers.1": "fallback"}, paths
             assert all("without tracing it" in reason for fqn, _, reason in res["explain"] if fqn)
         else:
             assert set(paths.values()) == {"fallback"}
             root_reason = next(reason for fqn, _, reason in res["explain"] if fqn == "")
-            # A backend that fails after Dynamo traced the frame leaves the root's
-            # parameters traced in several frames (the frame and its retries): the
-            # root then falls back before its forward, for that reason.
-            want = "more than one Dynamo frame" if way == "failing_backend" else "without tracing it"
-            assert want in root_reason, root_reason
+            assert "without tracing it" in root_reason, root_reason
         if way == "flop_counter":
             assert len(res["flops"]) == 3 and min(res["flops"]) > 0
+
+
+def _two_models_rank(rank: int, world: int) -> list:
+    """Two models trained one after the other in this process, each with a
+    full backward pre-hook on a sharded block, compiled (aot_eager): each
+    one's distance to its one-process reference after 3 AdamW steps."""
+    import copy
+
+    from compiled_fsdp.tools.models import batch, loss_fn, tiny
+
+    diffs = []
+    for _ in range(2):
+        ref = tiny()
+        model = copy.deepcopy(ref)
+        _shard(model)
+        model.layers[0].register_full_backward_pre_hook(lambda m, g: None)
+        run = torch.compile(model, backend="aot_eager")
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+        for step in range(3):
+            tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
+            loss_fn(run(tokens[rank]), tokens[rank]).backward()
+            (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+        diffs.append(max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
+    return diffs
+
+
+def test_second_model_with_a_backward_pre_hook() -> None:
+    """[Note: The property as a frame]: the second model trains as the first,
+    within 1e-6 of its reference (2 ranks sum in another order than one
+    process). On torch 2.15 it raised in every step (Dynamo compiled the
+    parameter property as a frame and traced the eager runtime behind it)."""
+    for diffs in run_distributed(_two_models_rank, 2, timeout=600):
+        assert len(diffs) == 2 and max(diffs) < 1e-6, diffs

@@ -67,6 +67,7 @@ __all__ = [
     "check_supported",
     "end_callback_raised",
     "fix_rng_state_order",
+    "never_a_frame",
     "post_grad_passes",
     "post_grad_value",
     "reduce_scatter_single",
@@ -186,6 +187,18 @@ def end_callback_raised() -> None:
 
     if getattr(callback_handler, _PENDING, 0) > 0:
         setattr(callback_handler, _PENDING, getattr(callback_handler, _PENDING) - 1)
+
+
+def never_a_frame(*functions: Callable[..., Any]) -> None:
+    """Dynamo's frame evaluation runs these functions, and every frame they
+    call, as Python; tracing still inlines them where a traced frame calls
+    them. For code that is the eager runtime when Dynamo did not inline it
+    ([Note: Hooks under Dynamo] in runtime/state.py)."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    for fn in functions:
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 # --- Inductor ---------------------------------------------------------------

@@ -50,6 +50,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
@@ -272,6 +273,25 @@ def _make_property(name: str) -> property:
         return self._fsdp_params[name].current_value()
 
     return property(getter, doc=f"managed parameter {name!r}; see [Note: Parameter property]")
+
+
+# [Note: The property as a frame]
+# Inlined into a frame Dynamo traces, the property emits the marker. But when
+# Dynamo runs a frame as Python (it skipped the frame, or its backend failed),
+# it still evaluates the functions that frame calls as frames of their own,
+# and the getter was one: on torch 2.13.0 a root frame skipped for a graph
+# break in its loop over the blocks, or whose backend failed, had each root
+# parameter read compiled as a one-read getter graph that gathered it (and
+# reduced its gradient) in a graph; on 2.15.0, in a second model compiled in
+# the same process with a full backward pre-hook on a sharded block, the
+# getter hit the recompile limit as a frame and Dynamo traced the eager
+# runtime behind it, down to the divergence checker's message, which raised
+# in every step. Called from Python, the read is the eager runtime's, so the
+# getter's code is skipped by frame evaluation, with every frame it calls, as
+# the hooks are ([Note: Hooks under Dynamo] in state.py); inlining is
+# unaffected. Tested by tests/test_untraced_frames.py (the second model; and
+# the failing backend and disabled block, untraced from the first step).
+compat.never_a_frame(_make_property("").fget)
 
 
 def install_class(

@@ -81,8 +81,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch._dynamo.eval_frame import _is_in_optimized_module, set_code_exec_strategy
-from torch._dynamo.types import FrameAction, FrameExecStrategy
+from torch._dynamo.eval_frame import _is_in_optimized_module
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
@@ -484,7 +483,5 @@ def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:
 
 
 # See [Note: Hooks under Dynamo]: skip these frames and every frame they call.
-_SKIP_RECURSIVELY = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-for _hook in (FSDPState._pre_forward, FSDPState._post_forward, FSDPState._list_pre_forward,
-              FSDPState._list_post_forward, _annotate_failed_forward):
-    set_code_exec_strategy(_hook.__code__, _SKIP_RECURSIVELY)
+compat.never_a_frame(FSDPState._pre_forward, FSDPState._post_forward, FSDPState._list_pre_forward,
+                     FSDPState._list_post_forward, _annotate_failed_forward)
