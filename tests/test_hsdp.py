@@ -417,3 +417,35 @@ def test_replicate_buckets_with_shared_gradients_and_no_grad_reads() -> None:
     is applied with grad enabled)."""
     for diff in run_distributed(_one_per_bucket, 2, timeout=300):
         assert diff < 1e-6, diff
+
+
+def _block_compiled(rank: int, world: int) -> dict:
+    ref = tiny()
+    model = copy.deepcopy(ref)
+    replicate(model, bucket_cap_mb=0.02)
+    model.layers[0].compile(backend="aot_eager", fullgraph=True)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    counts = []
+    for step in range(3):
+        compiled_fsdp.reset_collective_counts()
+        tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
+        loss_fn(model(tokens[rank]), tokens[rank]).backward()
+        (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
+        counts.append(compiled_fsdp.collective_counts().get("all_reduce", 0))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"buckets": len(replicate.state(model).param_group.reduce_buckets), "counts": counts,
+            "diff": full_diff(full_params(model), ref)}
+
+
+def test_replicate_buckets_with_a_block_compiled_on_its_own() -> None:
+    """[Note: replicate's buckets]: with a block compiled on its own under
+    ``fullgraph=True`` inside a model under ``replicate`` with several
+    buckets, every bucket is applied at the root's pre-forward (applied at a
+    first read inside the block's frame, Dynamo raised: "HOP: Unsafe side
+    effect"): one all-reduce per bucket per step, within 1e-6 of the
+    reference after 3 AdamW steps."""
+    for res in run_distributed(_block_compiled, 2, timeout=300):
+        assert res["buckets"] >= 3 and res["counts"] == [res["buckets"]] * 3, res
+        assert res["diff"] < 1e-6, res

@@ -181,6 +181,12 @@ class TorchCompilePath(CompiledPath):
         return (getattr(module, "_compiled_call_impl", None) is not None
                 or id(module) in _root(state.ctx).wrapped or isinstance(module, OptimizedModule))
 
+    def compiles_inside(self, state: FSDPState) -> bool:
+        """``module.compile()`` or ``torch.compile(module)`` in its parent's
+        place on a submodule: [Note: replicate's buckets] in runtime/replicate.py."""
+        return any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
+                   for m in state.module.modules())
+
     def begins_own_frame(self, state: FSDPState, in_compiled_call: bool) -> bool:
         """Dynamo is about to compile this (non-root) module's forward as a
         frame of its own while the root runs eagerly: ``module.compile()``, or

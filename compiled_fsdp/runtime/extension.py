@@ -70,6 +70,11 @@ class CompiledPath:
         gather (returned, for the current graph to issue, or issued now)."""
         return None
 
+    def compiles_inside(self, state: "FSDPState") -> bool:
+        """Whether a submodule of ``state``'s eagerly running module is compiled
+        as a frame of its own, so that a parameter's first read may be traced."""
+        return False
+
     def before_eager_forward(self, state: "FSDPState") -> None:
         """``state``'s module runs eagerly after all (a gather handed to it is dropped)."""
 

@@ -141,6 +141,7 @@ class FSDPParamGroup:
         # (one bucket, all of them, but for ``replicate``'s byte buckets:
         # ``set_reduce_buckets``), and which of them reduced this iteration.
         self.reduce_buckets: tuple[tuple[int, ...], ...] = (tuple(range(len(fsdp_params))),)
+        self._bucket_of: tuple[int, ...] = (0,) * len(fsdp_params)  # parameter index -> its bucket
         # This iteration's buckets whose autograd function has a gradient to
         # wait for, and those whose backward ran.
         self._applied_buckets: set[int] = set()
@@ -180,6 +181,11 @@ class FSDPParamGroup:
             buckets[-1].append(i)
             size += nbytes
         self.reduce_buckets = tuple(tuple(sorted(b)) for b in buckets)
+        bucket_of = [0] * len(self.fsdp_params)
+        for b, indices in enumerate(self.reduce_buckets):
+            for i in indices:
+                bucket_of[i] = b
+        self._bucket_of = tuple(bucket_of)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -279,7 +285,7 @@ class FSDPParamGroup:
         assert self.exposed_views is not None
         view = self.exposed_views[index]
         if view is None:
-            self._apply_bucket(next(b for b, ix in enumerate(self.reduce_buckets) if index in ix))
+            self._apply_bucket(self._bucket_of[index])
             view = self.exposed_views[index]
         return view
 

@@ -33,10 +33,12 @@ early: its engine runs the ready node created last first, so a function
 applied at the module's pre-forward (before any of its compute) would run
 only after the whole backward. Each bucket's function is therefore applied
 at the first read of one of its parameters (``FSDPParamGroup.view_of``),
-in a module whose forward runs in a plain eager call; inside a compiled
-call (the fallback path) Dynamo would trace that first read, so every
-bucket is applied at the pre-forward there, and reduced when backward is
-done with the module. ``fully_shard`` keeps one bucket per application, as
+in a module whose forward runs in a plain eager call. Where Dynamo would
+trace that first read, every bucket is applied at the pre-forward instead,
+and reduced when backward is done with the module: inside a compiled call
+(the fallback path), and when a submodule is compiled as a frame of its own
+(``block.compile()``: the application function's side effects would break
+its graph, an error under ``fullgraph=True``). ``fully_shard`` keeps one bucket per application, as
 FSDP2. Under compile the reductions are the graph's: the passes cut the
 application into units at the modules it calls and merge small ones
 ([Note: Units] in passes/units.py), one all-reduce per unit, scheduled for
@@ -44,7 +46,8 @@ overlap as the reduce-scatters are. On 2 ranks the bucketing changes no
 result (one addition per element); on more, a ring all-reduce's order of
 summation depends on where an element falls in the buffer, so the last
 bits may differ. Tested by
-tests/test_hsdp.py::test_replicate_buckets_overlap_backward.
+tests/test_hsdp.py::test_replicate_buckets_overlap_backward (and
+``..._with_a_block_compiled_on_its_own``).
 """
 from __future__ import annotations
 

@@ -424,8 +424,11 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         ctx = self.ctx
         ctx.forward_order.append(self)
         if self.param_group is not None:
-            compiled_path().before_eager_forward(self)
-            self.param_group.pre_forward(lazy_buckets=self.path is Path.EAGER)
+            path = compiled_path()
+            path.before_eager_forward(self)
+            group = self.param_group
+            lazy = self.path is Path.EAGER and len(group.reduce_buckets) > 1 and not path.compiles_inside(self)
+            group.pre_forward(lazy_buckets=lazy)
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 ctx.prefetch(target, "forward")
