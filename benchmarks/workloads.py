@@ -69,37 +69,41 @@ class _RssSampler:
 _OWN_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _own_code(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+def _own_code(model: torch.nn.Module, tag: str) -> torch.nn.Module:
     """Gives each configuration its own copy of the model classes' forward
     code, as separate processes would. Dynamo keeps its caches and skip marks
     per code object: a frame skipped for one configuration ("graph break in
     loop": FSDP2 compiled breaks at every block) is skipped for every model
     running that code. Measured: built after FSDP2 compiled in the paired
     run, ours compiled ran its root untraced, each block compiled as a frame
-    of its own, from its first paired step on."""
+    of its own, from its first paired step on. Not isolated: what every
+    module shares, such as ``nn.Module._call_impl``, which ``block.compile()``
+    compiles (the ``_blocks`` kinds)."""
     for module in model.modules():
         cls = type(module)
         if "forward" not in vars(cls) or cls.__module__.startswith("torch."):  # (the model's own classes)
             continue
-        own = _OWN_CLASSES.get((cls, kind))
+        own = _OWN_CLASSES.get((cls, tag))
         if own is None:
             fwd = vars(cls)["forward"]
-            code = fwd.__code__.replace(co_name=f"{fwd.__code__.co_name}_{kind}")
+            code = fwd.__code__.replace(co_name=f"{fwd.__code__.co_name}_{tag}",
+                                        co_qualname=f"{fwd.__code__.co_qualname}_{tag}")
             forward = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
-            own = _OWN_CLASSES[(cls, kind)] = type(cls.__name__, (cls,), {"forward": forward,
+            forward.__kwdefaults__ = fwd.__kwdefaults__
+            own = _OWN_CLASSES[(cls, tag)] = type(cls.__name__, (cls,), {"forward": forward,
                                                                            "__module__": cls.__module__})
         module.__class__ = own
     return model
 
 
-def _build(kind: str, n_layers: int = 8) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _build(kind: str, n_layers: int = 8, tag: str = "") -> tuple[torch.nn.Module, torch.nn.Module]:
     """Returns (model whose parameters the optimizer steps, callable to run).
     A ``_bf16`` kind gathers and computes in bf16 and reduces in fp32 (both
     FSDPs' ``MixedPrecisionPolicy``); its compute floor runs a bf16 model. A
     ``_blocks`` kind compiles each block on its own (``block.compile()``, the
     root eager: torchtitan's pattern; see [Note: Blocks compiled on their own]);
     ``_blocks_nohandoff`` without the gathers handed from block to block."""
-    model = _own_code(bench(n_layers), kind)
+    model = _own_code(bench(n_layers), tag or kind)
     bf16 = kind.endswith("_bf16")
     mesh = None
     if kind.endswith("_hsdp"):  # 2 replicas, each sharded over half the ranks
@@ -168,12 +172,12 @@ def _knobs(kind: str) -> Iterator[None]:
             setattr(comm_config.comm, field.name, getattr(saved_comm, field.name))
 
 
-def _train_step(kind: str, rank: int, n_layers: int = 8) -> Callable[[], float]:
+def _train_step(kind: str, rank: int, n_layers: int = 8, tag: str = "") -> Callable[[], float]:
     """Builds one training configuration; returns its timed step. Build and
     warm it up inside ``_knobs(kind)``: the knobs are read when the model is
     sharded and when it first compiles."""
     torch.manual_seed(0)
-    model, run = _build(kind, n_layers)
+    model, run = _build(kind, n_layers, tag or kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = batch(GPTConfig(), BATCH, seed=rank)
 
@@ -310,7 +314,7 @@ def comm_rank(rank: int, world: int, warmup: int, steps: int) -> dict:
 def _overlap_step(rank: int, world: int) -> Callable[[], float]:
     """The ``overlap_limit`` step (see ``overlap_limit_rank``): the unsharded
     compiled step on this thread, the step's collectives on a second one."""
-    compute = _train_step("compute_compiled", rank)
+    compute = _train_step("compute_compiled", rank, tag="overlap_limit")
     comm, _, _ = _comm_step(world)
     go, done = threading.Semaphore(0), threading.Semaphore(0)
 

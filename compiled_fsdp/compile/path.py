@@ -183,9 +183,17 @@ class TorchCompilePath(CompiledPath):
 
     def compiles_inside(self, state: FSDPState) -> bool:
         """``module.compile()`` or ``torch.compile(module)`` in its parent's
-        place on a submodule: [Note: replicate's buckets] in runtime/replicate.py."""
-        return any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
-                   for m in state.module.modules())
+        place on a submodule that holds one of the group's parameters ([Note:
+        replicate's buckets] in runtime/replicate.py). Not seen: a forward
+        compiled as a function (``block.forward = torch.compile(block.forward)``)."""
+        owners = {id(m) for p in state.param_group.fsdp_params for m, _ in p.owners}
+        for top in state.modules:
+            for m in top.modules():
+                target = m._orig_mod if isinstance(m, OptimizedModule) else m
+                compiled = target is not m or getattr(m, "_compiled_call_impl", None) is not None
+                if compiled and any(id(x) in owners for x in target.modules()):
+                    return True
+        return False
 
     def begins_own_frame(self, state: FSDPState, in_compiled_call: bool) -> bool:
         """Dynamo is about to compile this (non-root) module's forward as a

@@ -24,6 +24,11 @@ What differs, and where each choice is used:
   decrementing the handler's count of pending compiles, so a callback that
   raises leaves the count at 1 and no callback runs again (and
   ``torch._dynamo.reset()`` fails). ``end_callback_raised`` puts it back.
+* Dynamo's frame-strategy API (``set_code_exec_strategy``), the same on
+  every release: ``never_a_frame`` keeps the hooks and the parameter
+  property's getter from being compiled as frames of their own (on 2.15 the
+  getter as a frame broke a second compiled model: [Note: The property as a
+  frame] in runtime/param.py).
 * Inductor's ``post_grad_custom_post_pass`` takes a list or tuple of passes
   from torch 2.12 on; torch 2.11 calls the value itself. ``post_grad_passes``
   and ``post_grad_value`` read and write it as a tuple on every release (on

@@ -291,7 +291,7 @@ def _make_property(name: str) -> property:
 # the hooks are ([Note: Hooks under Dynamo] in state.py); inlining is
 # unaffected. Tested by tests/test_untraced_frames.py (the second model; and
 # the failing backend and disabled block, untraced from the first step).
-compat.never_a_frame(_make_property("").fget)
+compat.never_a_frame(_make_property("").fget)  # (every property's getter shares this code object)
 
 
 def install_class(
