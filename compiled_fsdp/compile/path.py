@@ -53,6 +53,12 @@ class _RootCompile:
         self.regrad_none: list[FSDPParam] = []
 
 
+def _compiled_in_place(module: torch.nn.Module) -> bool:
+    """``module.compile()`` was called: its own call is compiled, no
+    ``OptimizedModule`` around it."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def _root(ctx: RootContext) -> _RootCompile:
     if ctx.compiled is None:
         ctx.compiled = _RootCompile(ctx)
@@ -166,7 +172,7 @@ class TorchCompilePath(CompiledPath):
         group = state.param_group
         # ``torch.compile(model)`` (an OptimizedModule calls it) or ``model.compile()``
         # (its own call is compiled in place): tests/test_fsdp2_api.py::test_every_module_compiled
-        compiled = in_compiled_call or getattr(state.module, "_compiled_call_impl", None) is not None
+        compiled = in_compiled_call or _compiled_in_place(state.module)
         return compiled and (group is None or not frames.is_split(group.key))
 
     def predicts_own_frame(self, state: FSDPState) -> bool:
@@ -178,7 +184,7 @@ class TorchCompilePath(CompiledPath):
         if state.path is not None:
             return state.path is Path.OWN_FRAME
         module = state.module
-        return (getattr(module, "_compiled_call_impl", None) is not None
+        return (_compiled_in_place(module)
                 or id(module) in _root(state.ctx).wrapped or isinstance(module, OptimizedModule))
 
     def compiles_inside(self, state: FSDPState) -> bool:
@@ -190,7 +196,7 @@ class TorchCompilePath(CompiledPath):
         for top in state.modules:
             for m in top.modules():
                 target = m._orig_mod if isinstance(m, OptimizedModule) else m
-                compiled = target is not m or getattr(m, "_compiled_call_impl", None) is not None
+                compiled = target is not m or _compiled_in_place(m)
                 if compiled and any(id(x) in owners for x in target.modules()):
                     return True
         return False
@@ -201,7 +207,7 @@ class TorchCompilePath(CompiledPath):
         ``torch.compile(module)`` in its parent's place. See [Note: Blocks
         compiled on their own] and [Note: Gathers handed to the next block's
         graph] in entry.py."""
-        compiled = in_compiled_call or getattr(state.module, "_compiled_call_impl", None) is not None
+        compiled = in_compiled_call or _compiled_in_place(state.module)
         if not (compiled and _may_compile_own_frame(state)):
             return False
         ctx = state.ctx
