@@ -133,6 +133,33 @@ def _group_size(group_name: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Links:
+    """A network's links: within a node (``comm``), across nodes
+    (``inter_node``), and how many ranks a node holds. A process group that
+    prices its own collectives (the emulated network,
+    compiled_fsdp/tools/emulated.py) declares them as its ``links``
+    attribute, and ``CostModel.for_graph`` prices with them."""
+
+    comm: Any
+    inter_node: Any
+    ranks_per_node: int = GPUS_PER_NODE
+
+
+def _declared_links(graph: fx.Graph) -> "Links | None":
+    """The ``links`` the process group of the graph's first collective
+    declares, if any (the same on every rank: a property of the group)."""
+    for n in graph.nodes:
+        if _collective_kind(n) is not None:
+            try:
+                group = torch.distributed.distributed_c10d._resolve_process_group(str(n.args[-1]))
+            except Exception:  # noqa: BLE001 - a hand-built graph's name
+                return None
+            links = getattr(group, "links", None)
+            return links if isinstance(links, Links) else None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
 class CostModel:
     compute: ComputeConstants = CPU_COMPUTE
     comm: Any = dataclasses.field(default_factory=lambda: dict(GLOO_COMM))
@@ -145,17 +172,23 @@ class CostModel:
     def nccl() -> "CostModel":
         return CostModel(compute=CUDA_COMPUTE, comm=dict(NCCL_COMM), inter_node=dict(NCCL_INTER_NODE))
 
+    def with_links(self, links: Links) -> "CostModel":
+        return dataclasses.replace(self, comm=dict(links.comm), inter_node=dict(links.inter_node),
+                                   ranks_per_node=links.ranks_per_node)
+
     @staticmethod
     def for_graph(graph: fx.Graph) -> "CostModel":
-        """CUDA constants when the graph's tensors live on a GPU, else CPU/gloo.
-        Depends only on the graph, so it is the same on every rank."""
+        """CUDA constants when the graph's tensors live on a GPU, else CPU/gloo;
+        the links its process group declares, if it does (the emulated
+        network). Depends only on the graph, so it is the same on every rank."""
+        model = CostModel()
         for n in graph.nodes:
             vals = [t for t in tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)]
             if vals:
-                if vals[0].device.type == "cuda":
-                    return CostModel.nccl()
-                return CostModel()
-        return CostModel()
+                model = CostModel.nccl() if vals[0].device.type == "cuda" else CostModel()
+                break
+        links = _declared_links(graph)
+        return model if links is None else model.with_links(links)
 
     def compute_time(self, node: fx.Node) -> float:
         """Seconds of compute for ``node`` (0 for views, collectives, waits)."""

@@ -35,9 +35,15 @@ from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, sum_received
 
 __all__ = [
-    "PendingCollective", "all_gather_flat", "all_reduce_flat", "collective_bytes", "collective_counts", "count",
+    "EMULATED_BACKEND", "ONE_PROCESS_BACKENDS", "PendingCollective", "all_gather_flat", "all_reduce_flat", "collective_bytes", "collective_counts", "count",
     "reduce_scatter_flat", "reset_collective_counts", "unaliased", "uses_all_to_all",
 ]
+
+# The backend name of the emulated network (compiled_fsdp/tools/emulated.py):
+# one process plays one rank of a larger job, as torch's "fake" group does.
+EMULATED_BACKEND = "emulated"
+# Backends under which one process stands in for every rank.
+ONE_PROCESS_BACKENDS = ("fake", EMULATED_BACKEND)
 
 _COUNTS: collections.Counter = collections.Counter()
 # Bytes each rank sent into the bucketed collectives, by kind.

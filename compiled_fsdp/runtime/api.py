@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from compiled_fsdp.config import comm
-from compiled_fsdp.core.comm import uses_all_to_all
+from compiled_fsdp.core.comm import ONE_PROCESS_BACKENDS, uses_all_to_all
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.divergence import Checker, checker_for, ranks_are_processes
 from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
@@ -393,11 +393,11 @@ def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup) -> str:
     """The device type of the parameters' mesh. For a model built on ``meta``
     (see [Note: Meta-device init] in param.py) it is the device the process
     group communicates on: CUDA for NCCL, the accelerator (if any) for torch's
-    fake group, else CPU."""
+    fake group and the emulated network, else CPU."""
     if param.device.type != "meta":
         return param.device.type
     backend = dist.get_backend(group)
-    if backend == "fake" and torch.accelerator.is_available():
+    if backend in ONE_PROCESS_BACKENDS and torch.accelerator.is_available():
         return torch.accelerator.current_accelerator().type
     return "cuda" if backend == "nccl" else "cpu"
 

@@ -1,0 +1,372 @@
+"""Ours against FSDP2 under an emulated cluster network: what a W-GPU job
+would do, in one process per configuration (compiled_fsdp/tools/emulated.py,
+[Note: The emulated network]).
+
+    python benchmarks/emulated.py [--device cuda|cpu] [--worlds 8 64 512]
+        [--links nccl | match match/4] [--layers N] [--kinds KIND ...] [--out DIR]
+
+Kinds (each in a fresh process, rank 0 of W, local batch ``--batch``):
+  floor         compute only: the unsharded model (bf16 on a GPU), blocks
+                compiled on their own, AdamW stepping 1/W of the fp32 parameters
+  ours          compiled_fsdp, fully_shard per block + root, torch.compile(model)
+  ours_blocks   the same, each block compiled on its own (block.compile())
+  ours_eager    compiled_fsdp's eager runtime
+  fsdp2_eager   torch.distributed.fsdp.fully_shard
+  fsdp2_blocks  FSDP2, each block compiled then sharded (torchtitan's recipe)
+
+Links: ``nccl`` is the cost model's H100 cluster (NVLink in a node of 8, 45
+GB/s per GPU between nodes); ``match`` scales every link so that one block's
+all-gather takes as long as the block's forward (a GPU job's ratio, for the
+CPU), ``match/4`` 4x slower (communication-bound).
+
+Per configuration: step (median), first step, tokens/s per GPU, MFU (GPU),
+peak memory, the communication-only step (the queue's busy time: every
+collective of a step, one after another), the lower bound max(floor step,
+communication step), exposed communication (measured: on CUDA from a
+profiler trace, the time a collective's spin kernel runs while no other
+kernel does; on the CPU the time the waiting thread stood still), and for
+``ours`` the schedule's predicted exposed communication (the passes'
+timeline model over the compiled forward and backward graphs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import llama  # noqa: E402
+
+KINDS = ("floor", "ours", "ours_blocks", "ours_eager", "fsdp2_eager", "fsdp2_blocks")
+MODELS = {  # --model: the GPU job (Llama-3.1-8B dimensions), the CPU's, the tests'
+    "8b": llama.LLAMA_3_1_8B.with_(checkpoint_blocks=True),
+    "cpu": llama.LlamaConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn=768, vocab=4096, seq=256),
+    "tiny": llama.LLAMA_TINY,
+}
+
+
+def _config(args: argparse.Namespace) -> llama.LlamaConfig:
+    cfg = MODELS[args.model]
+    kw: dict[str, Any] = {}
+    if args.layers:
+        kw["n_layers"] = args.layers
+    if args.seq:
+        kw["seq"] = args.seq
+    return cfg.with_(**kw)
+
+
+def _topology(link: str, args: argparse.Namespace):
+    from compiled_fsdp.tools.emulated import Topology
+
+    if link == "free":
+        return Topology(node_gbps=1e12, node_latency_us=0.0, network_gbps=1e12, network_latency_us=0.0)
+    if link == "nccl":
+        return Topology.nccl(args.network_gbps)
+    base, _, slower = link.partition("/")
+    if base != "match" or args.match_gbps is None:
+        raise ValueError(f"unknown link {link!r} (nccl, free, match, match/K)")
+    t = Topology(node_gbps=args.match_gbps, node_latency_us=0.0, network_gbps=args.match_gbps,
+                 network_latency_us=0.0)
+    return t.slower(float(slower)) if slower else t
+
+
+# --- one configuration (the worker) ------------------------------------------
+
+def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int) -> tuple[nn.Module, Any, Any]:
+    """(the model, what a step calls, the optimizer)."""
+    cuda = device.type == "cuda"
+    if kind == "floor":
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = llama.Llama(cfg).to(torch.bfloat16 if cuda else torch.float32)
+        for block in model.layers:
+            block.compile()
+        n = sum(p.numel() for p in model.parameters())
+        master = torch.zeros((n + world - 1) // world, device=device, requires_grad=True)
+        master.grad = torch.zeros_like(master)
+        return model, model, torch.optim.AdamW([master], lr=1e-4, fused=cuda)
+    with torch.device("meta"):
+        model = llama.Llama(cfg)
+    if kind.startswith("ours"):
+        from compiled_fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
+        else MixedPrecisionPolicy()
+    for block in model.layers:
+        if kind == "fsdp2_blocks":  # torchtitan: compile each block, then shard
+            block.compile()
+        fully_shard(block, mp_policy=mp)
+        if kind == "ours_blocks":
+            block.compile()
+    fully_shard(model, mp_policy=mp)
+    model.to_empty(device=device)
+    model.init_weights()
+    run = torch.compile(model) if kind == "ours" else model
+    return model, run, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _trace_exposed(step, device: torch.device) -> dict[str, float]:
+    """One step under the profiler: the time a spin kernel (an emulated
+    collective) runs while no other kernel runs, and the spin kernels' busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    comm, compute = [], []
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            (comm if "spin_kernel" in e["name"] else compute).append((e["ts"], e["ts"] + e["dur"]))
+    return {"exposed_s_trace": _minus(_union(comm), _union(compute)) / 1e6,
+            "comm_busy_s_trace": _length(_union(comm)) / 1e6}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _minus(spans: list[tuple[float, float]], holes: list[tuple[float, float]]) -> float:
+    """Length of ``spans`` outside ``holes`` (both unions)."""
+    total, j = 0.0, 0
+    for a, b in spans:
+        covered = 0.0
+        while j < len(holes) and holes[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(holes) and holes[k][0] < b:
+            covered += min(b, holes[k][1]) - max(a, holes[k][0])
+            k += 1
+        total += (b - a) - covered
+    return total
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from compiled_fsdp.compile.install import recording
+    from compiled_fsdp.tools.emulated import init_emulated_network
+
+    device = torch.device(args.device)
+    cfg = _config(args)
+    # Cold caches: the first step is the compile a user waits for, and a cache
+    # hit would skip the passes (no schedule report, no prediction).
+    torch._functorch.config.enable_autograd_cache = False
+    torch._inductor.config.fx_graph_cache = False
+    net = init_emulated_network(args.world, topology=_topology(args.link, args), device=args.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with recording() as rec:
+        model, run, opt = _build(args.kind, cfg, device, args.world)
+
+        def step(i: int = 0) -> None:
+            tokens = llama.batch(cfg, args.batch, seed=i, device=device)
+            llama.loss_fn(run(tokens), tokens).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=args.kind != "floor")
+
+        t0 = time.perf_counter()
+        step(0)
+        _sync(device)
+        first = time.perf_counter() - t0
+        for i in range(1, args.warmup):
+            step(i)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, comm, exposed = [], [], []
+    for i in range(args.steps):
+        _sync(device)
+        net.reset()
+        t = time.perf_counter()
+        step(args.warmup + i)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+        s = net.summary()
+        comm.append(s["comm_s"])
+        exposed.append(s["exposed_s"])
+    res: dict[str, Any] = {
+        "kind": args.kind, "world": args.world, "link": args.link, "device": str(device),
+        "config": cfg.__dict__, "batch": args.batch, "first_step_s": first, "step_s": statistics.median(times),
+        "step_times_s": times, "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
+        "collectives": s["collectives"], "topology": net.topology.__dict__,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    }
+    if device.type == "cuda":
+        res.update(_trace_exposed(lambda: step(0), device))
+    reports = [r for r in rec.schedule if r.graph in ("forward", "backward")]
+    if args.kind == "ours" and reports:  # one forward and one backward graph per step
+        res["predicted_exposed_s"] = sum(r.after.exposed_s for r in reports)
+        res["predicted_comm_s"] = sum(r.after.comm_s for r in reports)
+    res["tokens_per_s"] = args.batch * cfg.seq / res["step_s"]
+    res["mfu"] = res["tokens_per_s"] * model.flops_per_token() / args.peak_flops if device.type == "cuda" else None
+    dist.destroy_process_group()
+    return res
+
+
+# --- the driver ----------------------------------------------------------------
+
+def match_gbps(args: argparse.Namespace, world: int) -> float:
+    """Link GB/s at which one block's all-gather (its parameters in the
+    compute dtype, a ring over ``world``) takes as long as the block's
+    forward, measured here unsharded and compiled."""
+    cfg = _config(args)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        block = llama.Block(cfg.with_(checkpoint_blocks=False)).to(dtype)
+        cos, sin = llama.rope_tables(cfg, device)
+    fwd = torch.compile(lambda x: block(x, cos, sin))
+    x = torch.randn(args.batch, cfg.seq, cfg.dim, device=device, dtype=dtype)
+    with torch.no_grad():
+        for _ in range(2):
+            fwd(x)
+        ts = []
+        for _ in range(5):
+            _sync(device)
+            t = time.perf_counter()
+            fwd(x)
+            _sync(device)
+            ts.append(time.perf_counter() - t)
+    nbytes = sum(p.numel() * p.element_size() for p in block.parameters())
+    return (world - 1) / world * nbytes / statistics.median(ts) / 1e9
+
+
+def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[str, Any]:
+    result = os.path.join(args.out, f"{kind}_W{world}_{link.replace('/', '-')}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--world", str(world), "--link", link,
+           "--result", result, "--device", args.device, "--model", args.model, "--batch", str(args.batch),
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--layers", str(args.layers or 0),
+           "--seq", str(args.seq or 0)]
+    if args.match_gbps is not None:
+        cmd += ["--match-gbps", str(args.match_gbps)]
+    if args.network_gbps is not None:
+        cmd += ["--network-gbps", str(args.network_gbps)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+        ok, tail = proc.returncode == 0 and os.path.exists(result), (proc.stdout + proc.stderr)[-2500:]
+    except subprocess.TimeoutExpired:
+        ok, tail = False, f"timed out after {args.worker_timeout}s"
+    if not ok:
+        print(f"[{kind} W={world} {link}] FAILED:\n{tail}", file=sys.stderr, flush=True)
+        return {"kind": kind, "world": world, "link": link, "error": tail.strip().splitlines()[-1] if tail else ""}
+    with open(result) as f:
+        res = json.load(f)
+    print("RESULT " + json.dumps({k: v for k, v in res.items() if k not in ("config", "topology")}), flush=True)
+    print(f"[{kind} W={world} {link}] {time.perf_counter() - start:.0f}s: step {res['step_s']:.3f}s", file=sys.stderr,
+          flush=True)
+    return res
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = (f"{'W':>4} {'link':8} {'kind':12} {'first s':>8} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6} "
+            f"{'peak GiB':>8} {'comm s':>7} {'bound s':>7} {'x bound':>7} {'exposed':>8} {'predicted':>9}")
+    lines = [head]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['world']:>4} {r['link']:8} {r['kind']:12} FAILED: {r['error'][:80]}")
+            continue
+        floor = next((f for f in results if f["kind"] == "floor" and f["world"] == r["world"]
+                      and "error" not in f), None)
+        bound = max(floor["step_s"], r["comm_s"]) if floor else None
+        exposed = r.get("exposed_s") if r["device"] == "cpu" else r.get("exposed_s_trace", r.get("exposed_s"))
+        lines.append(
+            f"{r['world']:>4} {r['link']:8} {r['kind']:12} {r['first_step_s']:8.1f} {r['step_s']:8.3f} "
+            f"{r['tokens_per_s']:9.0f} {_pct(r.get('mfu')):>6} {_num(r.get('peak_mem_gib'), '8.1f')} "
+            f"{r['comm_s']:7.3f} {_num(bound, '7.3f')} {_num(bound and r['step_s'] / bound, '7.3f')} "
+            f"{exposed:8.3f} {_num(r.get('predicted_exposed_s'), '9.3f')}")
+    return "\n".join(lines)
+
+
+def _num(v: Optional[float], spec: str) -> str:
+    return "-".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
+
+
+def _pct(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v * 100:.1f}%"
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default=None, choices=sorted(MODELS), help="default: 8b on CUDA, cpu on the CPU")
+    p.add_argument("--layers", type=int, default=0, help="blocks (0: the model's own)")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (0: the model's own)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--worlds", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--links", nargs="+", default=None, help="default: nccl on CUDA, match match/4 on the CPU")
+    p.add_argument("--network-gbps", type=float, default=None, help="nccl: GB/s per GPU between nodes")
+    p.add_argument("--match-gbps", type=float, default=None, help="(set by the driver)")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--peak-flops", type=float, default=989e12)
+    p.add_argument("--out", default="emulated_out")
+    p.add_argument("--worker-timeout", type=float, default=600.0)
+    p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--link", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.model = args.model or ("8b" if args.device == "cuda" else "cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    if args.worker:
+        args.kind = args.worker
+        res = measure(args)
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+        return [res]
+    links = args.links or (["nccl"] if args.device == "cuda" else ["match", "match/4"])
+    os.makedirs(args.out, exist_ok=True)
+    start = time.perf_counter()
+    results = []
+    for world in args.worlds:
+        if any(link.startswith("match") for link in links):
+            args.match_gbps = match_gbps(args, world)
+            print(f"W={world}: link {args.match_gbps:.3f} GB/s matches a block's forward", file=sys.stderr)
+        for i, link in enumerate(links):  # the floor communicates nothing: once per world
+            results += [run_one(kind, world, link, args) for kind in args.kinds if kind != "floor" or i == 0]
+    text = table(results)
+    out = {"results": results, "table": text, "wall_s": time.perf_counter() - start, "torch": torch.__version__,
+           "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "argv": argv or sys.argv}
+    with open(os.path.join(args.out, "emulated.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"emulated network on {out['device_name']}, torch {out['torch']}, {out['wall_s']:.0f}s")
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
