@@ -45,7 +45,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import llama  # noqa: E402
 
@@ -267,6 +266,7 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--world", str(world), "--link", link,
            "--result", result, "--device", args.device, "--model", args.model, "--batch", str(args.batch),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--layers", str(args.layers or 0),
+           "--threads", str(args.threads),
            "--seq", str(args.seq or 0)]
     if args.match_gbps is not None:
         cmd += ["--match-gbps", str(args.match_gbps)]
@@ -323,7 +323,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--model", default=None, choices=sorted(MODELS), help="default: 8b on CUDA, cpu on the CPU")
     p.add_argument("--layers", type=int, default=0, help="blocks (0: the model's own)")
     p.add_argument("--seq", type=int, default=0, help="sequence length (0: the model's own)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=0, help="local batch (0: 1 on CUDA, 4 on the CPU)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per process (the CPU runs)")
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 64])
     p.add_argument("--links", nargs="+", default=None, help="default: nccl on CUDA, match match/4 on the CPU")
     p.add_argument("--network-gbps", type=float, default=None, help="nccl: GB/s per GPU between nodes")
@@ -340,6 +341,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.model = args.model or ("8b" if args.device == "cuda" else "cpu")
+    args.batch = args.batch or (1 if args.device == "cuda" else 4)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     if args.device == "cuda":
         torch.cuda.set_device(0)
     if args.worker:

@@ -1,0 +1,196 @@
+"""The emulated cluster network (compiled_fsdp/tools/emulated.py, [Note: The
+emulated network]): its groups' semantics at W = 8 and 64 (shapes, the shard
+each rank holds, collective counts, the order works complete in), the clock's
+arithmetic checked on the network's own record of issue, start, end and wait
+times (never on wall time), the passes pricing with the group's links, and
+the benchmark's CPU path on a tiny model. Each case runs in a fresh process:
+the emulated group is the process's default group."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SEMANTICS = r"""
+import json, math, sys, time, torch, torch.distributed as dist, torch.fx as fx
+import torch.distributed._functional_collectives as fc
+from torch.distributed.device_mesh import init_device_mesh
+from compiled_fsdp.tools.emulated import Topology, init_emulated_network
+from compiled_fsdp.passes.cost_model import AG, CostModel
+
+world = int(sys.argv[1])
+# slow links (ms per collective), so that the clock's arithmetic is visible
+topo = Topology(node_gbps=0.5, node_latency_us=100.0, network_gbps=0.1, network_latency_us=200.0)
+net = init_emulated_network(world, rank=0, topology=topo, device="cpu")
+out = {"backend": dist.get_backend(), "size": dist.get_world_size()}
+model = CostModel().with_links(topo.links)
+
+def price(kind, nbytes, n, across):
+    return model.comm_time(kind, nbytes, n, across_nodes=across)
+
+# eager collectives: shapes as a real group's, one record each, priced by the cost model
+x = torch.ones(1000)
+g_out = torch.empty(world * 1000)
+w1 = dist.all_gather_into_tensor(g_out, x, async_op=True)
+r_out = torch.empty(1000)
+w2 = dist.reduce_scatter_tensor(r_out, torch.ones(world * 1000), async_op=True)
+w3 = dist.all_reduce(torch.ones(500), async_op=True)
+assert not w1.is_completed() or net.records()[0].duration_s == 0
+w3.wait()  # the last one issued: the queue runs in issue order, so the others are done too
+out["completed_after_last_wait"] = [w1.is_completed(), w2.is_completed()]
+w1.wait(); w2.wait()
+recs = net.records()
+out["kinds"] = [r.kind for r in recs]
+out["bytes"] = [r.bytes for r in recs]
+across = world > 8  # the world spans nodes of 8
+expect = [price("all_gather", world * 4000, world, across), price("reduce_scatter", world * 4000, world, across),
+          price("all_reduce", 2000, world, across)]
+out["priced"] = [abs(r.duration_s - e) < 1e-12 for r, e in zip(recs, expect)]
+# the queue: each starts at max(its issue, the previous end) and takes its price
+ok, prev_end = True, 0.0
+for r in recs:
+    ok &= abs(r.start_s - max(r.issue_s, prev_end)) < 1e-9 and abs(r.end_s - (r.start_s + r.duration_s)) < 1e-9
+    prev_end = r.end_s
+out["fifo"] = ok
+# exposed: the first wait (on the last issued) stood still until its end; the later waits found theirs done
+out["waited"] = [r.waited_s for r in recs]
+out["waited_is_end_minus_reached"] = all(abs(r.waited_s - max(0.0, r.end_s - r.reached_s)) < 1e-9 for r in recs)
+out["summary"] = net.summary()
+
+# a wait long after the end costs nothing
+net.reset()
+w = dist.all_reduce(torch.ones(10), async_op=True)
+time.sleep(net.records()[0].duration_s + 0.01)
+w.wait()
+out["late_wait"] = net.records()[0].waited_s
+
+# sub-groups: a (W/8, 8) mesh; a group within a node is priced on the node's link, one across nodes on the network
+net.reset()
+mesh = init_device_mesh("cpu", (world // 8, 8), mesh_dim_names=("replicate", "shard"))
+shard, rep = mesh.get_group("shard"), mesh.get_group("replicate")
+dist.all_reduce(torch.ones(1000), group=shard)
+dist.all_reduce(torch.ones(1000), group=rep)
+recs = net.records()
+out["sub_sizes"] = [r.group_size for r in recs]
+out["sub_priced"] = [abs(recs[0].duration_s - price("all_reduce", 4000, 8, False)) < 1e-12,
+                     abs(recs[1].duration_s - price("all_reduce", 4000, world // 8, True)) < 1e-12]
+out["node_vs_network"] = recs[0].duration_s < price("all_reduce", 4000, 8, True)
+
+# functional collectives, compiled: one record per collective, the passes price with the group's links
+net.reset()
+f = torch.compile(lambda t: fc.all_gather_tensor(t, 0, dist.group.WORLD) * 2, backend="aot_eager")
+y = f(torch.ones(8))
+out["functional_shape"] = list(y.shape)
+out["functional_kinds"] = [r.kind for r in net.records()]
+g = fx.Graph()
+inp = g.placeholder("x")
+inp.meta["val"] = torch.empty(8)
+ag = g.call_function(AG, (inp, world, dist.group.WORLD.group_name))
+ag.meta["val"] = torch.empty(8 * world)
+out["for_graph_links"] = CostModel.for_graph(g).comm == topo.links.comm
+out["for_graph_price"] = abs(CostModel.for_graph(g).collective_time(ag) - price("all_gather", 32 * world, world, across)) < 1e-12
+
+# fully_shard under it: rank 0 holds ceil(rows / W) rows; the record counts what the runtime issued
+from compiled_fsdp import collective_counts, fully_shard, reset_collective_counts
+from compiled_fsdp.tools.models import GPT, GPTConfig, batch, loss_fn
+torch.manual_seed(0)
+m = GPT(GPTConfig(vocab=128, dim=64, n_layers=2, n_heads=2, seq=16))
+full = {n: list(p.shape) for n, p in m.named_parameters()}
+for block in m.layers:
+    fully_shard(block)
+fully_shard(m)
+out["shard_rows_ok"] = all(list(p.to_local().shape) == [-(-full[n][0] // world)] + full[n][1:]
+                           for n, p in m.named_parameters())
+opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+net.reset(); reset_collective_counts()
+tokens = batch(m.cfg, 2, 0)
+loss_fn(m(tokens), tokens).backward()
+opt.step()
+s = net.summary()
+out["fsdp_counts"] = [s["collectives"], collective_counts()]
+out["fsdp_exposed_le_comm"] = 0 <= s["exposed_s"] <= s["comm_s"] + 1e-9
+print(json.dumps(out))
+"""
+
+
+def _run(script: str, *args: str, timeout: int = 300) -> dict:
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_group_semantics_and_clock(world: int) -> None:
+    res = _run(_SEMANTICS, str(world))
+    assert res["backend"] == "emulated" and res["size"] == world
+    assert res["kinds"] == ["all_gather", "reduce_scatter", "all_reduce"]
+    assert res["bytes"] == [world * 4000, world * 4000, 2000]  # the unsharded buffers
+    assert res["priced"] == [True, True, True]
+    assert res["fifo"] and res["waited_is_end_minus_reached"]
+    assert res["completed_after_last_wait"] == [True, True]
+    waited = res["waited"]
+    assert waited[2] > 0 and waited[0] == 0 and waited[1] == 0  # only the first wait stood still
+    assert res["summary"]["collectives"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
+    assert res["late_wait"] == 0
+    assert res["sub_sizes"] == [8, world // 8] and res["sub_priced"] == [True, True] and res["node_vs_network"]
+    assert res["functional_shape"] == [8 * world] and res["functional_kinds"] == ["all_gather"]
+    assert res["for_graph_links"] and res["for_graph_price"]
+    assert res["shard_rows_ok"]
+    record_counts, runtime_counts = res["fsdp_counts"]
+    # every collective the eager runtime issued went through the network, once
+    assert record_counts == {"all_gather": runtime_counts["all_gather"], "reduce_scatter": runtime_counts["reduce_scatter"]}
+    assert res["fsdp_exposed_le_comm"]
+
+
+def test_bad_use_is_a_clear_error() -> None:
+    script = r"""
+import torch.distributed as dist
+from compiled_fsdp.tools.emulated import init_emulated_network
+try:
+    init_emulated_network(8, rank=8, device="cpu")
+except ValueError as e:
+    print("rank:", e)
+init_emulated_network(8, device="cpu")
+try:
+    init_emulated_network(8, device="cpu")
+except RuntimeError as e:
+    print("twice:", e)
+print("{}")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rank 8 is not in a world of 8 ranks" in proc.stdout
+    assert "destroy_process_group() first" in proc.stdout
+
+
+def test_benchmark_cpu_path(tmp_path) -> None:
+    """``benchmarks/emulated.py`` on the CPU with a tiny Llama at W = 8: every
+    configuration runs; ours and FSDP2 eager send the same bytes in the same
+    number of collectives; exposed time is within the step's communication; the
+    schedule's prediction prices exactly the collectives the run issued."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import emulated
+
+    results = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "8", "--links", "match",
+                             "--kinds", "floor", "ours", "ours_eager", "fsdp2_eager", "--warmup", "1",
+                             "--steps", "2", "--out", str(tmp_path)])
+    by_kind = {r["kind"]: r for r in results}
+    assert not [r for r in results if "error" in r], [r["error"] for r in results if "error" in r]
+    assert set(by_kind) == {"floor", "ours", "ours_eager", "fsdp2_eager"}
+    assert by_kind["floor"]["comm_s"] == 0 and by_kind["floor"]["collectives"] == {}
+    assert by_kind["ours_eager"]["collectives"] == by_kind["fsdp2_eager"]["collectives"]
+    assert abs(by_kind["ours_eager"]["comm_s"] - by_kind["fsdp2_eager"]["comm_s"]) < 1e-9
+    for kind in ("ours", "ours_eager", "fsdp2_eager"):
+        r = by_kind[kind]
+        assert 0 < r["comm_s"] and 0 <= r["exposed_s"] <= r["comm_s"] + 1e-6, r
+    assert abs(by_kind["ours"]["predicted_comm_s"] - by_kind["ours"]["comm_s"]) < 1e-9
+    with open(tmp_path / "emulated.json") as f:
+        table = json.load(f)["table"].splitlines()
+    assert len(table) == 1 + 4 and "x bound" in table[0]
