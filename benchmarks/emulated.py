@@ -6,8 +6,8 @@ would do, in one process per configuration (compiled_fsdp/tools/emulated.py,
         [--links nccl | match match/4] [--layers N] [--kinds KIND ...] [--out DIR]
 
 Kinds (each in a fresh process, rank 0 of W, local batch ``--batch``):
-  floor         compute only: the unsharded model (bf16 on a GPU), blocks
-                compiled on their own, AdamW stepping 1/W of the fp32 parameters
+  floor         compute only: the unsharded model (bf16 on a GPU) compiled
+                whole, AdamW stepping 1/W of the parameters (fp32)
   ours          compiled_fsdp, fully_shard per block + root, torch.compile(model)
   ours_blocks   the same, each block compiled on its own (block.compile())
   ours_eager    compiled_fsdp's eager runtime
@@ -90,12 +90,10 @@ def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int) 
         torch.manual_seed(0)
         with torch.device(device):
             model = llama.Llama(cfg).to(torch.bfloat16 if cuda else torch.float32)
-        for block in model.layers:
-            block.compile()
         n = sum(p.numel() for p in model.parameters())
         master = torch.zeros((n + world - 1) // world, device=device, requires_grad=True)
         master.grad = torch.zeros_like(master)
-        return model, model, torch.optim.AdamW([master], lr=1e-4, fused=cuda)
+        return model, torch.compile(model), torch.optim.AdamW([master], lr=1e-4, fused=cuda)
     with torch.device("meta"):
         model = llama.Llama(cfg)
     if kind.startswith("ours"):
