@@ -44,6 +44,29 @@ class Twice(nn.Module):
         return self.out(h)
 
 
+class ChunkedHead(nn.Module):
+    """An embedding, a body, then ``[norm, head]`` (the group torchtitan's
+    chunked loss runs on its own); ``skip_head`` stops before the head, so a
+    list group ``[norm, head]`` runs only partly."""
+
+    def __init__(self, dim: int = 32, vocab: int = 128) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def chunked_head_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)
+
+
 def twice_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(5, 7, generator=g), torch.randint(0, 3, (5,), generator=g)

@@ -7,8 +7,8 @@ from torch.utils.checkpoint import checkpoint
 
 from compiled_fsdp import fully_shard
 from _dist import run_distributed
-from _models import Twice, gpt_case, twice_batch, twice_loss
-from _parity import assert_close, run_parity
+from _models import ChunkedHead, Twice, chunked_head_batch, gpt_case, twice_batch, twice_loss
+from _parity import assert_close, full_params, run_parity
 from examples.gpt import Block
 
 
@@ -191,3 +191,63 @@ def test_activation_checkpointing(backend: str) -> None:
     bitwise equal to the reference."""
     for res in run_distributed(_checkpointed_rank, 2, backend):
         assert_close(res, 0.0)
+
+
+def _two_forwards_rank(rank: int, world: int, case: str) -> dict:
+    """Two root forwards, then one backward of both ([Note: Forwards before
+    one backward] in runtime/state.py)."""
+    if case == "partial":  # PyTorch's test_double_partial_forward_then_backward, trained
+        def shard(model):
+            fully_shard([model.norm, model.head])
+            fully_shard(model)
+
+        def twice(model):
+            return lambda t1, t2: (model(t1, skip_head=True), model(t2, skip_head=True))
+
+        return run_parity(rank, ChunkedHead, shard, chunked_head_batch, lambda hs, t1, t2: hs[0].sum() + hs[1].sum(),
+                          wrap=twice, ref_forward=lambda ref, ts: twice(ref)(*ts))
+    build, make_batch, loss = gpt_case(False)  # DPO's pattern: two full forwards, blocks resharded after forward
+
+    def twice_gpt(model):
+        return lambda t1, t2: (model(t1), model(t2))
+
+    return run_parity(rank, build, lambda m: _shard_nested(m, reshard_after_forward=True),
+                      lambda step: (make_batch(step)[0], make_batch(step + 50)[0]),
+                      lambda outs, t1, t2: loss(outs[0], t1) - 0.5 * loss(outs[1], t2),
+                      wrap=twice_gpt, ref_forward=lambda ref, ts: twice_gpt(ref)(*ts))
+
+
+@pytest.mark.parametrize("case", ["partial", "dpo"])
+def test_two_forwards_then_one_backward(case: str) -> None:
+    """Before the fix, the second forward ended the first one's iteration:
+    the partial list group's storage was freed under the first graph's saved
+    tensors and its backward read freed memory (SIGSEGV on every rank)."""
+    for res in run_distributed(_two_forwards_rank, 2, case):
+        assert_close(res, 0.0)
+
+
+def _retained_graph_rank(rank: int, world: int) -> float:
+    """A partial forward of the ``[norm, head]`` group, then two backwards of
+    the retained graph: the second finds the group resharded by the first's
+    end and must gather it again before its backward reads it."""
+    ref = ChunkedHead()
+    model = ChunkedHead()
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    worst = 0.0
+    for step in range(3):
+        tokens = chunked_head_batch(step)[0]
+        for m, opt in zip((model, ref), opts):
+            loss = m(tokens, skip_head=True).square().mean()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        full = full_params(model)
+        worst = max(worst, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
+    return worst
+
+
+def test_second_backward_of_a_retained_graph() -> None:
+    assert run_distributed(_retained_graph_rank, 2) == [0.0, 0.0]

@@ -8,7 +8,8 @@ queued on autograd's engine at the first pre-backward (or post-backward), which
 runs when ``backward()`` is about to return: it awaits every reduce-scatter,
 writes the gradients, and reshards whatever is still unsharded. A forward without
 backward (no grad, or an output that does not require grad) ends the iteration
-at the root's post-forward. The outermost module (the root) does not reshard after
+at the root's post-forward. A second root forward before the backward joins the
+iteration the first began ([Note: Forwards before one backward]). The outermost module (the root) does not reshard after
 forward (see ``FSDPParamGroup.reshards_after_forward``).
 
 [Note: Prefetch order]
@@ -161,8 +162,27 @@ class RootContext:
     def groups(self) -> list[FSDPParamGroup]:
         return [s.param_group for s in self.states if s.param_group is not None]
 
+    def backward_pending(self) -> bool:
+        """Whether this iteration's eager forwards left a backward to run (some
+        group applied its autograd function to parameters that need gradients)."""
+        return any(g.needs_grad_sync for g in self.groups())
+
     def begin_iteration(self) -> None:
-        if self.forward_order:  # the last iteration ran no backward
+        """[Note: Forwards before one backward]
+        A root forward after another with no backward in between ends the
+        earlier iteration only when nothing of it awaits a backward. While
+        autograd may still run the earlier forward's graph, the forwards share
+        one iteration, as FSDP2's do (DPO's two forwards, a partial forward
+        run twice): ending it resharded every group and dropped its autograd
+        views, so a group that stays unsharded to the end of the iteration
+        (one that does not reshard after forward, a list group whose forward
+        was partial) freed storage the earlier graph's saved tensors still
+        read, and the backward read freed memory (a SIGSEGV on the CPU in
+        PyTorch's test_double_partial_forward_then_backward). Sharing the
+        iteration, the later forward reuses the group's autograd views, whose
+        one backward runs after every read of both graphs
+        (tests/test_eager_parity.py::test_two_forwards_then_one_backward)."""
+        if self.forward_order and not self.backward_pending():  # the last iteration ran no backward
             self.end_iteration()
         self.forward_order, self.post_forward_order = [], []
         self.step += 1
@@ -369,7 +389,9 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         as FSDP2's group forward hooks do. A forward in which some of them do
         not run leaves the group unsharded to the end of the iteration (it is
         completed at the root's post-forward, without resharding: the
-        backward of those that ran reads the gathered parameters). Such a
+        backward of those that ran reads the gathered parameters; its
+        pre-backward hook is registered on the root's outputs, so a
+        backward that finds it resharded gathers it first). Such a
         group never compiles a frame of its own: its modules are separate
         frames. Tested by tests/test_fsdp2_api.py::test_list_of_modules."""
         if not self._to_run or torch.compiler.is_dynamo_compiling():
@@ -440,8 +462,11 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         path = compiled_path()
         if path.after_own_frame(self, output):
             return output
+        partial: list[FSDPState] = []
         if self.is_root:
             for st in ctx.states:  # see [Note: A list of modules as one group]
+                if st._to_run:
+                    partial.append(st)
                 st._to_run = []
             compiled = ctx.phase is Phase.COMPILED_FORWARD
             ctx.phase = Phase.IDLE
@@ -459,6 +484,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
             self.param_group.post_forward(reshard)
         if backward_follows:
             register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
+            for st in partial:  # (gathered again before its backward, e.g. a second backward of a retained graph)
+                register_multi_grad_hook(grad_outputs, st._pre_backward, mode="any")
         elif self.is_root:
             ctx.end_iteration()
         return output
