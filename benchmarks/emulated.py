@@ -307,6 +307,12 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _torch_version() -> str:
+    """For the report (the project decides nothing from it: core/compat.py does)."""
+    from importlib.metadata import version
+    return version("torch")
+
+
 def _num(v: Optional[float], spec: str) -> str:
     return "-".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
 
@@ -361,7 +367,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         for i, link in enumerate(links):  # the floor communicates nothing: once per world
             results += [run_one(kind, world, link, args) for kind in args.kinds if kind != "floor" or i == 0]
     text = table(results)
-    out = {"results": results, "table": text, "wall_s": time.perf_counter() - start, "torch": torch.__version__,
+    out = {"results": results, "table": text, "wall_s": time.perf_counter() - start, "torch": _torch_version(),
            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "argv": argv or sys.argv}
     with open(os.path.join(args.out, "emulated.json"), "w") as f:
         json.dump(out, f, indent=1)
