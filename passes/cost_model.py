@@ -123,13 +123,20 @@ def _collective_kind(node: fx.Node) -> str | None:
     return None
 
 
+def _group(group_name: str) -> "torch.distributed.ProcessGroup | None":
+    """The live process group of that name; None for a name that is not one
+    (a hand-built graph)."""
+    try:
+        return torch.distributed.distributed_c10d._resolve_process_group(group_name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _group_size(group_name: str) -> int:
     """The size of a named process group (the same on every rank); 2 when
-    the name is not a live group (a hand-built graph)."""
-    try:
-        return torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
-    except Exception:  # noqa: BLE001
-        return 2
+    the name is not a live group."""
+    group = _group(group_name)
+    return 2 if group is None else group.size()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,11 +157,7 @@ def _declared_links(graph: fx.Graph) -> "Links | None":
     declares, if any (the same on every rank: a property of the group)."""
     for n in graph.nodes:
         if _collective_kind(n) is not None:
-            try:
-                group = torch.distributed.distributed_c10d._resolve_process_group(str(n.args[-1]))
-            except Exception:  # noqa: BLE001 - a hand-built graph's name
-                return None
-            links = getattr(group, "links", None)
+            links = getattr(_group(str(n.args[-1])), "links", None)
             return links if isinstance(links, Links) else None
     return None
 

@@ -35,8 +35,9 @@ from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, sum_received
 
 __all__ = [
-    "EMULATED_BACKEND", "ONE_PROCESS_BACKENDS", "PendingCollective", "all_gather_flat", "all_reduce_flat", "collective_bytes", "collective_counts", "count",
-    "reduce_scatter_flat", "reset_collective_counts", "unaliased", "uses_all_to_all",
+    "EMULATED_BACKEND", "ONE_PROCESS_BACKENDS", "PendingCollective", "all_gather_flat", "all_reduce_flat",
+    "collective_bytes", "collective_counts", "count", "reduce_scatter_flat", "reset_collective_counts", "unaliased",
+    "uses_all_to_all",
 ]
 
 # The backend name of the emulated network (compiled_fsdp/tools/emulated.py):

@@ -57,7 +57,9 @@ import torch
 import torch.distributed as dist
 
 from compiled_fsdp.core.comm import EMULATED_BACKEND
-from compiled_fsdp.passes.cost_model import GPUS_PER_NODE, NCCL_COMM, NCCL_INTER_NODE, CommConstants, Links
+from compiled_fsdp.passes.cost_model import (
+    GPUS_PER_NODE, NCCL_COMM, NCCL_INTER_NODE, CommConstants, CostModel, Links,
+)
 
 __all__ = ["EmulatedNetwork", "Record", "Topology", "init_emulated_network"]
 
@@ -201,6 +203,7 @@ class EmulatedNetwork:
     def __init__(self, topology: Topology, device: torch.device) -> None:
         self.topology = topology
         self.device = device
+        self._model = CostModel().with_links(topology.links)  # (only its comm_time is used)
         self._cuda = _CudaQueue(device) if device.type == "cuda" else None
         self._lock = threading.Lock()
         self.reset()
@@ -222,13 +225,10 @@ class EmulatedNetwork:
         """Seconds for ``kind`` over a group of ``ranks`` moving ``nbytes``
         (the cost model's ring; all-to-all and broadcast as a reduce-scatter
         and an all-gather of those bytes, a barrier as an all-reduce of none)."""
-        from compiled_fsdp.passes.cost_model import CostModel
-
-        model = CostModel().with_links(self.topology.links)
         per_node = self.topology.ranks_per_node
         across = len({r // per_node for r in ranks}) > 1
         priced = {"all_to_all": "reduce_scatter", "broadcast": "all_gather", "barrier": "all_reduce"}
-        return model.comm_time(priced.get(kind, kind), nbytes, len(ranks), across_nodes=across)
+        return self._model.comm_time(priced.get(kind, kind), nbytes, len(ranks), across_nodes=across)
 
     def issue(self, group: "EmulatedGroup", kind: str, nbytes: int) -> _Work:
         ranks = group.ranks()
