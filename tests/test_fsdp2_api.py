@@ -91,7 +91,10 @@ def test_every_module_compiled(backend: str) -> None:
     fix a root compiled in place ran its hooks as eager and the inner module's
     gradients were lost in the first step."""
     for res in run_distributed(_module_called_twice, 2, backend):
-        assert res == {"ref": 0.0, "fsdp2": 0.0}, res
+        # Bitwise against FSDP2. Against the one-process reference, bitwise on the
+        # Intel machines this was written on; 7.5e-9 (one ulp: the reference's
+        # own float order) on the AMD EPYC of 2026-11-26, at the commit before too.
+        assert res["fsdp2"] == 0.0 and res["ref"] <= 1e-8, res
 
 
 class Block(nn.Module):
@@ -286,7 +289,7 @@ def _methods(rank: int, world: int) -> dict:
 def test_fsdp_module_methods() -> None:
     """FSDPModule's methods, with FSDP2's names and meaning, on 2 gloo ranks."""
     for res in run_distributed(_methods, 2):
-        assert res["explicit"] == 0.0, res  # explicit prefetch and flags: still bitwise
+        assert res["explicit"] <= 1e-8, res  # explicit prefetch and flags: bitwise (one ulp on AMD EPYC, as above)
         assert res["state"] is True, res
         assert res["unsharded"] == "unsharded", res
         # root 1, inner 3 (called twice, and its backward) without unshard(); one fewer with it

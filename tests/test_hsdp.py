@@ -92,7 +92,8 @@ def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
     3 AdamW steps at lr 1e-2), no eager collective."""
     checkpoint = str(tmp_path / "ckpt") if backend == "eager" else ""
     for res in run_distributed(_train, 4, backend, checkpoint, timeout=900):
-        assert res["diff"] < (1e-4 if backend == "inductor" else 1e-6), res
+        # (1e-5: 5.1e-6 on the AMD EPYC of 2026-11-26 at the commit before too; Intel: < 1e-6)
+        assert res["diff"] < (1e-4 if backend == "inductor" else 1e-5), res
         assert res["placements"] == {(Replicate(), Shard(0))}, res
         for eager, graph in res["counts"]:
             if backend == "eager":
@@ -201,7 +202,8 @@ def test_replicate(backend: str) -> None:
     for res in run_distributed(_replicated, 4, backend, timeout=900):
         for how in ("alone", "mixed"):
             r = res[how]
-            tol = 1e-4 if backend == "inductor" else 1e-5  # (clipped: 4 ranks' sum order)
+            # (clipped: 4 ranks' sum order; 1.03e-5 on the AMD EPYC of 2026-11-26, Intel: < 1e-5)
+            tol = 1e-4 if backend == "inductor" else 2e-5
             assert r["diff"] < tol and r["norms"] < tol, (how, r)
             assert r["state"] is True, r
             for eager, graph in r["counts"]:
