@@ -78,7 +78,7 @@ def _train(rank: int, world: int, backend: str, checkpoint: str) -> dict:
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "blocks", "inductor"])
 def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
-    """Parameters within 1e-6 of the reference (4 ranks sum in another order
+    """Parameters within 1e-5 of the reference (4 ranks sum in another order
     than one process); DTensors ``(Replicate(), Shard(0))``. Eager: per step
     one all-gather per application in forward and per block in backward, one
     reduce-scatter and one all-reduce per application; compiled with
@@ -193,7 +193,7 @@ def _replicated(rank: int, world: int, backend: str) -> dict:
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_replicate(backend: str) -> None:
-    """``replicate`` (composable data parallelism) on 4 gloo ranks: within 1e-5
+    """``replicate`` (composable data parallelism) on 4 gloo ranks: within 2e-5
     of the reference after 3 clipped AdamW steps (Inductor: 1e-4, as for
     HSDP), alone and mixed with ``fully_shard``;
     ``Replicate()`` DTensors (``Shard(0)`` for the sharded ones); eager: one
