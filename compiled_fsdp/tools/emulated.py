@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from compiled_fsdp.core.comm import EMULATED_BACKEND
 from compiled_fsdp.passes.cost_model import (
-    GPUS_PER_NODE, NCCL_COMM, NCCL_INTER_NODE, CommConstants, CostModel, Links,
+    GPUS_PER_NODE, NCCL_COMM, NCCL_INTER_NODE, CommConstants, CostModel, Links, tensor_bytes,
 )
 
 __all__ = ["EmulatedNetwork", "Record", "Topology", "init_emulated_network"]
@@ -314,7 +314,7 @@ class EmulatedGroup(dist.ProcessGroup):
 
     # -- collectives: (kind, the unsharded bytes) ----------------------------
     def _go(self, kind: str, tensors: Sequence[torch.Tensor]) -> _Work:
-        return self._net.issue(self, kind, sum(t.numel() * t.element_size() for t in tensors))
+        return self._net.issue(self, kind, tensor_bytes(list(tensors)))
 
     def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
         return self._go("all_gather", outputs)
