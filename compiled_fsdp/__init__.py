@@ -20,14 +20,26 @@ from compiled_fsdp.core.comm import (  # noqa: E402
 from compiled_fsdp.runtime.api import ShardingOptions, fully_shard  # noqa: E402
 from compiled_fsdp.runtime.divergence import CollectiveMismatchError  # noqa: E402
 from compiled_fsdp.runtime.extension import set_compiled_path as _set_compiled_path  # noqa: E402
-from compiled_fsdp.runtime.module import FSDPModule, UnshardHandle, register_fsdp_forward_method  # noqa: E402
-from compiled_fsdp.runtime.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+from compiled_fsdp.runtime.module import (  # noqa: E402
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    register_fsdp_forward_method,
+)
+from compiled_fsdp.runtime.policy import (  # noqa: E402
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from compiled_fsdp.runtime.replicate import replicate  # noqa: E402
 from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states  # noqa: E402
 
 __all__ = [
     "CPUOffloadPolicy",
     "CollectiveMismatchError",
+    "DataParallelMeshDims",
+    "GradientReductionHandle",
     "ModuleReport",
     "explain",
     "FSDPModule",

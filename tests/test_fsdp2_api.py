@@ -264,12 +264,15 @@ def _methods(rank: int, world: int) -> dict:
     # Divide factor: the gradient is the sum over ranks divided by the factor.
     for p in model.parameters():
         p.grad = None
-    model.set_reduce_scatter_divide_factor(1.0)
+    for m in (model, model.inner):  # (per module, as FSDP2's)
+        m.set_gradient_divide_factor(1.0)
     model(x).sum().backward()
     summed = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = None
-    model.set_reduce_scatter_divide_factor(float(world))
+    for m in (model, model.inner):
+        with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):  # FSDP2's deprecated name
+            m.set_reduce_scatter_divide_factor(float(world))
     model(x).sum().backward()
     mean = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     out["factor"] = max((summed[n] / world - mean[n]).abs().max().item() for n in mean)

@@ -10,6 +10,7 @@ from typing import Optional
 import pytest
 import torch
 
+import compiled_fsdp
 from compiled_fsdp import MixedPrecisionPolicy, fully_shard
 from examples.gpt import GPT, GPTConfig
 from _dist import run_distributed
@@ -198,7 +199,7 @@ def test_handoff_off_at_fully_shard() -> None:
 
 def _factor_rank(rank: int, world: int) -> dict:
     """One step of blocks compiled on their own (aot_eager; the handoff on),
-    with ``set_reduce_scatter_divide_factor(1.0)`` (the sum over ranks) and
+    with ``set_gradient_divide_factor(1.0)`` on every module (the sum over ranks) and
     with the default (the mean), each set before the first compiled step."""
     _, make_batch, loss = gpt_case(False)
     grads = {}
@@ -206,7 +207,9 @@ def _factor_rank(rank: int, world: int) -> dict:
         model = _routed()
         _shard()(model)
         if factor is not None:
-            model.set_reduce_scatter_divide_factor(factor)
+            for m in model.modules():
+                if isinstance(m, compiled_fsdp.FSDPModule):
+                    m.set_gradient_divide_factor(factor)
         _per_block("aot_eager")(model)
         tokens = make_batch(rank)[0]
         loss(model(tokens), tokens).backward()

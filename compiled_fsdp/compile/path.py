@@ -26,6 +26,7 @@ import torch
 from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils._pytree import tree_flatten
 
 import compiled_fsdp.core.ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
@@ -214,6 +215,9 @@ class TorchCompilePath(CompiledPath):
         state.set_path(Path.OWN_FRAME)
         ctx.forward_order.append(state)
         handed = ctx.prefetch_next(state, in_graph=True)
+        if handed is not None and not _may_trace_handoff(state):
+            entry_of(handed).hand_over_eagerly()
+            handed = None
         entry_of(state.param_group).begin(None if handed is None else entry_of(handed))
         return True
 
@@ -259,6 +263,25 @@ class TorchCompilePath(CompiledPath):
 
 def _ensure_window(ctx: Any) -> None:
     frames.ensure_window()
+
+
+def _may_trace_handoff(state: FSDPState) -> bool:
+    """[Note: Handoffs and activation checkpointing]
+    A module compiled on its own hands the next module its gather by storing
+    the traced gather on that module's entry: a Python side effect. Inside an
+    activation-checkpointed region (``checkpoint_wrapper``, as torchtitan
+    applies AC before compile and fully_shard) Dynamo refuses it ("HOP: Unsafe
+    side effect"), and ``fullgraph=True`` turns that into an error, unless
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is
+    set (torchtitan sets it): the handoff is nothing a recompute should replay.
+    Without the flag, a module holding a ``checkpoint_wrapper`` hands over an
+    eager gather instead, issued before its frame runs. With the flag, the
+    gathers are the same in number as without AC (measured: 9 all-gathers and 5
+    reduce-scatters a step for 3 blocks, an embedding and ``[norm, head]``).
+    Tested by tests/test_chunked_loss.py."""
+    if compat.side_effects_allowed_under_checkpoint():
+        return True
+    return not any(isinstance(m, ActivationWrapper) for root in state.modules for m in root.modules())
 
 
 def _may_compile_own_frame(state: FSDPState) -> bool:

@@ -375,3 +375,21 @@ def register_composable_state(module: Any, state: Any) -> None:
     from torch.distributed import _composable_state
 
     _composable_state._module_state_mapping[module] = weakref.ref(state)
+
+
+def side_effects_allowed_under_checkpoint() -> bool:
+    """Whether Dynamo traces a Python side effect inside an activation
+    checkpoint without breaking the graph: ``torch._dynamo.config.
+    skip_fwd_side_effects_in_bwd_under_checkpoint`` (torchtitan sets it; absent
+    on a release that lacks it: False)."""
+    import torch._dynamo.config as dynamo_config
+
+    return bool(getattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint", False))
+
+
+def torch_policy_classes() -> tuple[type, type, type]:
+    """torch's FSDP2 ``MixedPrecisionPolicy``, ``OffloadPolicy`` and
+    ``CPUOffloadPolicy``, which ``fully_shard`` takes in place of its own."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    return MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy

@@ -56,7 +56,7 @@ class ShardSpec:
     full_shape: tuple[int, ...]
     world_size: int
     # What the summed gradient is divided by (FSDP2's
-    # ``set_reduce_scatter_divide_factor``); None: ``divisor``'s mean.
+    # ``set_gradient_divide_factor``); None: ``divisor``'s mean.
     divide_factor: Optional[float] = None
     # HSDP: how many replicas of this shard group the gradient is also summed
     # over (all-reduced on the replicate group); see [Note: HSDP] in runtime/api.py.

@@ -284,7 +284,7 @@ class GatherNext(Marker):
     reduce_dtype: Optional[torch.dtype] = _arg("ScalarType?")
     sync: bool = _arg("bool")
     reduce_by_all_to_all: bool = _arg("bool")
-    # FSDP2's set_reduce_scatter_divide_factor (None: the mean over world_size).
+    # FSDP2's set_gradient_divide_factor (None: the mean over world_size).
     divide_factor: Optional[float] = _arg("float?")
     # HSDP: the replicas' group (None: none) and how many there are.
     replicate_group_name: Optional[str] = _arg("str?")

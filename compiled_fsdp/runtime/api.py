@@ -31,7 +31,7 @@ import itertools
 import warnings
 import weakref
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from compiled_fsdp.runtime.param_group import FSDPParamGroup
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, OffloadPolicy, check_offload, check_policy
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 from compiled_fsdp.runtime.validation import (MANAGED, check_device_and_backend, check_mesh, label,
-                                              shared_across_groups, validate)
+                                              resolve_dp_mesh_dims, shared_across_groups, validate)
 
 Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 
@@ -271,6 +271,7 @@ def fully_shard(
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     offload_policy: Optional[OffloadPolicy] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    dp_mesh_dims: Optional[Any] = None,
 ) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module``'s parameters over ``mesh`` (default: the whole world) and
     return the same module object.
@@ -285,9 +286,14 @@ def fully_shard(
     ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``); default: full precision.
     ``offload_policy``: ``OffloadPolicy()`` (none) or, for parameters already on
     the CPU, ``CPUOffloadPolicy()``. ``shard_placement_fn``: each parameter's
-    ``Shard(0)`` or None (dim 0); other dims are refused. See DESIGN.md, "FSDP2's API".
+    ``Shard(0)`` or None (dim 0); other dims are refused. ``dp_mesh_dims``
+    (torch 2.15's ``DataParallelMeshDims``): ``mesh`` is the full SPMD mesh and
+    this names its data-parallel dims ([Note: dp_mesh_dims] in validation.py).
+    torch's own policy classes are taken as ours. See DESIGN.md, "FSDP2's API".
     """
     modules = _as_modules(module)
+    if dp_mesh_dims is not None:
+        mesh = resolve_dp_mesh_dims(mesh, dp_mesh_dims, modules)
     for m in modules:
         check_offload(offload_policy, m)
     options = _resolve_options(mesh, reshard_after_forward, mp_policy)
@@ -334,10 +340,11 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         check_device_and_backend(label(modules), owners, options.process_group)
     except _AGREED_ERRORS as exc:
         error = (type(exc).__name__, str(exc))
-    fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype)) for p, places in owners.items()]
+    fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype), str(mp.for_param(p).param_dtype))
+                   for p, places in owners.items()]
     for agreeing in (options.process_group, options.replicate_group):  # (HSDP: the replicas too)
         if agreeing is not None:
-            _agree(agreeing, label(modules), error, (fingerprint, repr(mp), bucket_bytes), _comm_settings())
+            _agree(agreeing, label(modules), error, (fingerprint, mp.agreed(), bucket_bytes), _comm_settings())
     options = _with_groups(options)
     group = None
     if owners:

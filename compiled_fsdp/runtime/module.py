@@ -14,13 +14,14 @@ step changes the shards. Tested by tests/test_no_sync.py.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Iterable, Optional
 
 import torch.nn as nn
 
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 
-__all__ = ["FSDPModule", "ManagedByAncestor", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "ManagedByAncestor", "UnshardHandle", "register_fsdp_forward_method"]
 
 
 class UnshardHandle:
@@ -34,6 +35,14 @@ class UnshardHandle:
         if self._group is not None:
             self._group.wait_for_unshard()
             self._group = None
+
+
+class GradientReductionHandle:
+    """What ``finalize_backward(async_op=True)`` returns; the reductions
+    finished before it was returned."""
+
+    def wait(self) -> None:
+        return None
 
 
 class FSDPModule:
@@ -139,14 +148,134 @@ class FSDPModule:
         if state.ctx is not None and state.ctx.streams is not None:
             state.ctx.streams.post_optim_event = event
 
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by ``factor`` instead of the world size
-        (for this module and every one below). A compiled graph keeps the
-        factor it was traced with: set it before the first compiled step."""
-        if not isinstance(factor, (int, float)) or factor <= 0:
-            raise ValueError(f"set_reduce_scatter_divide_factor: expected a positive number, got {factor!r}.")
-        for group in _groups(self, "set_reduce_scatter_divide_factor", True, True):
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's summed gradients by ``factor`` instead of the
+        number of ranks (1.0: the sum, as torchtitan sets it). As in FSDP2 it
+        applies to this module's group only. A compiled graph keeps the factor
+        it was traced with: set it before the first compiled step."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: expected a positive number, got {factor!r}.")
+        group = self._state("set_gradient_divide_factor").param_group
+        if group is not None:
             group.set_divide_factor(float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's deprecated name of ``set_gradient_divide_factor``."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor.",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2 then reduces with SUM and divides apart (no PREMUL_SUM or AVG).
+        compiled_fsdp always does: every reduction here is a SUM followed by a
+        division by the factor. Accepted and checked; changes nothing."""
+        _check_bool("set_force_sum_reduction_for_comms", enable)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward also all-reduces the reduced shards over the
+        replicas. Skipping it (gradient accumulation with reduce-scatter only)
+        is not implemented; without HSDP there is no all-reduce, so either
+        value holds."""
+        for group in _groups(self, "set_requires_all_reduce", requires_all_reduce, recurse):
+            if not requires_all_reduce and group.replicate_group is not None:
+                raise NotImplementedError(
+                    "set_requires_all_reduce(False): compiled_fsdp always all-reduces HSDP's reduced "
+                    "shards over the replicas. Accumulate without sync instead "
+                    "(set_requires_gradient_sync(False)), or keep the all-reduce on.")
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters' storage when the eager runtime
+        reshards (same data pointers for the next gather, at the memory of an
+        unsharded copy). Compiled graphs allocate their own gathered buffers;
+        the setting does not reach them."""
+        for group in _groups(self, "set_keep_unsharded_storage", keep, recurse):
+            for p in group.fsdp_params:
+                p.keep_unsharded_storage = keep
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """FSDP2's cap on reduce-scatter input buffers in flight. Here each
+        reduction writes a fresh input buffer (no recycling, so no stall to
+        trade against memory): the value is checked and changes nothing."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatters on a process group of their own, so they overlap the
+        all-gathers. compiled_fsdp does so by default ([Note: A second group for
+        reduce-scatters], ``config.comm.separate_reduce_group``, read at
+        ``fully_shard``): ``True`` holds already; a change of group after
+        ``fully_shard`` is refused."""
+        for group in _groups(self, "set_separate_reduce_scatter_group", enable, recurse):
+            if (group.reduce_group is not group.process_group) != enable:
+                raise NotImplementedError(
+                    f"set_separate_reduce_scatter_group({enable}): this module's reduce-scatters "
+                    f"{'share' if enable else 'have'} a group of their own, as "
+                    "compiled_fsdp.config.comm.separate_reduce_group was at fully_shard. Set that before "
+                    "fully_shard instead.")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2 then stages communication buffers in the process group's own
+        allocator. Here the buffers come from the caching allocator (graph
+        buffers are Inductor's): accepted and checked; changes nothing."""
+        _check_bool("set_allocate_memory_from_process_group_for_comm", enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Symmetric-memory all-gathers are not implemented here: refused."""
+        raise NotImplementedError(
+            f"set_symm_mem_for_comm({backend!r}): compiled_fsdp does not stage all-gathers in symmetric "
+            "memory; its collectives use the process group's ordinary buffers. Leave it off "
+            "(torchtitan: parallelism.enable_fsdp_symm_mem=False).")
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Refused: the all-gathers are emitted by the passes into compiled
+        graphs and by the eager runtime from one bucket layout; a user's
+        communication object has no place in either."""
+        _no_custom("set_custom_all_gather")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Refused, as ``set_custom_all_gather``."""
+        _no_custom("set_custom_reduce_scatter")
+
+    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
+        """Refused: a Python hook on each reduced shard cannot run inside a
+        compiled graph, and the two paths must reduce alike."""
+        _no_custom("set_all_reduce_hook")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Reduce zeros for a parameter that got no gradient, so ranks that used
+        different parameters still reduce the same buffers (as DDP's
+        ``find_unused_parameters``). In eager backward; a compiled graph
+        reduces every parameter of a module it traced already."""
+        for group in _groups(self, "set_reduce_scatter_unused_params", reduce_scatter_unused_params, recurse):
+            group.reduce_unused = reduce_scatter_unused_params
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root: backward no longer finishes the iteration (awaits the
+        reductions, writes ``.grad``, reshards); ``finalize_backward()`` does,
+        after every backward of the logical step. See [Note: Several
+        backwards of one forward] in state.py."""
+        _check_bool("set_manual_backward_finalization", enabled)
+        state = self._state("set_manual_backward_finalization")
+        if state.ctx is not None and not state.is_root:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module.")
+        state.manual_finalization = enabled
+        if state.ctx is not None:
+            state.ctx.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> Optional["GradientReductionHandle"]:
+        """Finish the iteration's backward now: await every reduction, write the
+        gradients, reshard (with ``set_manual_backward_finalization(True)``).
+        A no-op before the first forward. ``async_op=True`` returns a handle
+        whose ``wait()`` returns at once: the work is done when this returns."""
+        state = self._state("finalize_backward")
+        if state.ctx is not None:
+            if not state.is_root:
+                raise RuntimeError("finalize_backward must be called on the root FSDP module.")
+            state.ctx.finalize()
+        return GradientReductionHandle() if async_op else None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether backward reduce-scatters gradients (default) or accumulates them
@@ -180,6 +309,18 @@ def _not_sharded(module: object, what: str) -> None:
         f"communicated by an ancestor's fully_shard group. Call {what} on a module fully_shard was "
         "applied to (the root, with recurse=True, covers every module below it)."
     )
+
+
+def _check_bool(what: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what}: expected True or False, got {value!r}.")
+
+
+def _no_custom(what: str) -> None:
+    raise NotImplementedError(
+        f"{what}: compiled_fsdp places its collectives itself (the passes in compiled graphs, the eager "
+        "runtime from the same bucket layout), so a user's communication object or hook cannot be "
+        "honoured in both. Leave it unset; see DESIGN.md, \"FSDP2's API\".")
 
 
 def _states(modules: Iterable[Any], what: str) -> list[FSDPState]:

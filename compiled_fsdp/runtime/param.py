@@ -86,12 +86,15 @@ class FSDPParam:
         self.local_rows = self.spec.local_dim0(rank)
         self.orig_dtype = param.dtype
         # See [Note: Mixed precision] in policy.py.
+        mp_policy = mp_policy.for_param(param)
         self.param_dtype = mp_policy.compute_dtype(param.dtype)
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         with torch.no_grad():
             local = self.spec.local(param.detach(), rank)
         self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=param.requires_grad)
         self.unsharded: Optional[torch.Tensor] = None
+        # FSDPModule.set_keep_unsharded_storage: reshard keeps the bytes.
+        self.keep_unsharded_storage = False
         # Its ``.grad`` is the full gradient summed over micro-batches without
         # sync, on both paths; see [Note: Accumulation without sync in graphs]
         # in core/ops.py and [Note: Gradient accumulation without sync] in module.py.
@@ -231,7 +234,7 @@ class FSDPParam:
         but not the bytes; the next unshard refills the same storage in place."""
         if self.reads_shard:  # (the parameter's own storage)
             self.unsharded = None
-        elif self.unsharded is not None:
+        elif self.unsharded is not None and not self.keep_unsharded_storage:
             self.unsharded.untyped_storage().resize_(0)
 
     # -- what a read of ``module.<name>`` returns --------------------------

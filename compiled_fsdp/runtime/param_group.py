@@ -120,6 +120,9 @@ class FSDPParamGroup:
         # FSDPModule.set_unshard_in_backward: False for a module whose
         # parameters backward does not read (FSDP2's meaning).
         self.unshard_in_backward = True
+        # FSDPModule.set_reduce_scatter_unused_params: a parameter that got no
+        # gradient reduces zeros (so every rank reduces the same buffers).
+        self.reduce_unused = False
         # No fully sharded module contains this one (yet): see [Note: The reshard rule].
         self.outermost = True
         # Whether blocks compiled on their own may hand this module its gather
@@ -159,7 +162,7 @@ class FSDPParamGroup:
         self.compiled: Any = None
 
     def set_divide_factor(self, factor: float) -> None:
-        """See ``FSDPModule.set_reduce_scatter_divide_factor``: the factor is part
+        """See ``FSDPModule.set_gradient_divide_factor``: the factor is part
         of each parameter's ShardSpec, which both paths divide by."""
         for p in self.fsdp_params:
             p.spec = dataclasses.replace(p.spec, divide_factor=factor)
@@ -328,6 +331,10 @@ class FSDPParamGroup:
                 p.accumulate_unsharded_grad(g)
             return
         owned = [(p, p.take_unsharded_grad(g)) for p, g in zip(bucket_params, grads)]
+        if self.reduce_unused:
+            owned = [(p, g if g is not None or not p.sharded.requires_grad else
+                      torch.zeros(p.spec.full_shape, dtype=p.reduce_dtype, device=p.local_shard().device))
+                     for p, g in owned]
         owned = [(p, g) for p, g in owned if g is not None]
         if not owned:
             return
@@ -387,12 +394,19 @@ class FSDPParamGroup:
         self._iter_views = None
         self.needs_grad_sync = False
 
+    def begin_iteration(self) -> None:
+        """A root forward begins a new iteration: this group's autograd views
+        and gradient bookkeeping start afresh."""
+        self._iter_views = None
+        self._applied_buckets = set()
+        self.needs_grad_sync = False
+
     def end_iteration(self) -> None:
-        """Reset per-iteration state: finish communication, free unsharded memory."""
+        """A backward ended: finish its communication, free unsharded memory.
+        The autograd views stay to the next root forward, for a later backward
+        of the same forward ([Note: Several backwards of one forward] in state.py)."""
         self.finish_grad_sync()
         if self.reshard_after_backward or not self.needs_grad_sync:
             self.reshard()
-        self._applied_buckets, self._reduced_buckets = set(), set()
+        self._reduced_buckets = set()
         self.exposed_views = None
-        self._iter_views = None
-        self.needs_grad_sync = False

@@ -26,11 +26,15 @@ Tested by tests/test_mixed_precision.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import dataclasses
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.nn as nn
 from torch.utils._pytree import tree_map
+
+from compiled_fsdp.core import compat
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,19 @@ class MixedPrecisionPolicy:
     ``reduce_dtype``: the dtype gradients are reduced in; None means ``param_dtype``.
     ``output_dtype``: cast the module's floating-point outputs to it; None leaves them.
     ``cast_forward_inputs``: cast the module's floating-point inputs to ``param_dtype``.
+    ``param_dtype_override_fn``: per parameter, None or ``param_dtype`` (the
+    default) or the parameter's own dtype (kept, e.g. fp32 norms), as in torch
+    2.15's FSDP2; called once per parameter at ``fully_shard``. One group is
+    gathered in one dtype here: a module whose parameters would then differ is
+    refused with a message (shard the kept ones' module separately).
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Optional[Callable[[nn.Parameter], Optional[torch.dtype]]] = field(
+        default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -65,6 +76,24 @@ class MixedPrecisionPolicy:
                 f"{self.cast_forward_inputs!r}."
             )
 
+    def for_param(self, param: nn.Parameter) -> "MixedPrecisionPolicy":
+        """The policy for ``param``: ``param_dtype_override_fn`` resolved."""
+        if self.param_dtype_override_fn is None:
+            return self
+        dtype = self.param_dtype_override_fn(param)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"param_dtype_override_fn must return a torch.dtype or None but got {type(dtype)}")
+        if dtype is not None and dtype not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                f"param_dtype_override_fn must return None, param_dtype, or the parameter's original dtype "
+                f"but got {dtype} for a parameter with dtype {param.dtype} and param_dtype {self.param_dtype}")
+        return replace(self, param_dtype=dtype or self.param_dtype, param_dtype_override_fn=None)
+
+    def agreed(self) -> str:
+        """What every rank must agree on (the override function is compared
+        through what it returns, per parameter, not by identity)."""
+        return repr(replace(self, param_dtype_override_fn=None))
+
     def compute_dtype(self, orig: torch.dtype) -> torch.dtype:
         """The dtype a parameter of dtype ``orig`` is gathered and used in (a
         parameter that is not floating point is never cast)."""
@@ -76,9 +105,13 @@ class MixedPrecisionPolicy:
 
 
 def check_policy(policy: object) -> MixedPrecisionPolicy:
-    """``policy`` itself, or a TypeError that says what ``mp_policy`` takes."""
+    """``policy`` itself (torch's FSDP2 class taken as ours), or a TypeError
+    that says what ``mp_policy`` takes."""
     if policy is None:
         return MixedPrecisionPolicy()
+    if isinstance(policy, compat.torch_policy_classes()[0]):
+        fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+        return MixedPrecisionPolicy(**fields)
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(
             f"fully_shard: mp_policy must be a compiled_fsdp.MixedPrecisionPolicy, got "
@@ -118,6 +151,11 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 def check_offload(policy: object, module: object) -> None:
     """``offload_policy`` as FSDP2 takes it, or an error that says what is supported."""
+    _, torch_offload, torch_cpu_offload = compat.torch_policy_classes()
+    if isinstance(policy, torch_cpu_offload):  # torch's FSDP2 classes, taken as ours
+        policy = CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    elif isinstance(policy, torch_offload):
+        policy = OffloadPolicy()
     if policy is None or type(policy) is OffloadPolicy:
         return
     if not isinstance(policy, CPUOffloadPolicy):
@@ -129,3 +167,18 @@ def check_offload(policy: object, module: object) -> None:
             f"fully_shard: CPUOffloadPolicy with parameters on {sorted(devices)[0]} is not supported by "
             "compiled_fsdp (its shards stay on the parameters' device). Drop offload_policy, or keep the "
             "model on the CPU.")
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """torch 2.15's ``DataParallelMeshDims``: which dims of the full SPMD mesh
+    passed as ``fully_shard(mesh=...)`` are data parallel (a name, or a tuple
+    of names flattened into one dim). ``fully_shard`` takes torch's class too,
+    on every release. See [Note: dp_mesh_dims] in validation.py."""
+
+    shard: Optional[Union[str, tuple[str, ...]]] = None
+    replicate: Optional[Union[str, tuple[str, ...]]] = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")

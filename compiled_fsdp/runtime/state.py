@@ -12,6 +12,23 @@ at the root's post-forward. A second root forward before the backward joins the
 iteration the first began ([Note: Forwards before one backward]). The outermost module (the root) does not reshard after
 forward (see ``FSDPParamGroup.reshards_after_forward``).
 
+[Note: Several backwards of one forward]
+torchtitan's chunked loss runs the model's forward up to the final norm, then
+for each chunk of the sequence calls the head on its own (outside the root's
+forward) and runs that chunk's backward, then one backward through the body
+(pytorch's FSDP2 runs it; a call of a list group's module outside the root's
+forward begins a group forward of that module alone: see [Note: A list of
+modules as one group]). Each backward's callback ends the iteration as above,
+so the body's backward comes after an ``end_iteration``. What that backward
+still needs stays to the next root forward (``RootContext.begin_iteration``):
+the groups' autograd views (activation checkpointing recomputes through them)
+and which buckets applied them, the flag that a backward follows (backward
+prefetch asks it), and the post-forward order (the prefetch order). The
+forward order of an iteration whose root did not run (a module alone after
+the end) does not replace the last root forward's. With
+``set_manual_backward_finalization(True)`` no backward ends the iteration;
+``finalize_backward()`` does. Tested by tests/test_chunked_loss.py.
+
 [Note: Prefetch order]
 Forward prefetch follows the previous iteration's pre-forward order; backward
 prefetch follows this iteration's post-forward order reversed (the root finishes
@@ -146,6 +163,12 @@ class RootContext:
         self.prev_forward_order: list[FSDPState] = []
         self.post_forward_order: list[FSDPState] = []
         self.callback_queued = False
+        # A root forward began this iteration (not only modules run on their
+        # own after its end: [Note: Several backwards of one forward]).
+        self.root_ran = False
+        # FSDPModule.set_manual_backward_finalization: the backward callback
+        # does not end the iteration; ``finalize`` does.
+        self.manual_finalization = root.manual_finalization
         self.pending_reduces: list[FSDPParamGroup] = []
         self.phase = Phase.IDLE
         self.step = 0  # root forwards so far
@@ -176,8 +199,13 @@ class RootContext:
         graphs. Ending it resharded a group kept unsharded to the iteration's end
         (a partly-run list group) under the earlier graph's saved tensors: a
         SIGSEGV in backward (tests/test_eager_parity.py::test_two_forwards_then_one_backward)."""
-        if self.forward_order and not self.backward_pending():  # the last iteration ran no backward
+        joining = self.root_ran and bool(self.forward_order) and self.backward_pending()
+        if self.forward_order and not joining:  # (the last forward ran no backward)
             self.end_iteration()
+        if not joining:
+            for g in self.groups():
+                g.begin_iteration()
+        self.root_ran = True
         self.forward_order, self.post_forward_order = [], []
         self.step += 1
         compiled_path().on_step(self)  # before any tracing
@@ -188,17 +216,19 @@ class RootContext:
                         p.ensure_grad_sink()
 
     def end_iteration(self) -> None:
-        """See [Note: Roots and iterations]."""
+        """See [Note: Roots and iterations] and [Note: Several backwards of one forward]."""
         for g in self.pending_reduces:
             g.finish_grad_sync()
         self.pending_reduces = []
         compiled_path().end_iteration(self)
         for g in self.groups():
             g.end_iteration()
-        self.prev_forward_order = self.forward_order
-        self.forward_order, self.post_forward_order = [], []
+        if self.root_ran:  # (a module run on its own after the iteration's end leaves the order alone)
+            self.prev_forward_order = self.forward_order
+            self.last_prefetched, self.prefetched = self.prefetched, []
+        self.root_ran = False
+        self.forward_order = []
         self.callback_queued = False
-        self.last_prefetched, self.prefetched = self.prefetched, []
         if self.streams is not None:
             self.streams.post_optim_event = None
 
@@ -212,6 +242,7 @@ class RootContext:
         self.pending_reduces = []
         self.forward_order, self.post_forward_order = [], []
         self.callback_queued = False
+        self.root_ran = False
         self.phase = Phase.IDLE
         self.prefetched = []
         for st in self.states:
@@ -220,8 +251,14 @@ class RootContext:
     def ensure_callback_queued(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_iteration)
+            if not self.manual_finalization:
+                torch.autograd.Variable._execution_engine.queue_callback(self.end_iteration)
             compiled_path().on_backward(self)
+
+    def finalize(self) -> None:
+        """``FSDPModule.finalize_backward``: end the iteration's backward now."""
+        if self.callback_queued or self.pending_reduces:
+            self.end_iteration()
 
     def on_reduce_issued(self, group: FSDPParamGroup) -> None:
         self.ensure_callback_queued()
@@ -319,6 +356,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         # targets in place of [Note: Prefetch order]'s (None: implicit).
         self.forward_prefetch: Optional[list[FSDPState]] = None
         self.backward_prefetch: Optional[list[FSDPState]] = None
+        # Set on the root before its first forward (FSDPModule.set_manual_backward_finalization).
+        self.manual_finalization = False
         for module in modules:
             _MODULE_STATE[module] = weakref.ref(self)
             compat.register_composable_state(module, self)
@@ -380,7 +419,10 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         modules' parameters, with one state, registered for each module. The
         group's pre-forward runs when the first of them starts (gather), its
         post-forward when the last of them finishes (reshard, backward hooks),
-        as FSDP2's group forward hooks do. A forward in which some of them do
+        as FSDP2's group forward hooks do. One of them called outside the
+        root's forward (torchtitan's chunked loss calls the head on its own:
+        [Note: Several backwards of one forward]), or called again after it ran,
+        begins a group forward of its own. A forward in which some of them do
         not run leaves the group unsharded to the end of the iteration (it is
         completed at the root's post-forward, without resharding: the
         backward of those that ran reads the gathered parameters; its
@@ -388,9 +430,12 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         backward that finds it resharded gathers it first). Such a
         group never compiles a frame of its own: its modules are separate
         frames. Tested by tests/test_fsdp2_api.py::test_list_of_modules."""
-        if not self._to_run or torch.compiler.is_dynamo_compiling():
-            if not torch.compiler.is_dynamo_compiling():
-                self._to_run = list(self.modules)
+        if torch.compiler.is_dynamo_compiling():
+            return self._pre_forward(module, args, kwargs)
+        if not any(m is module for m in self._to_run):  # (none of the group runs, or this one ran already)
+            ctx = self.ctx
+            on_its_own = ctx is not None and not self.is_root and ctx.phase is Phase.IDLE
+            self._to_run = [module] if on_its_own else list(self.modules)
             return self._pre_forward(module, args, kwargs)
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:

@@ -4,7 +4,7 @@ check runs on every rank and its verdict is agreed before anyone raises
 ([Note: Agreeing at fully_shard] in api.py)."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -116,7 +116,7 @@ def validate(
             "move the module to one device (e.g. module.to(device)) before fully_shard."
         )
     # One bucket carries one dtype (see [Note: Mixed precision] in policy.py).
-    dtypes = {str(mp.compute_dtype(p.dtype)): places[0][2] for p, places in owners.items()}
+    dtypes = {str(mp.for_param(p).compute_dtype(p.dtype)): places[0][2] for p, places in owners.items()}
     if len(dtypes) > 1:
         examples = ", ".join(f"{fqn!r} ({dtype})" for dtype, fqn in sorted(dtypes.items()))
         raise ValueError(
@@ -209,3 +209,56 @@ def modules_outside_nested(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
     visit("", module)
     return out
+
+
+def _dim_names(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
+
+
+def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]) -> DeviceMesh:
+    """[Note: dp_mesh_dims]
+    torch 2.15's ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(
+    shard=..., replicate=...))`` names the data-parallel dims of the full SPMD
+    mesh (torchtitan passes it by default). Here it resolves to the mesh FSDP2
+    would shard over: the ``shard`` dim (several are flattened into one), with
+    ``replicate`` in front for HSDP. The other dims must have size 1 (tensor
+    parallelism over them is issue 48's). Parameters that come as DTensors
+    replicated over the SPMD mesh become plain tensors first (their local
+    tensor is the whole). Taken on every release, whether or not its FSDP2 has
+    the argument (an object with ``shard`` and ``replicate`` will do).
+    Tested by tests/test_chunked_loss.py::test_dp_mesh_dims."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not isinstance(mesh, DeviceMesh) or names is None:
+        raise ValueError("fully_shard: dp_mesh_dims names dims of mesh, so mesh must be a DeviceMesh with "
+                         f"mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)), got {mesh!r}.")
+    shard, replicate = _dim_names(getattr(dims, "shard", None)), _dim_names(getattr(dims, "replicate", None))
+    unknown = [n for n in shard + replicate if n not in names]
+    if unknown or not shard:
+        raise ValueError(f"fully_shard: dp_mesh_dims={dims!r} must name a shard dim among the mesh's dims "
+                         f"{names}" + (f"; unknown: {unknown}" if unknown else "") + ".")
+    others = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
+    if others:
+        raise NotImplementedError(
+            f"fully_shard: the mesh's dims {others} are not data parallel and have size > 1: tensor "
+            "parallelism with compiled_fsdp is not supported yet (issue 48).")
+    sub = mesh[shard[0]] if len(shard) == 1 else mesh[shard]._flatten("_".join(shard))
+    if replicate:
+        if len(shard) > 1 or len(replicate) > 1:
+            raise NotImplementedError("fully_shard: HSDP over several flattened dims is not supported; name "
+                                      "one replicate dim and one shard dim.")
+        sub = mesh[(replicate[0], shard[0])]
+    seen: dict[int, tuple[DTensor, nn.Parameter]] = {}  # (the DTensor kept: its id stays its own)
+    for root in modules:
+        for m in root.modules():
+            for name, p in list(m._parameters.items()):
+                if isinstance(p, DTensor) and p not in MANAGED and p.device_mesh == mesh:
+                    if any(not pl.is_replicate() for pl in p.placements):
+                        raise NotImplementedError(
+                            f"fully_shard: parameter {name!r} of {type(m).__name__} is a DTensor placed "
+                            f"{p.placements} on the SPMD mesh; only Replicate() placements are supported.")
+                    if id(p) not in seen:
+                        seen[id(p)] = (p, nn.Parameter(p.to_local(), requires_grad=p.requires_grad))
+                    m._parameters[name] = seen[id(p)][1]
+    return sub

@@ -72,7 +72,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params]
                           if key != ENTRY_KEY or max(params) < len(group.fsdp_params))
         else:
-            units = _eager_units(len(group.reduce_buckets)) if path in ("fallback", "eager") else ()
+            eager = path in ("fallback", "eager") and group is not None  # (a root that owns no parameter: none)
+            units = _eager_units(len(group.reduce_buckets)) if eager else ()
         reports.append(ModuleReport(
             fqns.get(state.module, "?"),
             getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason, units))

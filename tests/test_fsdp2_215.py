@@ -1,0 +1,193 @@
+"""What torch 2.15's FSDP2 API adds, as a user calls it: ``dp_mesh_dims``,
+torch's own policy classes, ``param_dtype_override_fn`` and the new
+``FSDPModule`` methods (DESIGN.md, "FSDP2's API"), each against a
+single-process reference or the documented refusal, on 2 gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+
+import compiled_fsdp
+from compiled_fsdp import DataParallelMeshDims, fully_shard, get_fsdp_state
+from _dist import run_distributed
+from test_chunked_loss import Decoder, batch, chunked_loss, shard_like_torchtitan
+
+
+def _mean_of_ranks(ref: nn.Module, world: int, step: int, run) -> None:  # noqa: ANN001
+    """The reference's gradients: each rank's batch apart, summed in rank
+    order and halved, as the reduce-scatter and the mean do."""
+    summed = None
+    for r in range(world):
+        run(ref, *batch(step, r)).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ref.parameters()]
+        summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+        ref.zero_grad(set_to_none=True)
+    for p, g in zip(ref.parameters(), summed):
+        p.grad = g / world
+
+
+def _head_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The head called on its own after the model's forward, one backward."""
+    logits = model.lm_head(model(tokens))
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _spmd_rank(rank: int, world: int) -> dict:
+    """``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)`` with parameters that
+    come as DTensors replicated on that mesh (torchtitan's SPMD backends),
+    torch's ``MixedPrecisionPolicy`` and ``OffloadPolicy``: 3 AdamW steps."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP, OffloadPolicy as TorchOffload
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "tp"))
+    ref, model = Decoder(), Decoder()
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = nn.Parameter(DTensor.from_local(p.detach(), mesh, [Replicate()] * 2))
+    dims = DataParallelMeshDims(shard="dp_shard")
+    kwargs = dict(mesh=mesh, dp_mesh_dims=dims, mp_policy=TorchMP(), offload_policy=TorchOffload())
+    fully_shard(model.tok, **kwargs)
+    fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
+    for block in model.layers.values():
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    worst = 0.0
+    for step in range(3):
+        _head_loss(model, *batch(step, rank)).backward()
+        _mean_of_ranks(ref, world, step, _head_loss)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        worst = max(worst, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
+    placements = model.lm_head.weight.placements
+    return {"worst": worst, "mesh": model.lm_head.weight.device_mesh.mesh_dim_names, "shard": str(placements)}
+
+
+def test_dp_mesh_dims_and_torch_policies() -> None:
+    for res in run_distributed(_spmd_rank, 2):
+        assert res["worst"] == 0.0, res
+        assert res["mesh"] == ("dp_shard",) and res["shard"] == "(Shard(dim=0),)", res
+
+
+def _finalize_rank(rank: int, world: int) -> dict:
+    """torchtitan's chunked loss with ``set_manual_backward_finalization(True)``:
+    five backwards, then ``finalize_backward()``: the last reduction is still
+    in flight until then (no backward finished the iteration), and the
+    gradients equal the automatic run's."""
+    out: dict = {}
+    for manual in (False, True):
+        model = Decoder()
+        shard_like_torchtitan(model)
+        if manual:
+            model.set_manual_backward_finalization(True)
+        chunked_loss(model.lm_head, model(batch(0, rank)[0]), batch(0, rank)[1]).backward()
+        if manual:
+            out["before"] = bool(get_fsdp_state(model).ctx.pending_reduces)
+            handle = model.finalize_backward(async_op=True)
+            handle.wait()
+            out["before"] = out["before"] and not get_fsdp_state(model).ctx.pending_reduces
+        out[manual] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    out["diff"] = max((out[True][n] - g).abs().max().item() for n, g in out[False].items())
+    return {"before": out["before"], "diff": out["diff"]}
+
+
+def test_manual_backward_finalization() -> None:
+    for res in run_distributed(_finalize_rank, 2):
+        assert res == {"before": True, "diff": 0.0}
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def _methods_rank(rank: int, world: int) -> dict:
+    out: dict = {}
+    # set_reduce_scatter_unused_params: rank 1 leaves ``b`` unused; zeros are
+    # reduced for it, so both ranks reduce the same buffer.
+    ref, model = _TwoBranches(), _TwoBranches()
+    fully_shard(model)
+    model.set_reduce_scatter_unused_params(True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x, use_b=rank == 0).square().sum().backward()
+    grads = []
+    for r in range(world):
+        xr = torch.randn(4, 8, generator=torch.Generator().manual_seed(r))
+        ref(xr, use_b=r == 0).square().sum().backward()
+        grads.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                      for n, p in ref.named_parameters()})
+        ref.zero_grad(set_to_none=True)
+    out["unused"] = max((model.get_parameter(n).grad.full_tensor() - (g + grads[1][n]) / world).abs().max().item()
+                        for n, g in grads[0].items())
+    # set_keep_unsharded_storage: the bytes stay after reshard.
+    dec = Decoder()
+    shard_like_torchtitan(dec)
+    block = dec.layers["0"]
+    sizes = []
+    for keep in (False, True):
+        block.set_keep_unsharded_storage(keep)
+        dec.lm_head(dec(batch(0, rank)[0])).sum().backward()
+        sizes.append(get_fsdp_state(block).param_group.fsdp_params[0].unsharded.untyped_storage().size())
+    out["kept"] = sizes[0] == 0 and sizes[1] > 0
+    # param_dtype_override_fn: norms kept in fp32 while the rest is gathered in bf16.
+    mp = compiled_fsdp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: p.dtype if p.dim() == 1 else None)
+    dec = Decoder()
+    fully_shard(dec.layers["0"].norm, mp_policy=mp)
+    fully_shard(dec.layers["0"], mp_policy=mp)
+    out["dtypes"] = [str(get_fsdp_state(m).param_group.fsdp_params[0].param_dtype)
+                     for m in (dec.layers["0"].norm, dec.layers["0"])]
+    try:
+        fully_shard(dec.layers["1"], mp_policy=mp)  # a norm and linears: two dtypes in one group
+    except ValueError as exc:
+        out["mixed"] = str(exc)
+    # Accepted and documented as no-ops; refused with a reason.
+    dec.layers["0"].set_force_sum_reduction_for_comms(True)
+    dec.layers["0"].set_allocate_memory_from_process_group_for_comm(True)
+    dec.layers["0"].set_reduce_scatter_max_input_buffers(2)
+    dec.layers["0"].set_separate_reduce_scatter_group(True)
+    refused = {}
+    for name, call in (("symm", lambda m: m.set_symm_mem_for_comm()),
+                       ("custom", lambda m: m.set_custom_all_gather(object())),
+                       ("hook", lambda m: m.set_all_reduce_hook(lambda t: None)),
+                       ("buffers", lambda m: m.set_reduce_scatter_max_input_buffers(0))):
+        try:
+            call(dec.layers["0"])
+        except (NotImplementedError, ValueError) as exc:
+            refused[name] = type(exc).__name__
+    out["refused"] = refused
+    return out
+
+
+def test_fsdp_module_methods_of_2_15() -> None:
+    for res in run_distributed(_methods_rank, 2):
+        assert res["unused"] == 0.0 and res["kept"], res
+        assert res["dtypes"] == ["torch.float32", "torch.bfloat16"], res
+        assert "several dtypes" in res["mixed"], res
+        assert res["refused"] == {"symm": "NotImplementedError", "custom": "NotImplementedError",
+                                  "hook": "NotImplementedError", "buffers": "ValueError"}, res
+
+
+@pytest.mark.parametrize("bad", ["unknown dim", "no mesh"])
+def test_dp_mesh_dims_errors(bad: str) -> None:
+    for res in run_distributed(_bad_dims_rank, 2, bad):
+        assert res, bad
+
+
+def _bad_dims_rank(rank: int, world: int, bad: str) -> str:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    dims = DataParallelMeshDims(shard="fsdp" if bad == "unknown dim" else "dp_shard")
+    with pytest.raises(ValueError, match="dp_mesh_dims") as info:
+        fully_shard(nn.Linear(4, 4), mesh=mesh if bad == "unknown dim" else None, dp_mesh_dims=dims)
+    return str(info.value)
