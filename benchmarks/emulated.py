@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/ (after the installed package)
 
 import llama  # noqa: E402
 
@@ -83,8 +84,11 @@ def _topology(link: str, args: argparse.Namespace):
 
 # --- one configuration (the worker) ------------------------------------------
 
-def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int) -> tuple[nn.Module, Any, Any]:
+def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
+           pattern: str = "plain") -> tuple[nn.Module, Any, Any]:
     """(the model, what a step calls, the optimizer)."""
+    if pattern == "titan":
+        return _build_titan(kind, cfg, device, world)
     cuda = device.type == "cuda"
     if kind == "floor":
         torch.manual_seed(0)
@@ -113,6 +117,50 @@ def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int) 
     model.init_weights()
     run = torch.compile(model) if kind == "ours" else model
     return model, run, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+
+
+def _build_titan(kind: str, cfg: llama.LlamaConfig, device: torch.device,
+                 world: int) -> tuple[nn.Module, Any, Any]:
+    """torchtitan's pattern (examples/torchtitan_pattern.py): selective AC,
+    each block compiled (``fullgraph=True``) before sharding, the embedding
+    and ``[norm, output]`` eager, the chunked loss (``_titan_step``). The
+    floor: the same unsharded, AdamW stepping 1/W of the parameters."""
+    from examples.torchtitan_pattern import selective_ac, shard_like_torchtitan
+
+    if kind == "ours":
+        raise ValueError("--pattern titan compiles each block on its own: use the kind ours_blocks")
+    cuda = device.type == "cuda"
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # as torchtitan's apply_compile
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    with torch.device("meta" if kind != "floor" else device):
+        model = llama.Llama(cfg.with_(checkpoint_blocks=False))
+    for i, block in enumerate(model.layers):
+        model.layers[i] = selective_ac(block)
+        if kind != "ours_eager" and kind != "fsdp2_eager":
+            model.layers[i].compile(fullgraph=True)
+    if kind == "floor":
+        model.to(torch.bfloat16 if cuda else torch.float32)
+        n = sum(p.numel() for p in model.parameters())
+        master = torch.zeros((n + world - 1) // world, device=device, requires_grad=True)
+        master.grad = torch.zeros_like(master)
+        return model, model, torch.optim.AdamW([master], lr=1e-4, fused=cuda)
+    if kind.startswith("ours"):
+        from compiled_fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
+        else MixedPrecisionPolicy()
+    shard_like_torchtitan(fully_shard, model, model.tok_embeddings, list(model.layers), model.norm, model.output,
+                          mp_policy=mp)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+
+
+def _titan_step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    from examples.torchtitan_pattern import chunked_loss
+
+    return chunked_loss(model.output, model(tokens, skip_head=True), torch.roll(tokens, -1, dims=1), chunks=8)
 
 
 def _sync(device: torch.device) -> None:
@@ -184,11 +232,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with recording() as rec:
-        model, run, opt = _build(args.kind, cfg, device, args.world)
+        model, run, opt = _build(args.kind, cfg, device, args.world, args.pattern)
 
         def step(i: int = 0) -> None:
             tokens = llama.batch(cfg, args.batch, seed=i, device=device)
-            llama.loss_fn(run(tokens), tokens).backward()
+            loss = _titan_step(run, tokens) if args.pattern == "titan" else llama.loss_fn(run(tokens), tokens)
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=args.kind != "floor")
 
@@ -260,11 +309,11 @@ def match_gbps(args: argparse.Namespace, world: int) -> float:
 
 
 def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[str, Any]:
-    result = os.path.join(args.out, f"{kind}_W{world}_{link.replace('/', '-')}.json")
+    result = os.path.join(args.out, f"{args.pattern}_{kind}_W{world}_{link.replace('/', '-')}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--world", str(world), "--link", link,
            "--result", result, "--device", args.device, "--model", args.model, "--batch", str(args.batch),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--layers", str(args.layers or 0),
-           "--threads", str(args.threads),
+           "--threads", str(args.threads), "--pattern", args.pattern,
            "--seq", str(args.seq or 0)]
     if args.match_gbps is not None:
         cmd += ["--match-gbps", str(args.match_gbps)]
@@ -334,6 +383,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--network-gbps", type=float, default=None, help="nccl: GB/s per GPU between nodes")
     p.add_argument("--match-gbps", type=float, default=None, help="(set by the driver)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--pattern", default="plain", choices=("plain", "titan"),
+                   help="titan: torchtitan's per-block compile, selective AC and chunked loss (not 'ours')")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--peak-flops", type=float, default=989e12)
@@ -357,6 +408,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             json.dump(res, f)
         return [res]
     links = args.links or (["nccl"] if args.device == "cuda" else ["match", "match/4"])
+    if args.pattern == "titan":
+        args.kinds = [k for k in args.kinds if k != "ours"]
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     results = []

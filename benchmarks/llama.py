@@ -132,11 +132,14 @@ class Llama(nn.Module):
                 else:
                     nn.init.normal_(p, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        """Logits; with ``skip_head`` the normed hidden states (torchtitan's
+        ``_skip_lm_head``, for its chunked loss)."""
         x = self.tok_embeddings(tokens)
         for block in self.layers:
             x = block(x, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(x))
+        h = self.norm(x)
+        return h if skip_head else self.output(h)
 
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token as torchtitan counts them (6 x the

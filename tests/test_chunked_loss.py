@@ -3,8 +3,8 @@ against a single-process unsharded reference after several AdamW steps.
 
 The decoder is torchtitan's shape: an embedding, blocks, ``[norm, lm_head]``
 sharded as one list group (``reshard_after_forward=False``) and a root that
-owns no parameter. ``chunked_loss`` follows torchtitan 0.3.0's
-``ChunkedLossWrapper``: the model's forward stops after the norm, the head
+owns no parameter (examples/torchtitan_pattern.py). ``chunked_loss`` follows
+torchtitan 0.3.0's ``ChunkedLossWrapper``: the model's forward stops after the norm, the head
 runs once per chunk on a detached leaf with a backward in between (its
 gradient sync off but for the last chunk, resharding off), and one backward
 then runs through the body ([Note: Several backwards of one forward] in
@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
+from examples.torchtitan_pattern import chunked_loss, selective_ac, shard_like_torchtitan
 from _dist import run_distributed
 
-VOCAB, DIM, CHUNKS = 128, 32, 4
+VOCAB, DIM = 128, 32
 
 
 class _Block(nn.Module):
@@ -51,64 +52,9 @@ class Decoder(nn.Module):
         return self.norm(h)
 
 
-class _BodyGrad(torch.autograd.Function):
-    """torchtitan's ``_DecoderOutputGradientBackProp``."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(grad)
-        return loss.detach()
-
-    @staticmethod
-    def backward(ctx, _: torch.Tensor) -> tuple:  # noqa: ANN001
-        return ctx.saved_tensors[0], None, None
-
-
-def chunked_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    sharded = isinstance(head, compiled_fsdp.FSDPModule)
-    chunks = [c.detach().requires_grad_(True) for c in hidden.chunk(CHUNKS, dim=1)]
-    if sharded:
-        head.set_reshard_after_forward(False)
-        head.set_reshard_after_backward(False)
-        head.set_requires_gradient_sync(False, recurse=False)
-        head.unshard()
-    total, grads = hidden.new_zeros(()), []
-    for i, (h, y) in enumerate(zip(chunks, labels.chunk(CHUNKS, dim=1))):
-        if sharded and i == CHUNKS - 1:
-            head.set_requires_gradient_sync(True, recurse=False)
-        loss = F.cross_entropy(head(h).flatten(0, 1), y.flatten(), reduction="sum") / labels.numel()
-        total = total + loss.detach()
-        loss.backward()
-        grads.append(h.grad)
-    if sharded:
-        head.set_reshard_after_forward(True)
-        head.set_reshard_after_backward(True)
-        head.set_requires_gradient_sync(True, recurse=False)
-        head.reshard()
-    return _BodyGrad.apply(hidden, torch.cat(grads, dim=1), total)
-
-
-def selective_ac(block: nn.Module) -> nn.Module:
-    """torchtitan's op-level selective AC: matmul outputs saved, the rest recomputed."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
-        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return checkpoint_wrapper(block, context_fn=lambda: create_selective_checkpoint_contexts(policy),
-                              preserve_rng_state=False)
-
-
-def shard_like_torchtitan(model: Decoder, **kwargs) -> None:  # noqa: ANN003
-    fully_shard(model.tok, **kwargs)
-    fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **kwargs)
-    for block in model.layers.values():
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    for m in model.modules():  # torchtitan divides by the global token count itself
-        if isinstance(m, compiled_fsdp.FSDPModule):
-            m.set_gradient_divide_factor(1.0)
+def shard(model: Decoder, **kwargs) -> None:  # noqa: ANN003
+    shard_like_torchtitan(fully_shard, model, model.tok, list(model.layers.values()), model.norm, model.lm_head,
+                          **kwargs)
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +82,7 @@ def _titan_rank(rank: int, world: int, mode: str) -> dict:
     if mode.startswith("blocks"):
         for block in model.layers.values():
             block.compile(backend=backend, fullgraph=True)
-    shard_like_torchtitan(model)
+    shard(model)
     run = torch.compile(model, backend=backend) if mode == "whole" else model
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     out: dict = {"loss": [], "param": [], "gathers": []}

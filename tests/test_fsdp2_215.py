@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate
 import compiled_fsdp
 from compiled_fsdp import DataParallelMeshDims, fully_shard, get_fsdp_state
 from _dist import run_distributed
-from test_chunked_loss import Decoder, batch, chunked_loss, shard_like_torchtitan
+from examples.torchtitan_pattern import chunked_loss
+from test_chunked_loss import Decoder, batch, shard
 
 
 def _mean_of_ranks(ref: nn.Module, world: int, step: int, run) -> None:  # noqa: ANN001
@@ -82,7 +83,7 @@ def _finalize_rank(rank: int, world: int) -> dict:
     out: dict = {}
     for manual in (False, True):
         model = Decoder()
-        shard_like_torchtitan(model)
+        shard(model)
         if manual:
             model.set_manual_backward_finalization(True)
         chunked_loss(model.lm_head, model(batch(0, rank)[0]), batch(0, rank)[1]).backward()
@@ -132,7 +133,7 @@ def _methods_rank(rank: int, world: int) -> dict:
                         for n, g in grads[0].items())
     # set_keep_unsharded_storage: the bytes stay after reshard.
     dec = Decoder()
-    shard_like_torchtitan(dec)
+    shard(dec)
     block = dec.layers["0"]
     sizes = []
     for keep in (False, True):
