@@ -1,0 +1,128 @@
+"""torchtitan 0.3.0's llama3 debug model through torchtitan's own
+``parallelize_llama`` (its FSDP layout, selective AC, per-block compile) and
+its ``ChunkedLossWrapper``, on 2 gloo ranks, with torch's FSDP2 and with
+compiled_fsdp bound where torchtitan imports FSDP2's names (README, "Using it
+with torchtitan"). Runs where the ``titan`` extra is installed (CI installs it
+on the newest torch).
+
+torchtitan's CPU limits, worked around here alike for both (never in the
+project): no accelerator makes it pick "cuda" (forced to "cpu");
+FlexAttention has no CPU backward (its SDPA attention instead); FSDP2 on
+gloo needs ``set_force_sum_reduction_for_comms(True)``. torchtitan's default
+SPMD backend (``spmd_types``) needs parameters annotated by its trainer, and
+FSDP2 itself refuses the plain parameters this fixture builds, so the run
+uses ``partial_dtensor`` (what torchtitan uses without tensor parallelism;
+``dp_mesh_dims`` is tested by tests/test_fsdp2_215.py).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from _dist import run_distributed
+
+pytest.importorskip("torchtitan")
+
+STEPS = 4
+
+
+def _bind_ours() -> None:
+    import torch.distributed._composable.fsdp as composable
+    import torch.distributed.fsdp as fsdp
+
+    import compiled_fsdp
+
+    for mod in (fsdp, composable):
+        for name in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy"):
+            setattr(mod, name, getattr(compiled_fsdp, name))
+
+
+def _build(compile_: bool):  # noqa: ANN202
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.models.llama3 as llama3
+    import torchtitan.tools.utils as utils
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    utils.device_type = parallel_dims.device_type = "cpu"
+    llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
+    spec = llama3.model_registry("debugmodel")
+    with torch.device("meta"):
+        model = spec.model.build()
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=2,
+                        spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    cc = CompileConfig(enable=compile_, components=["model"], backend="aot_eager")
+    model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(local_batch_size=2, seq_len=64),
+                                parallelism=ParallelismConfig(spmd_backend="partial_dtensor"), compile_config=cc,
+                                ac_config=SelectiveAC.Config(), dump_folder=tempfile.mkdtemp())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=2048)).build(
+        compile_config=cc)
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    return model, loss_fn
+
+
+def _rank(rank: int, world: int, impl: str, compile_: bool, ckpt: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if impl == "ours":
+        _bind_ours()
+    from torch.distributed.fsdp import FSDPModule
+
+    model, loss_fn = _build(compile_)
+    if impl == "fsdp2":
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4)
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        tokens = torch.randint(0, 2048, (2, 65), generator=g)
+        labels = tokens[:, 1:]
+        loss, _ = loss_fn(model(tokens[:, :-1]), labels, torch.tensor(float(labels.numel() * world)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    out: dict = {"losses": losses}
+    if impl == "fsdp2":  # saves; the other loads it
+        dcp.save(model.state_dict(), checkpoint_id=ckpt)
+        if rank == 0:
+            torch.save(full, os.path.join(ckpt, "full.pt"))
+    else:
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=ckpt)
+        model.load_state_dict(state)
+        theirs = torch.load(os.path.join(ckpt, "full.pt"))
+        out["loaded"] = max((p.full_tensor() - theirs[n]).abs().max().item() for n, p in model.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "per_block_compile"])
+def test_torchtitan_trains_with_compiled_fsdp(compile_: bool, tmp_path) -> None:  # noqa: ANN001
+    """Losses within 1e-5 of FSDP2's (bf16 compute: measured 8.6e-6 at step
+    4, the first three equal), eager and per-block compiled; a DCP
+    checkpoint FSDP2 saved loads into the project's model exactly."""
+    ckpt = str(tmp_path / "ckpt")
+    theirs = run_distributed(_rank, 2, "fsdp2", compile_, ckpt)[0]
+    ours = run_distributed(_rank, 2, "ours", compile_, ckpt)[0]
+    diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
+    assert max(diffs) <= 1e-5, (ours["losses"], theirs["losses"])
+    assert ours["loaded"] == 0.0, ours
