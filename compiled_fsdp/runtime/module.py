@@ -255,15 +255,20 @@ class FSDPModule:
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """On the root: backward no longer finishes the iteration (awaits the
         reductions, writes ``.grad``, reshards); ``finalize_backward()`` does,
-        after every backward of the logical step. See [Note: Several
-        backwards of one forward] in state.py."""
+        after every backward of the logical step, first reducing what
+        backwards with gradient sync off kept (turn sync on before it). See
+        [Note: Several backwards of one forward] in state.py."""
         _check_bool("set_manual_backward_finalization", enabled)
         state = self._state("set_manual_backward_finalization")
         if state.ctx is not None and not state.is_root:
             raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module.")
+        ctx = state.ctx
+        if ctx is not None and ctx.manual_backward_started and enabled != ctx.manual_finalization:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode after backward starts: "
+                               "call finalize_backward() first.")
         state.manual_finalization = enabled
-        if state.ctx is not None:
-            state.ctx.manual_finalization = enabled
+        if ctx is not None:
+            ctx.manual_finalization = enabled
 
     def finalize_backward(self, *, async_op: bool = False) -> Optional["GradientReductionHandle"]:
         """Finish the iteration's backward now: await every reduction, write the

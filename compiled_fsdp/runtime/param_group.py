@@ -269,9 +269,10 @@ class FSDPParamGroup:
         each reduce bucket's autograd function may wait for the first read of
         one of its parameters ([Note: replicate's buckets] in replicate.py)."""
         self.unshard()
-        if self._iter_views is None:
-            shards = [p.sharded for p in self.fsdp_params]
-            if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
+        shards = [p.sharded for p in self.fsdp_params]
+        wants_grad = torch.is_grad_enabled() and any(s.requires_grad for s in shards)
+        if self._iter_views is None or (wants_grad and not self.needs_grad_sync):  # (views made under no_grad)
+            if wants_grad:
                 self._iter_views = [None] * len(shards)
                 if len(self.reduce_buckets) == 1 or not lazy_buckets:
                     for b in range(len(self.reduce_buckets)):
@@ -400,6 +401,19 @@ class FSDPParamGroup:
         self._iter_views = None
         self._applied_buckets = set()
         self.needs_grad_sync = False
+
+    def end_backward_pass(self) -> None:
+        """A backward ended without ending the iteration (manual finalization):
+        the next backward's buckets are counted afresh."""
+        self._reduced_buckets = set()
+
+    def reduce_kept_grads(self) -> None:
+        """Issue the reduction of every gradient kept without sync (sync is on
+        again): ``finalize_backward`` after several backwards."""
+        for b, indices in enumerate(self.reduce_buckets):
+            params = [self.fsdp_params[i] for i in indices]
+            if any(p.kept_grad() is not None for p in params):
+                self.post_backward((None,) * len(params), b)
 
     def end_iteration(self) -> None:
         """A backward ended: finish its communication, free unsharded memory.

@@ -169,6 +169,7 @@ class RootContext:
         # FSDPModule.set_manual_backward_finalization: the backward callback
         # does not end the iteration; ``finalize`` does.
         self.manual_finalization = root.manual_finalization
+        self.manual_backward_started = False  # a backward ran since the last finalization
         self.pending_reduces: list[FSDPParamGroup] = []
         self.phase = Phase.IDLE
         self.step = 0  # root forwards so far
@@ -229,6 +230,7 @@ class RootContext:
         self.root_ran = False
         self.forward_order = []
         self.callback_queued = False
+        self.manual_backward_started = False
         if self.streams is not None:
             self.streams.post_optim_event = None
 
@@ -251,13 +253,31 @@ class RootContext:
     def ensure_callback_queued(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
-            if not self.manual_finalization:
+            if self.manual_finalization:
+                self.manual_backward_started = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_pass)
+            else:
                 torch.autograd.Variable._execution_engine.queue_callback(self.end_iteration)
             compiled_path().on_backward(self)
 
+    def _end_backward_pass(self) -> None:
+        """With manual finalization, a backward's end: the next backward counts
+        its buckets afresh; the iteration goes on to ``finalize``."""
+        for g in self.groups():
+            g.end_backward_pass()
+        self.callback_queued = False
+
     def finalize(self) -> None:
-        """``FSDPModule.finalize_backward``: end the iteration's backward now."""
-        if self.callback_queued or self.pending_reduces:
+        """``FSDPModule.finalize_backward``: end the iteration's backward now.
+        Gradients kept without sync by the backwards before are reduced first
+        when sync is on again (FSDP2's recipe for several backwards, one
+        finalization); tests/test_fsdp2_215.py::test_manual_backward_finalization."""
+        queued, self.callback_queued = self.callback_queued, True  # (outside backward: queue nothing)
+        for g in self.groups():
+            if g.reduce_grads:
+                g.reduce_kept_grads()
+        self.callback_queued = queued
+        if self.callback_queued or self.pending_reduces or self.manual_backward_started:
             self.end_iteration()
 
     def on_reduce_issued(self, group: FSDPParamGroup) -> None:

@@ -249,7 +249,6 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
             raise NotImplementedError("fully_shard: HSDP over several flattened dims is not supported; name "
                                       "one replicate dim and one shard dim.")
         sub = mesh[(replicate[0], shard[0])]
-    seen: dict[int, tuple[DTensor, nn.Parameter]] = {}  # (the DTensor kept: its id stays its own)
     for root in modules:
         for m in root.modules():
             for name, p in list(m._parameters.items()):
@@ -258,7 +257,11 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
                         raise NotImplementedError(
                             f"fully_shard: parameter {name!r} of {type(m).__name__} is a DTensor placed "
                             f"{p.placements} on the SPMD mesh; only Replicate() placements are supported.")
-                    if id(p) not in seen:
-                        seen[id(p)] = (p, nn.Parameter(p.to_local(), requires_grad=p.requires_grad))
-                    m._parameters[name] = seen[id(p)][1]
+                    # One plain parameter per DTensor, kept on it: a weight tied across two
+                    # fully_shard calls stays one parameter (and meets the shared-weight check).
+                    plain = getattr(p, "_compiled_fsdp_plain", None)
+                    if plain is None:
+                        plain = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
+                        p._compiled_fsdp_plain = plain
+                    m._parameters[name] = plain
     return sub
