@@ -84,6 +84,27 @@ def _topology(link: str, args: argparse.Namespace):
 
 # --- one configuration (the worker) ------------------------------------------
 
+def _floor_optimizer(model: nn.Module, device: torch.device, world: int) -> torch.optim.Optimizer:
+    """The floor's optimizer: AdamW stepping 1/W of the parameters (fp32),
+    as one rank of a sharded job does."""
+    n = sum(p.numel() for p in model.parameters())
+    master = torch.zeros((n + world - 1) // world, device=device, requires_grad=True)
+    master.grad = torch.zeros_like(master)
+    return torch.optim.AdamW([master], lr=1e-4, fused=device.type == "cuda")
+
+
+def _sharding_api(kind: str, cuda: bool) -> tuple[Any, Any]:
+    """``fully_shard`` (ours for the ``ours*`` kinds, FSDP2's otherwise) and
+    its mixed-precision policy: bf16 compute, fp32 reduce on a GPU."""
+    if kind.startswith("ours"):
+        from compiled_fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
+        else MixedPrecisionPolicy()
+    return fully_shard, mp
+
+
 def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
            pattern: str = "plain") -> tuple[nn.Module, Any, Any]:
     """(the model, what a step calls, the optimizer)."""
@@ -94,18 +115,10 @@ def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
         torch.manual_seed(0)
         with torch.device(device):
             model = llama.Llama(cfg).to(torch.bfloat16 if cuda else torch.float32)
-        n = sum(p.numel() for p in model.parameters())
-        master = torch.zeros((n + world - 1) // world, device=device, requires_grad=True)
-        master.grad = torch.zeros_like(master)
-        return model, torch.compile(model), torch.optim.AdamW([master], lr=1e-4, fused=cuda)
+        return model, torch.compile(model), _floor_optimizer(model, device, world)
     with torch.device("meta"):
         model = llama.Llama(cfg)
-    if kind.startswith("ours"):
-        from compiled_fsdp import MixedPrecisionPolicy, fully_shard
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
-        else MixedPrecisionPolicy()
+    fully_shard, mp = _sharding_api(kind, cuda)
     for block in model.layers:
         if kind == "fsdp2_blocks":  # torchtitan: compile each block, then shard
             block.compile()
@@ -140,16 +153,8 @@ def _build_titan(kind: str, cfg: llama.LlamaConfig, device: torch.device,
             model.layers[i].compile(fullgraph=True)
     if kind == "floor":
         model.to(torch.bfloat16 if cuda else torch.float32)
-        n = sum(p.numel() for p in model.parameters())
-        master = torch.zeros((n + world - 1) // world, device=device, requires_grad=True)
-        master.grad = torch.zeros_like(master)
-        return model, model, torch.optim.AdamW([master], lr=1e-4, fused=cuda)
-    if kind.startswith("ours"):
-        from compiled_fsdp import MixedPrecisionPolicy, fully_shard
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
-        else MixedPrecisionPolicy()
+        return model, model, _floor_optimizer(model, device, world)
+    fully_shard, mp = _sharding_api(kind, cuda)
     shard_like_torchtitan(fully_shard, model, model.tok_embeddings, list(model.layers), model.norm, model.output,
                           mp_policy=mp)
     model.to_empty(device=device)

@@ -193,13 +193,19 @@ class RootContext:
 
     def begin_iteration(self) -> None:
         """[Note: Forwards before one backward]
-        A root forward after another ends the earlier iteration only when none
-        of it awaits a backward; else both forwards share one iteration, as in
-        FSDP2 (DPO; a partial forward run twice), and the later one reuses each
-        group's autograd views, whose one backward runs after every read of both
-        graphs. Ending it resharded a group kept unsharded to the iteration's end
-        (a partly-run list group) under the earlier graph's saved tensors: a
-        SIGSEGV in backward (tests/test_eager_parity.py::test_two_forwards_then_one_backward)."""
+        A root forward after another with no backward in between ends the
+        earlier iteration only when nothing of it awaits a backward. While
+        autograd may still run the earlier forward's graph, the forwards share
+        one iteration, as FSDP2's do (DPO's two forwards, a partial forward
+        run twice): ending it and beginning anew resharded every group and
+        dropped its autograd views, so a group that stays unsharded to the end
+        of the iteration (one that does not reshard after forward, a list group
+        whose forward was partial) freed storage the earlier graph's saved
+        tensors still read, and the backward read freed memory (a SIGSEGV on
+        the CPU in PyTorch's test_double_partial_forward_then_backward).
+        Sharing the iteration, the later forward reuses the group's autograd
+        views, whose one backward runs after every read of both graphs
+        (tests/test_eager_parity.py::test_two_forwards_then_one_backward)."""
         joining = self.root_ran and bool(self.forward_order) and self.backward_pending()
         if self.forward_order and not joining:  # (the last forward ran no backward)
             self.end_iteration()

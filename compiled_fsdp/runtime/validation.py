@@ -228,7 +228,8 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
     replicated over the SPMD mesh become plain tensors first (their local
     tensor is the whole). Taken on every release, whether or not its FSDP2 has
     the argument (an object with ``shard`` and ``replicate`` will do).
-    Tested by tests/test_chunked_loss.py::test_dp_mesh_dims."""
+    Tested by tests/test_fsdp2_215.py::test_dp_mesh_dims_and_torch_policies and
+    ::test_dp_mesh_dims_errors."""
     names = getattr(mesh, "mesh_dim_names", None)
     if not isinstance(mesh, DeviceMesh) or names is None:
         raise ValueError("fully_shard: dp_mesh_dims names dims of mesh, so mesh must be a DeviceMesh with "
