@@ -138,13 +138,13 @@ def _build_titan(kind: str, cfg: llama.LlamaConfig, device: torch.device,
     each block compiled (``fullgraph=True``) before sharding, the embedding
     and ``[norm, output]`` eager, the chunked loss (``_titan_step``). The
     floor: the same unsharded, AdamW stepping 1/W of the parameters."""
+    from compiled_fsdp.core import compat
     from examples.torchtitan_pattern import selective_ac, shard_like_torchtitan
 
     if kind == "ours":
         raise ValueError("--pattern titan compiles each block on its own: use the kind ours_blocks")
     cuda = device.type == "cuda"
-    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # as torchtitan's apply_compile
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    compat.set_side_effects_under_checkpoint(True)  # as torchtitan's apply_compile
     with torch.device("meta" if kind != "floor" else device):
         model = llama.Llama(cfg.with_(checkpoint_blocks=False))
     for i, block in enumerate(model.layers):

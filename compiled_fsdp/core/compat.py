@@ -387,6 +387,18 @@ def side_effects_allowed_under_checkpoint() -> bool:
     return bool(getattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint", False))
 
 
+def set_side_effects_under_checkpoint(value: bool) -> bool:
+    """Set ``skip_fwd_side_effects_in_bwd_under_checkpoint`` as torchtitan's
+    ``apply_compile`` does (for the benchmarks and tests that imitate it; the
+    project never sets it). Returns whether this release has the flag."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return False
+    dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = value
+    return True
+
+
 def torch_policy_classes() -> tuple[type, type, type]:
     """torch's FSDP2 ``MixedPrecisionPolicy``, ``OffloadPolicy`` and
     ``CPUOffloadPolicy``, which ``fully_shard`` takes in place of its own."""
