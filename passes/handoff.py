@@ -16,8 +16,11 @@ Bucket layout]), so the results stay bitwise the eager runtime's:
   backward part of the graph reads a re-gather from the block's own shards
   instead (kept out of the forward graph: collectives are never dead code),
   also through what the forward computed from the weights alone (``t(w)``):
-  nothing derived from the handed-in buffer is saved. A block that keeps its
-  parameters reads the handed-in gather throughout.
+  nothing derived from the handed-in buffer is saved. That re-gather is one
+  ``regather`` op, which takes the gather prefetched when the backward began
+  ([Note: Backward re-gathers prefetched across graphs] in
+  compiled_fsdp/core/ops.py). A block that keeps its parameters reads the
+  handed-in gather throughout.
 * their ``reduce_grad`` markers (backward): the block's gradients, packed in
   the gather's layout (the gradient of the handed-in buffer) instead of
   reduced: the issuer's ``reduce_next`` reduces them.
@@ -38,7 +41,7 @@ import torch.fx as fx
 from compiled_fsdp.core.layout import (
     ShardSpec, cast, pack_grads, reduce_input, split_reduced, split_specs, unpack_gathered,
 )
-from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, ReduceNext, Unshard
+from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, Regather, ReduceNext, Unshard
 
 from ._emit import emit_all_reduce, emit_gather, emit_reduce
 from .units import Unit
@@ -208,9 +211,11 @@ def _apply_reads(graph: fx.Graph, h: HandedIn, backward: set[fx.Node]) -> None:
         meta["partitioner_tag"] = "must_be_in_backward"
         rb = NodeBuilder(graph, meta)
         with graph.inserting_before(first):
-            g = emit_gather(rb, shards, specs, [h.args[i].param_dtype for i in indices],
-                            args.world_size, args.group_name)
-            again = dict(zip(indices, unpack_gathered(rb, rb(c10d.wait_tensor.default, g), specs)))
+            # (taken from the gather prefetched when the graph's backward began,
+            # if one was: [Note: Backward re-gathers prefetched across graphs])
+            g = rb(Regather.op().default, shards, [d for sp in specs for d in sp.full_shape], args.group_name,
+                   args.world_size, args.module_key, args.param_dtype)
+            again = dict(zip(indices, unpack_gathered(rb, g, specs)))
     for i in indices:
         for m in h.reads[i]:
             m.replace_all_uses_with(fulls[i])

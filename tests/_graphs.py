@@ -18,6 +18,10 @@ RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 A2A = torch.ops._c10d_functional.all_to_all_single.default  # the gloo reduce (see compiled_fsdp/_reduce.py)
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 AR = torch.ops._c10d_functional.all_reduce.default  # HSDP's sum over the replicas
+# A handed-in block's backward re-gather, one opaque op (see [Note: Backward
+# re-gathers prefetched across graphs] in compiled_fsdp/core/ops.py): counted
+# as the graph's all-gather.
+REGATHER = torch.ops.compiled_fsdp.regather.default
 
 
 class GraphCapture:
@@ -32,7 +36,7 @@ class GraphCapture:
         def compiler(graphs: list[fx.GraphModule], phase: str) -> Any:
             def compile_one(gm: fx.GraphModule, example_inputs: Any) -> Any:
                 graphs.append(gm)
-                n_ag, n_rs, n_ar = count(gm, AG), count_reduces(gm), count(gm, AR)
+                n_ag, n_rs, n_ar = count(gm, AG) + count(gm, REGATHER), count_reduces(gm), count(gm, AR)
 
                 def run(args: list) -> Any:
                     self.runtime[f"{phase}_all_gather"] += n_ag

@@ -14,9 +14,10 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp import explain, fully_shard
+from compiled_fsdp.core.ops import BACKWARD_GATHERS
 from examples.gpt import GPT, GPTConfig
 from _dist import run_distributed
-from _graphs import AG, WAIT, GraphCapture, count, count_reduces, saved_gathered
+from _graphs import AG, REGATHER, WAIT, GraphCapture, count, count_reduces, saved_gathered
 from _models import gpt_case
 from _parity import assert_close, run_parity
 
@@ -54,6 +55,7 @@ def _blocks_rank(rank: int, world: int, how: str, backend: str, n_blocks: int) -
     from compiled_fsdp.compile.install import last_schedule_reports
 
     torch._dynamo.reset()
+    BACKWARD_GATHERS.reset()
     counters.clear()
     torch._functorch.config.enable_autograd_cache = False  # count real compiles
     torch._inductor.config.fx_graph_cache = False
@@ -73,10 +75,11 @@ def _blocks_rank(rank: int, world: int, how: str, backend: str, n_blocks: int) -
                      graph_counts=capture.take_runtime if capture is not None else None,
                      after_step=lambda m: [(r.fqn, r.path, r.units) for r in explain(m)])
     res["unique_graphs"] = counters["stats"]["unique_graphs"]
+    res["prefetched_regathers"] = BACKWARD_GATHERS.taken
     if capture is not None:
         res["graphs"] = (len(capture.forward), len(capture.backward))
         res["forward"] = [_forward_structure(g) for g in capture.forward]
-        res["backward"] = [(count(g, AG), count_reduces(g)) for g in capture.backward]
+        res["backward"] = [(count(g, AG) + count(g, REGATHER), count_reduces(g)) for g in capture.backward]
         res["saved_gathered"] = [saved_gathered(g) for g in capture.forward]
     res["schedules"] = [(r.graph, r.sequence) for r in last_schedule_reports()]
     return res
@@ -90,8 +93,10 @@ def test_blocks_share_two_graphs_aot_eager(how: str, n_blocks: int) -> None:
     last issues the next block's all-gather in its forward graph and returns
     it unwaited, and reduces the next block's gradient in its backward graph;
     each block waits on the gather handed to it and re-gathers in its own
-    backward graph (resharded after forward: nothing unsharded is saved). The
-    eager root gathers and reduces itself and the first block."""
+    backward graph (resharded after forward: nothing unsharded is saved),
+    through ``regather``, which from the second step on takes the gather
+    issued when that backward began (the previous step taught which buckets
+    re-gather). The eager root gathers and reduces itself and the first block."""
     n = n_blocks
     for res in run_distributed(_blocks_rank, 2, how, "aot_eager", n, timeout=600):
         assert_close(res, 0.0)
@@ -104,6 +109,7 @@ def test_blocks_share_two_graphs_aot_eager(how: str, n_blocks: int) -> None:
         assert res["graph_counts"] == [{"fw_all_gather": n - 1, "bw_all_gather": n,
                                         "bw_reduce_scatter": n - 1}] * 3
         assert res["counts"] == [{"all_gather": 2, "reduce_scatter": 2}] * 3
+        assert res["prefetched_regathers"] == 2 * n  # steps 2 and 3
         reports = res["after"][-1]
         assert [(fqn, path) for fqn, path, _ in reports] == [("", "eager")] + [
             (f"layers.{i}", "compiled") for i in range(n)]
@@ -113,9 +119,9 @@ def test_blocks_share_two_graphs_aot_eager(how: str, n_blocks: int) -> None:
 
 def test_blocks_share_two_graphs_inductor() -> None:
     """Within 1e-5 of the reference; two Dynamo graphs; the schedule issues the
-    next block's gather before waiting on the block's own, and in backward the
-    next block's reduce before waiting on the block's re-gather: both overlap
-    this block's compute."""
+    next block's gather before waiting on the block's own, and in backward
+    the next block's reduce overlaps this block's compute; the re-gather is
+    taken from the gather issued when the backward began, from step 2 on."""
     for res in run_distributed(_blocks_rank, 2, "module.compile", "inductor", 4, timeout=900):
         assert_close(res, 1e-5)
         assert res["unique_graphs"] == 2
@@ -124,4 +130,5 @@ def test_blocks_share_two_graphs_inductor() -> None:
                                                  and any("reduce" in e for e in s[1])][:1])
         fw, bw = schedules["forward"], schedules["backward"]
         assert fw == ["all_gather:-2.0", "wait:-1.0"], fw
-        assert bw.index("reduce_scatter:-2.0") < bw.index("wait:-1.0"), bw
+        assert "reduce_scatter:-2.0" in bw and not any(e.startswith("all_gather") for e in bw), bw
+        assert res["prefetched_regathers"] == 2 * 4

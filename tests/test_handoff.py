@@ -226,3 +226,42 @@ def test_divide_factor_in_handed_over_reduces() -> None:
     factor 1, up to 0.02 off."""
     for res in run_distributed(_factor_rank, 2):
         assert max(res.values()) == 0.0, {n: d for n, d in res.items() if d}
+
+
+def _prefetch_rank(rank: int, world: int, bf16: bool, explicit: bool) -> dict:
+    from compiled_fsdp.core.ops import BACKWARD_GATHERS
+    from compiled_fsdp.runtime.state import get_fsdp_state
+
+    build, make_batch, loss = gpt_case(bf16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    BACKWARD_GATHERS.reset()
+    seen = [0]
+
+    def shard(model: torch.nn.Module) -> None:
+        _shard(policy)(model)
+        if explicit:  # FSDP2's explicit form: layers.1's backward prefetches nothing
+            model.layers[1].set_modules_to_backward_prefetch([])
+
+    def step_record(model: torch.nn.Module) -> tuple:
+        taken, seen[0] = BACKWARD_GATHERS.taken - seen[0], BACKWARD_GATHERS.taken
+        prefetched = [fqn for phase, fqn in get_fsdp_state(model).ctx.last_prefetched
+                      if phase == "backward" and fqn.startswith("layers.")]
+        return taken, prefetched
+
+    return run_parity(rank, build, shard, make_batch, loss, wrap=_per_block("aot_eager"), after_step=step_record,
+                      ref_forward=_bf16_forward if bf16 else None)
+
+
+@pytest.mark.parametrize("bf16,explicit", [(False, False), (True, False), (False, True)])
+def test_backward_regathers_prefetched(bf16: bool, explicit: bool) -> None:
+    """[Note: Backward re-gathers prefetched across graphs]: from the second
+    step on both blocks' backward graphs take their re-gathers from gathers
+    issued when a backward began: layers.1's own, issued by its pre-backward,
+    and layers.0's, issued by layers.1's as FSDP2's backward prefetch (none
+    where ``set_modules_to_backward_prefetch([])`` says so: layers.0's own
+    pre-backward issues it). Bitwise equal to the reference (bf16 gathers:
+    to the bf16 reference): what is taken is the graph's own pack and gather."""
+    for res in run_distributed(_prefetch_rank, 2, bf16, explicit, timeout=600):
+        assert_close(res, 0.0)
+        order = [] if explicit else ["layers.0"]
+        assert res["after"] == [(0, []), (2, order), (2, order)], res["after"]

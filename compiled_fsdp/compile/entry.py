@@ -79,6 +79,7 @@ from typing import Optional
 import torch
 
 from compiled_fsdp.compile import frames
+from compiled_fsdp.core import ops
 from compiled_fsdp.core.marker import GatherNext
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -141,6 +142,21 @@ class CompiledEntry:
             reduce_dtype=first.reduce_dtype, sync=sync, reduce_by_all_to_all=group.reduce_by_all_to_all,
             divide_factor=group.specs[0].divide_factor, replicate_group_name=group.replicate_group_name,
             replicas=group.specs[0].replicas)
+
+    def issue_backward_gather(self) -> bool:
+        """This module's gather for its backward graph's ``regather``, issued
+        now, not waited, if that op gathers this bucket and none is pending
+        (see [Note: Backward re-gathers prefetched across graphs] in
+        core/ops.py). Returns whether it was issued."""
+        group = self.group
+        shards = [p.sharded.to_local() for p in group.fsdp_params]
+        key = ops.shards_key(shards)
+        if not ops.BACKWARD_GATHERS.wanted(key):
+            return False
+        ops.BACKWARD_GATHERS.issue(key, ops.issue_gather(
+            shards, list(group.specs), group.fsdp_params[0].param_dtype, group.group_name, group.key,
+            counted=False))
+        return True
 
     def reset(self) -> None:
         """At an iteration's start: not compiled yet, nothing handed over."""

@@ -29,10 +29,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils._pytree import tree_flatten
 
-import compiled_fsdp.core.ops  # noqa: F401  (registers torch.ops.compiled_fsdp)
 from compiled_fsdp.compile import frames, install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of
-from compiled_fsdp.core import compat
+from compiled_fsdp.core import compat, ops  # (ops registers torch.ops.compiled_fsdp)
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, Unshard
 from compiled_fsdp.runtime.extension import CompiledPath
 from compiled_fsdp.runtime.param import FSDPParam
@@ -243,7 +242,8 @@ class TorchCompilePath(CompiledPath):
         _restore_none_later(ctx, entry.params_left_unread())
         # (its graph took the kept gradients of the module it handed a gather to)
         handed = entry.end()
-        _watch_compiled_backward(ctx, output, [group] + ([handed.group] if handed is not None else []))
+        _watch_compiled_backward(ctx, output, [group] + ([handed.group] if handed is not None else []),
+                                 partial(_issue_backward_gathers, ctx, state))
         return True
 
     def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
@@ -254,6 +254,7 @@ class TorchCompilePath(CompiledPath):
 
     def end_iteration(self, ctx: RootContext) -> None:
         _drop_unread_handoffs(ctx)
+        ops.BACKWARD_GATHERS.drop_pending()
         root = _root(ctx)
         for p in root.regrad_none:  # see _drop_unread_handoffs
             p.sharded.grad = None
@@ -328,11 +329,31 @@ def _graph_reduced_groups(ctx: RootContext) -> list[FSDPParamGroup]:
     ]
 
 
-def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPParamGroup]) -> None:
+def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
+    """When the backward of ``state``'s own graph begins: its re-gather if not
+    prefetched yet, then the one of the module before it in the forward order
+    (or of those ``set_modules_to_backward_prefetch`` named), as FSDP2's
+    backward prefetch. See [Note: Backward re-gathers prefetched across
+    graphs] in core/ops.py."""
+    order = ctx.forward_order or ctx.prev_forward_order  # (a backward after the iteration's end: chunked loss)
+    if state.backward_prefetch is not None:
+        targets = list(state.backward_prefetch)
+    else:
+        at = max((i for i, s in enumerate(order) if s is state), default=0)
+        targets = [order[at - 1]] if at > 0 else []
+    for target in [state, *targets]:
+        group = target.param_group
+        if group is not None and entry_of(group).issue_backward_gather() and target is not state:
+            ctx.prefetched.append(("backward", group.fqn))
+
+
+def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPParamGroup],
+                             before_graph: Optional[Callable[[], None]] = None) -> None:
     """After a compiled forward of ``groups``: when its backward starts, check
     that the gradient-sync flags are still those the graph was traced with,
     and drop the kept gradients the graph took (its backward holds its own
-    reference). A forward whose backward never runs keeps them. See [Note:
+    reference). A forward whose backward never runs keeps them; then
+    ``before_graph`` runs (a block's backward gathers). See [Note:
     Accumulation without sync in graphs] in core/ops.py. The first compiled
     backward of the iteration (the compiled root's, or the last block's)
     also agrees with the other ranks that it starts."""
@@ -368,6 +389,8 @@ def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPPar
             for p in g.fsdp_params:
                 p.drop_kept_grad()
         install.open_backward_window()  # this backward's graph may compile now
+        if before_graph is not None:
+            before_graph()
         if not compat.to_local_keeps_none_grads():  # torch 2.11: see core/compat.py
             unsynced = [p.sharded for g, flag in traced if not flag for p in g.fsdp_params
                         if p.sharded.requires_grad and p.sharded.grad is None]

@@ -334,4 +334,21 @@ class ReduceNext(Marker):
                    replicate_group_name=gather.replicate_group_name, replicas=gather.replicas)
 
 
-MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext)
+@dataclasses.dataclass(frozen=True)
+class Regather(Marker):
+    """A handed-in module's backward re-gather, waited: the one prefetched
+    for its shards if there is one, else gathered now. See [Note: Backward
+    re-gathers prefetched across graphs] in core/ops.py."""
+
+    NAME: ClassVar[str] = "regather"
+    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "world_size", "module_key")
+
+    shards: Any = _arg("Tensor[]")
+    full_shapes: Sequence[int] = _arg("int[]")
+    group_name: str = _arg("str")
+    world_size: int = _arg("int")
+    module_key: int = _arg("int")
+    param_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+
+
+MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext, Regather)

@@ -60,7 +60,7 @@ Tested by tests/test_compile_parity.py::test_uneven_shards_share_no_cache_entry.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,9 +71,9 @@ from compiled_fsdp.core.layout import (
     EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, split_specs,
     unpack_gathered,
 )
-from compiled_fsdp.core.marker import GatherNext, ReduceGrad, ReduceNext, Unshard
+from compiled_fsdp.core.marker import GatherNext, ReduceGrad, Regather, ReduceNext, Unshard
 
-__all__ = ["gather_next", "reduce_grad", "reduce_next", "unshard"]
+__all__ = ["BackwardGathers", "BACKWARD_GATHERS", "gather_next", "reduce_grad", "reduce_next", "regather", "unshard"]
 
 # Kept gradients an eager ``reduce_grad`` has already added (by identity); see
 # [Note: Accumulation without sync in graphs].
@@ -219,13 +219,22 @@ def gather_next(*args: Any, **kwargs: Any) -> torch.Tensor:
     """One module's bucketed all-gather, returned *not waited*: whoever reads
     it waits (``unshard(gathered=...)``)."""
     m = GatherNext.bind(args, kwargs)
-    specs = _next_specs(m)
-    flat = pack_shards(EAGER, list(m.shards), specs, [m.param_dtype] * len(specs))
-    if m.world_size == 1:
+    return issue_gather(list(m.shards), _next_specs(m), m.param_dtype, m.group_name, m.module_key)
+
+
+def issue_gather(shards: list[torch.Tensor], specs: list[ShardSpec], param_dtype: Optional[torch.dtype],
+                 group_name: str, module_key: int, counted: bool = True) -> torch.Tensor:
+    """One bucket's pack and all-gather, not waited (a fresh tensor);
+    ``counted`` in ``collective_counts`` (a graph's ``regather`` is not: it
+    stands for the graph's own gather)."""
+    flat = pack_shards(EAGER, shards, specs, [param_dtype] * len(specs))
+    world_size = specs[0].world_size
+    if world_size == 1:
         return flat.clone()
-    comm.count("all_gather")
-    _before_collective("all-gather", m.module_key, -1)
-    return torch.ops._c10d_functional.all_gather_into_tensor(flat, m.world_size, m.group_name)
+    if counted:
+        comm.count("all_gather")
+    _before_collective("all-gather", module_key, -1)
+    return torch.ops._c10d_functional.all_gather_into_tensor(flat, world_size, group_name)
 
 
 @gather_next.register_fake
@@ -286,3 +295,91 @@ def _reduce_next_fake(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
         return [m.grad.new_empty(list(s.full_shape), dtype=m.reduce_dtype or m.grad.dtype) for s in specs]
     return [m.grad.new_empty([rows, *s.rest], dtype=m.grad_dtype or m.grad.dtype)
             for s, rows in zip(specs, m.local_rows)]
+
+
+# ---------------------------------------------------------------------------
+# regather: see [Note: Backward re-gathers prefetched across graphs]
+# ---------------------------------------------------------------------------
+
+
+def shards_key(shards: list[torch.Tensor]) -> tuple[int, ...]:
+    """Which bucket a list of shards is: where each one's data lives (a graph
+    reads its module's shards by value, whatever module it was compiled for)."""
+    return tuple(s.data_ptr() for s in shards)
+
+
+class BackwardGathers:
+    """[Note: Backward re-gathers prefetched across graphs]
+    A block compiled on its own that reshards after forward gathers its
+    parameters again in its backward graph, and a graph can only overlap that
+    gather with its own compute: each block's backward used to start by
+    waiting for its own gather. FSDP2 issues block i-1's gather when block i's
+    backward begins. The same here, through one op: the lowering makes a
+    handed-in block's backward re-gather ``compiled_fsdp::regather`` (an
+    opaque op that Inductor calls as it is), which takes the gather issued
+    for the same shards if one is pending and otherwise gathers now. The
+    compile layer issues them (``issue``) in the eager pre-backward hook of a
+    block's graph: that block's own gather if not yet issued, then the gather
+    of the block before it in the forward order, as FSDP2's backward prefetch
+    does. Only buckets whose ``regather`` has run once (``takers``) are
+    issued: a graph that re-gathers a subset of its parameters, or none, is
+    never sent one. A gather left pending at the end of backward is waited
+    for and dropped (``drop_pending``). What is gathered is one pack of the
+    shards with the layout functions of [Note: Bucket layout], so taking it is
+    bitwise the graph's own gather. Every rank runs the same program over the
+    same order, so all issue the same gathers.
+    Tested by tests/test_handoff.py::test_backward_regathers_prefetched."""
+
+    def __init__(self) -> None:
+        self.takers: set[tuple[int, ...]] = set()
+        self.pending: dict[tuple[int, ...], torch.Tensor] = {}
+        self.taken = 0  # regathers served by a pending gather (for the tests and the benchmarks)
+
+    def reset(self) -> None:
+        self.drop_pending()
+        self.takers.clear()
+        self.taken = 0
+
+    def wanted(self, key: tuple[int, ...]) -> bool:
+        return key in self.takers and key not in self.pending
+
+    def issue(self, key: tuple[int, ...], gathered: torch.Tensor) -> None:
+        self.pending[key] = gathered
+
+    def take(self, key: tuple[int, ...]) -> Optional[torch.Tensor]:
+        self.takers.add(key)
+        gathered = self.pending.pop(key, None)
+        if gathered is not None:
+            self.taken += 1
+        return gathered
+
+    def drop_pending(self) -> None:
+        for gathered in self.pending.values():
+            torch.ops._c10d_functional.wait_tensor(gathered)
+        self.pending.clear()
+
+
+BACKWARD_GATHERS = BackwardGathers()
+
+
+def _regather_specs(m: Regather) -> list[ShardSpec]:
+    return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size)
+
+
+@torch.library.custom_op(Regather.qualname(), mutates_args=(), schema=Regather.schema())
+def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The gathered bucket of ``shards``, waited: prefetched, or gathered now."""
+    m = Regather.bind(args, kwargs)
+    shards = list(m.shards)
+    gathered = BACKWARD_GATHERS.take(shards_key(shards))
+    if gathered is None:
+        gathered = issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
+                                counted=False)
+    return torch.ops._c10d_functional.wait_tensor(gathered)
+
+
+@regather.register_fake
+def _regather_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    m = Regather.bind(args, kwargs)
+    total = sum(s.shard_numel for s in _regather_specs(m))
+    return m.shards[0].new_empty([m.world_size * total], dtype=m.param_dtype or m.shards[0].dtype)

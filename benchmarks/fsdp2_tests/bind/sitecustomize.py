@@ -1,0 +1,41 @@
+"""Binds PyTorch's FSDP2 names to compiled_fsdp in every process of a test run
+(the pytest process and the ranks it spawns), when ``COMPILED_FSDP_BIND`` is
+``eager`` or ``compiled``; does nothing otherwise. Put on ``PYTHONPATH`` by
+``benchmarks/fsdp2_tests/run.py`` only: the project itself never patches torch.
+
+``compiled`` also compiles every module ``fully_shard`` returns in place
+(``module.compile(backend="aot_eager")``), as a user compiling each sharded
+block would.
+"""
+import os
+
+_MODE = os.environ.get("COMPILED_FSDP_BIND", "")
+
+if _MODE in ("eager", "compiled"):
+    import functools
+
+    import torch.distributed.fsdp as _fsdp
+    import torch.distributed.fsdp._fully_shard as _fsdp_pkg
+    import torch.distributed.fsdp._fully_shard._fully_shard as _fsdp_mod
+
+    import compiled_fsdp as _ours
+
+    _shard = _ours.fully_shard
+    if _MODE == "compiled":
+        @functools.wraps(_ours.fully_shard)
+        def _shard(module, *args, **kwargs):  # noqa: ANN001, ANN202
+            out = _ours.fully_shard(module, *args, **kwargs)
+            for m in (out if isinstance(out, list) else [out]):
+                m.compile(backend="aot_eager")
+            return out
+
+    _names = {
+        "fully_shard": _shard,
+        "FSDPModule": _ours.FSDPModule,
+        "UnshardHandle": _ours.UnshardHandle,
+        "register_fsdp_forward_method": _ours.register_fsdp_forward_method,
+    }
+    for _target in (_fsdp, _fsdp_pkg, _fsdp_mod):
+        for _name, _value in _names.items():
+            if hasattr(_target, _name):
+                setattr(_target, _name, _value)
