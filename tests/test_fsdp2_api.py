@@ -314,6 +314,8 @@ def _errors(rank: int, world: int) -> dict:
         "mesh_2d_unnamed": lambda fs: fs(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, world))),
         "shared_across": lambda fs: _shared_across(fs),
         "deepcopy": lambda fs: copy.deepcopy(fs(nn.Linear(4, 4))),
+        "child_forward_first": lambda fs: _child_forward_first(fs),
+        "list_root": lambda fs: _list_root(fs),
     }
     out = {}
     for name, case in cases.items():
@@ -345,6 +347,21 @@ def _shared_across(fs: Callable) -> None:
     model(torch.arange(4))  # FSDP2 raises here, at lazy init
 
 
+def _child_forward_first(fs: Callable) -> None:
+    """A sharded child's forward before the root's: the child becomes a root."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fs(model[0])
+    fs(model)
+    model[0](torch.ones(2, 4))
+    model(torch.ones(2, 4))
+
+
+def _list_root(fs: Callable) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fs([model[0], model[1]])
+    model(torch.ones(2, 4))
+
+
 # Words of FSDP2's message that ours says too.
 _SAME_WORDS = {
     "reapply": "can only be applied to a module once",
@@ -356,6 +373,9 @@ _SAME_WORDS = {
     "mesh_2d_unnamed": "Please init the 2D mesh for HSDP with mesh_dim_names specified",
     "shared_across": "already managed by another",
     "deepcopy": "FSDP does not support deepcopy",
+    "child_forward_first": "FSDP state has already been lazily initialized for 0\nFSDP requires running "
+                           "forward through the root module first",
+    "list_root": "FSDP requires a single root module but got ",
 }
 
 

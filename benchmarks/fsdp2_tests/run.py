@@ -16,6 +16,9 @@ separate pytest run over the same files:
   compiled  the same, every sharded module also compiled in place with
             ``aot_eager``
 
+Tests marked for 2+ GPUs run on the CPU too (gloo), unless ``--gpu-skips``;
+a test counts when FSDP2 itself passes it here.
+
 Prints, per test that FSDP2 passes, the outcome under each mode and the first
 line of each failure, and the counts; writes them all to ``--out``.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,25 +48,31 @@ def _outcomes(junit_xml: str) -> dict[str, tuple[str, str]]:
             el = case.find(tag)
             if el is not None:
                 outcome = "skipped" if tag == "skipped" else "failed"
-                text = (el.get("message") or el.text or "").strip()
+                text = (el.text or el.get("message") or "").strip()  # (the message can stop at its first line)
                 message = _first_cause(text)
                 break
         out[name] = (outcome, message)
     return out
 
 
+_ERROR_LINE = re.compile(r"^(E\s+)?(\[rank\d+\]:\s*)?([\w.]+(Error|Exception)|AssertionError)\b(:.*)?$")
+_WRAPPERS = re.compile(r"(Thread|Process) \d+ exited|exited with exit code|Caught exception")
+
+
 def _first_cause(text: str) -> str:
-    """The line that names the error (a spawned rank's traceback ends in it)."""
+    """The error a rank raised: the last line naming an exception that is not
+    the test harness's report that a rank (thread or process) failed."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in lines:
-        if any(k in ln for k in ("Error:", "Exception:", "exited with exit code", "AssertionError")):
-            return ln[:240]
-    return (lines[0] if lines else "")[:240]
+    named = [ln for ln in lines if _ERROR_LINE.match(ln) and not _WRAPPERS.search(ln)]
+    line = named[-1] if named else lines[0] if lines else ""
+    return re.sub(r"^E\s+", "", line)[:240]
 
 
-def run_mode(mode: str, files: list[str], keyword: str | None, timeout: float) -> dict[str, tuple[str, str]]:
+def run_mode(mode: str, files: list[str], keyword: str | None, timeout: float,
+             gpu_tests_on_cpu: bool) -> dict[str, tuple[str, str]]:
     env = dict(os.environ)
     env["COMPILED_FSDP_BIND"] = mode if mode != "fsdp2" else ""
+    env["COMPILED_FSDP_GPU_TESTS_ON_CPU"] = "1" if gpu_tests_on_cpu else "0"
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "bind")] + [p for p in [env.get("PYTHONPATH")] if p])
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "junit.xml")
@@ -86,12 +96,14 @@ def main() -> None:
     p.add_argument("-k", dest="keyword", default=None)
     p.add_argument("--timeout", type=float, default=4 * 3600)
     p.add_argument("--out", default="fsdp2_tests.json")
+    p.add_argument("--gpu-skips", action="store_true",
+                   help="keep the skips of tests marked for 2+ GPUs (default: run them on the CPU too)")
     args = p.parse_args()
     files = [os.path.join(os.path.abspath(args.tests), f"test_fully_shard_{f}.py") for f in args.files]
     for f in files:
         if not os.path.exists(f):
             raise SystemExit(f"{f} not found: --tests must name PyTorch's test/distributed/_composable/fsdp")
-    results = {mode: run_mode(mode, files, args.keyword, args.timeout) for mode in args.modes}
+    results = {mode: run_mode(mode, files, args.keyword, args.timeout, not args.gpu_skips) for mode in args.modes}
     base = "fsdp2" if "fsdp2" in results else None
     names = sorted(set().union(*[r.keys() for r in results.values()]))
     considered = [n for n in names if base is None or results[base].get(n, ("?", ""))[0] == "passed"]
@@ -108,7 +120,7 @@ def main() -> None:
     import torch
 
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "files": args.files, "considered": len(considered), "counts": counts,
+        json.dump({"torch": torch.__version__, "files": args.files, "gpu_tests_on_cpu": not args.gpu_skips, "considered": len(considered), "counts": counts,
                    "results": {m: {n: list(v) for n, v in r.items()} for m, r in results.items()}}, f, indent=1)
 
 

@@ -52,9 +52,12 @@ block's all-gather and hands it over unwaited:
   eager runtime's exactly, up to the sign of a zero).
 - The first block's gather is issued eagerly by the module before it (the
   root's pre-forward), whose eager backward reduces it.
-- The backward re-gather of a block that reshards after forward stays in its
-  own backward graph, from its saved shards: there is no channel that hands a
-  tensor from one backward graph to the next.
+- The backward re-gather of a block that reshards after forward is its own
+  backward graph's, from its saved shards, but issued before that graph
+  runs: no tensor passes from one backward graph to the next, so the graph
+  calls an opaque op that takes the gather the eager pre-backward hooks
+  issued, FSDP2's backward prefetch ([Note: Backward re-gathers prefetched
+  across graphs] in core/ops.py).
 - Which block is next: the previous iteration's forward order, the one the
   eager runtime prefetches by; in the first step the modules' order in the
   model. Only a module predicted to compile its own frame gets a handoff

@@ -399,9 +399,23 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
 
+    @property
+    def _is_root(self) -> Optional[bool]:
+        """FSDP2's name for ``is_root``, None before the first forward."""
+        return None if self.ctx is None else self.is_root
+
     def _lazy_init(self) -> None:
-        """See [Note: Roots and iterations]."""
+        """See [Note: Roots and iterations]. Refuses what FSDP2 refuses, with
+        its messages: a root of several modules, and a module whose state a
+        forward of its own initialised before the root's."""
+        if len(self.modules) > 1:
+            raise RuntimeError(f"FSDP requires a single root module but got {self.modules}")
         states = iter_fsdp_states(self.module)
+        fqns = module_fqns(self.module)
+        for st in states:
+            if st is not self and st.ctx is not None:
+                raise RuntimeError(f"FSDP state has already been lazily initialized for {fqns[st.module]}\n"
+                                   "FSDP requires running forward through the root module first")
         for st in states:  # every rank reaches the same verdict: the same model
             if st.deferred_error is not None:
                 raise ValueError(st.deferred_error)
@@ -414,7 +428,6 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         device = next((st.param_group.fsdp_params[0].local_shard().device for st in states
                        if st.param_group is not None and st.param_group.fsdp_params), torch.device("cpu"))
         ctx.streams = CommStreams(device)
-        fqns = module_fqns(self.module)
         for st in ctx.states:
             st.ctx = ctx
             if st.param_group is not None:

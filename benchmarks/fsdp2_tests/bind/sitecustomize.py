@@ -11,6 +11,27 @@ import os
 
 _MODE = os.environ.get("COMPILED_FSDP_BIND", "")
 
+if os.environ.get("COMPILED_FSDP_GPU_TESTS_ON_CPU") == "1":
+    # Tests marked for 2+ GPUs also run on a machine without one, on gloo, as
+    # the ones marked ``allow_cpu`` do (the count then covers every test
+    # FSDP2 itself passes on the CPU, in every mode alike).
+    import torch.testing._internal.common_distributed as _cd
+
+    _skip_if_lt_x_gpu = _cd.skip_if_lt_x_gpu
+
+    def _allow_cpu(x, *, allow_cpu=False):  # noqa: ANN001, ANN202
+        return _skip_if_lt_x_gpu(x, allow_cpu=True)
+
+    _cd.skip_if_lt_x_gpu = _allow_cpu
+
+    import torch
+
+    if not torch.accelerator.is_available():
+        # ``FSDPTest._run`` skips every multi-process test when fewer
+        # accelerators than ranks are found, CPU or not; on a machine without
+        # one, the ranks run on the CPU and gloo (``DEVICE_TYPE`` is "cpu").
+        torch.accelerator.device_count = lambda: 1 << 10
+
 if _MODE in ("eager", "compiled"):
     import functools
 
