@@ -70,6 +70,7 @@ __all__ = [
     "SUPPORTED",
     "all_gather_single",
     "check_supported",
+    "cudagraph_unsafe_tags",
     "end_callback_raised",
     "fix_rng_state_order",
     "never_a_frame",
@@ -405,3 +406,11 @@ def torch_policy_classes() -> tuple[type, type, type]:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     return MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
+
+
+def cudagraph_unsafe_tags() -> tuple:
+    """``torch.Tag.cudagraph_unsafe`` where this torch has it: an op Inductor
+    must never capture in a CUDA graph (a replay would skip its Python, as
+    ``regather``'s choice between a prefetched gather and its own)."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return () if tag is None else (tag,)

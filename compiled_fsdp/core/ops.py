@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from compiled_fsdp.core import comm, registry
+from compiled_fsdp.core import comm, compat, registry
 from compiled_fsdp.core.layout import (
     EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, split_specs,
     unpack_gathered,
@@ -366,7 +366,8 @@ def _regather_specs(m: Regather) -> list[ShardSpec]:
     return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size)
 
 
-@torch.library.custom_op(Regather.qualname(), mutates_args=(), schema=Regather.schema())
+@torch.library.custom_op(Regather.qualname(), mutates_args=(), schema=Regather.schema(),
+                         tags=compat.cudagraph_unsafe_tags())
 def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
     """The gathered bucket of ``shards``, waited: prefetched, or gathered now."""
     m = Regather.bind(args, kwargs)

@@ -39,7 +39,7 @@ here needs updating (``local_shard()`` reads the DTensor's local tensor each
 time). User init (``reset_parameters()``, ``init_weights()``) reads parameters
 outside forward, so it gets the DTensors and writes each rank's rows in place;
 a DCP load fills them from a checkpoint. A forward while a shard is still on
-``meta`` raises (``check_materialized``). Tested by tests/test_meta_init.py.
+``meta`` raises FSDP2's error (``FSDPParamGroup.check_materialized``). Tested by tests/test_meta_init.py.
 """
 from __future__ import annotations
 
@@ -189,15 +189,10 @@ class FSDPParam:
         for m, n in self.owners:
             m._parameters[n] = self.sharded
 
-    def check_materialized(self) -> None:
-        """Raises if this shard still has no storage ([Note: Meta-device init])."""
-        if self.local_shard().is_meta:
-            raise RuntimeError(
-                f"compiled_fsdp: parameter {self.fqn!r} is still on the meta device. After building "
-                "the model under torch.device('meta') and fully_shard, call model.to_empty(device=...) "
-                "and initialize it (reset_parameters() / init_weights(), or load a checkpoint) before "
-                "the first forward."
-            )
+    @property
+    def on_meta(self) -> bool:
+        """Whether this shard still has no storage ([Note: Meta-device init])."""
+        return self.local_shard().is_meta
 
     # -- unsharded storage -------------------------------------------------
     @property

@@ -214,6 +214,18 @@ class FSDPParamGroup:
         """Whether the eager runtime is inside a forward of this group's root."""
         return self.ctx is not None and self.ctx.phase is Phase.FORWARD
 
+    def check_materialized(self, module_fqn: str) -> None:
+        """FSDP2's error for shards still on the meta device, all of the group's
+        at once, named under the root (the group's module is ``module_fqn``;
+        [Note: Meta-device init] in param.py)."""
+        names = [f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn for p in self.fsdp_params if p.on_meta]
+        if names:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the "
+                f"following were still on meta device: {names}\nAfter building the model under "
+                "torch.device('meta') and fully_shard, call model.to_empty(device=...) and initialize it "
+                "(reset_parameters() / init_weights(), or load a checkpoint) before the first forward.")
+
     def before_marker_collective(self, op: str, param_index: int) -> None:
         """A marker of this group that no pass lowered is about to issue ``op``
         eagerly (core/ops.py): agree on it first."""

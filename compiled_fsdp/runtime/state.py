@@ -419,8 +419,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         for st in states:  # every rank reaches the same verdict: the same model
             if st.deferred_error is not None:
                 raise ValueError(st.deferred_error)
-            for p in st.param_group.fsdp_params if st.param_group is not None else ():
-                p.check_materialized()
+            if st.param_group is not None:
+                st.param_group.check_materialized(fqns[st.module])
         ctx = RootContext(self)
         ctx.states = states
         ctx.checker = next(
