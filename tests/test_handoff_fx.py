@@ -23,6 +23,7 @@ from compiled_fsdp.passes.schedule import schedule_graph
 c10d = torch.ops._c10d_functional
 AG, RS, WAIT = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                 c10d.wait_tensor.default)
+REGATHER = torch.ops.compiled_fsdp.regather.default  # a resharding block's backward re-gather
 GROUP, N = "fake_group", 2
 # The block's bucket: w (5, 4), u (3) -- never read here --, b (5).
 OWN = [(5, 4), (3,), (5,)]
@@ -92,8 +93,8 @@ def test_handoff_lowering(reshard: bool) -> None:
     # This block's: one wait on the handed-in input; the forward reads it.
     (wait,) = [w for w in _calls(gm, WAIT) if w.args[0] is gathered]
     assert _role(wait) == "handoff_chain"
-    regathers = [g for g in _calls(gm, AG) if _role(g) == "gather_chain"]
-    if reshard:  # the backward re-gathers from the shards, only in backward, recomputed
+    regathers = [g for g in _calls(gm, REGATHER) if _role(g) == "gather_chain"]
+    if reshard:  # the backward re-gathers from the shards (one regather op), only in backward, recomputed
         (again,) = regathers
         assert again.meta["partitioner_tag"] == "must_be_in_backward"
         assert again.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE

@@ -117,10 +117,10 @@ def main() -> None:
     counts = {m: sum(results[m].get(n, ("-",))[0] == "passed" for n in considered) for m in args.modes}
     print(f"of {len(considered)} tests" + (" that FSDP2 passes here" if base else "") + ": "
           + ", ".join(f"{m} {c}" for m, c in counts.items()))
-    import torch
+    from importlib.metadata import version  # (the release, read as the other benchmarks read it)
 
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "files": args.files, "gpu_tests_on_cpu": not args.gpu_skips, "considered": len(considered), "counts": counts,
+        json.dump({"torch": version("torch"), "files": args.files, "gpu_tests_on_cpu": not args.gpu_skips, "considered": len(considered), "counts": counts,
                    "results": {m: {n: list(v) for n, v in r.items()} for m, r in results.items()}}, f, indent=1)
 
 
