@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp.core.layout import (
-    ShardSpec, cast, pack_grads, reduce_input, split_reduced, split_specs, unpack_gathered,
+    ShardSpec, cast, joined_shapes, pack_grads, reduce_input, split_reduced, split_specs, unpack_gathered,
 )
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, Regather, ReduceNext, Unshard
 
@@ -213,7 +213,7 @@ def _apply_reads(graph: fx.Graph, h: HandedIn, backward: set[fx.Node]) -> None:
         with graph.inserting_before(first):
             # (taken from the gather prefetched when the graph's backward began,
             # if one was: [Note: Backward re-gathers prefetched across graphs])
-            g = rb(Regather.op().default, shards, [d for sp in specs for d in sp.full_shape], args.group_name,
+            g = rb(Regather.op().default, shards, joined_shapes(specs), args.group_name,
                    args.world_size, args.module_key, args.param_dtype)
             again = dict(zip(indices, unpack_gathered(rb, g, specs)))
     for i in indices:

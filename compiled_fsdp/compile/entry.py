@@ -83,6 +83,7 @@ import torch
 
 from compiled_fsdp.compile import frames
 from compiled_fsdp.core import ops
+from compiled_fsdp.core.layout import joined_shapes
 from compiled_fsdp.core.marker import GatherNext
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -109,7 +110,7 @@ class CompiledEntry:
         self.handoff_traced = False  # this forward's trace issued handoff_next's gather
         self._handed_eagerly: Optional[torch.Tensor] = None  # the handoff_in issued outside a graph
         self._handoff_read: Optional[torch.Tensor] = None  # the handoff_in this forward reads
-        self.full_shapes = tuple(d for s in group.specs for d in s.full_shape)
+        self.full_shapes = tuple(joined_shapes(group.specs))
         self.local_rows = tuple(p.local_rows for p in group.fsdp_params)
         key, split_key = group.key, self.split_key
         # Run by comptime when Dynamo traces a marker (function objects that

@@ -118,6 +118,11 @@ def split_specs(full_shapes: Sequence[int], ndims: Sequence[int], world_size: in
     return out
 
 
+def joined_shapes(specs: Sequence[ShardSpec]) -> list[int]:
+    """The specs' full shapes flattened into one list, as ``split_specs`` reads them."""
+    return [d for spec in specs for d in spec.full_shape]
+
+
 def bucket_offsets(specs: Sequence[ShardSpec]) -> list[int]:
     """Column offset of each parameter inside a ``[N, T]`` bucket. See [Note: Bucket layout]."""
     offsets, total = [], 0
