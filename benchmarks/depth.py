@@ -39,8 +39,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests"), HERE]
 
-from _dist import run_distributed  # noqa: E402
 from workloads import train_rank  # noqa: E402
+
+from _dist import run_distributed  # noqa: E402
 
 KINDS = ["compute_compiled", "fsdp2_compiled", "ours_compiled", "ours_compiled_blocks",
          "ours_compiled_blocks_nohandoff"]

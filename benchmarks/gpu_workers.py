@@ -178,7 +178,8 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "first_step_s": first_step_s, "step_s": step_s, "step_times_s": times,
         "tokens_per_s": tokens / step_s, "flops_per_token": flops_token,
         "mfu": tokens / step_s * flops_token / args.peak_flops,
-        "peak_mem_gib": peak, "allocated_after_step_gib": allocated, "losses": losses, "param_norm": _param_norm(model), "trace": trace,
+        "peak_mem_gib": peak, "allocated_after_step_gib": allocated, "losses": losses,
+        "param_norm": _param_norm(model), "trace": trace,
     }
 
 

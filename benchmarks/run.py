@@ -90,15 +90,18 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests"), HERE]
 
-from _dist import run_distributed  # noqa: E402
 from workloads import comm_rank, overlap_limit_rank, paired_rank, train_rank  # noqa: E402
+
+from _dist import run_distributed  # noqa: E402
 
 # See [Note: Paired steps].
 PAIRED_KINDS = ["ours_compiled", "fsdp2_eager", "compute_compiled", "comm_only", "overlap_limit",
                 "ours_compiled_nosched", "ours_compiled_gloors", "ours_compiled_blocks"]
-TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_composed", "ours_compiled_onegroup", "ours_compiled_gloors",
-               "ours_compiled_nocheck", "ours_compiled_single", "ours_compiled_single_nounits",
-               "ours_compiled_nounits", "ours_compiled_blocks", "ours_compiled_blocks_nohandoff", "ours_eager", "ours_eager_single", "ours_eager_nocheck", "fsdp2_eager", "fsdp2_compiled", "compute_eager", "compute_compiled",
+TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_composed", "ours_compiled_onegroup",
+               "ours_compiled_gloors", "ours_compiled_nocheck", "ours_compiled_single", "ours_compiled_single_nounits",
+               "ours_compiled_nounits", "ours_compiled_blocks", "ours_compiled_blocks_nohandoff", "ours_eager",
+               "ours_eager_single", "ours_eager_nocheck", "fsdp2_eager", "fsdp2_compiled", "compute_eager",
+               "compute_compiled",
                "ours_compiled_bf16", "fsdp2_eager_bf16", "fsdp2_compiled_bf16", "compute_compiled_bf16"]
 # HSDP on a (2, world/2) mesh, both FSDPs: only when named with --only (they need --world 4).
 HSDP_KINDS = ["ours_compiled_hsdp", "ours_eager_hsdp", "fsdp2_eager_hsdp", "fsdp2_compiled_hsdp"]

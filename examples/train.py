@@ -189,8 +189,9 @@ def train(args: argparse.Namespace, impl: str, corpus: data.Corpus, device: torc
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     tokens_per_step = args.batch * cfg.seq * args.micro_batches * world
     peak = metrics.peak_flops(device)
-    log.log({"event": "start", "impl": impl, "world": world, "device": str(device), "params_M": round(n_params / 1e6, 2),
-             "params_per_rank_M": round(local / 1e6, 2), "compile": args.compile, "data": corpus.describe(),
+    log.log({"event": "start", "impl": impl, "world": world, "device": str(device),
+             "params_M": round(n_params / 1e6, 2), "params_per_rank_M": round(local / 1e6, 2),
+             "compile": args.compile, "data": corpus.describe(),
              "resumed_at": step if args.resume else None})
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) \
         if impl == "single" and args.precision == "bf16" else nullcontext()

@@ -13,8 +13,8 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from . import config
-from ._graph import has_markers
 from .cost_model import CostModel
+from .graph import has_markers
 from .lowering import (
     BucketReport,
     LoweringPlan,
@@ -22,6 +22,13 @@ from .lowering import (
     apply_lowering,
     lower_markers,
     plan_lowering,
+)
+from .recompute import (
+    FSDP_AC_GRAPH_ID,
+    RecomputeReport,
+    apply_recompute_tags,
+    plan_recompute_tags,
+    tag_recompute,
 )
 from .schedule import (
     Move,
@@ -32,13 +39,6 @@ from .schedule import (
     schedule_graph,
 )
 from .timeline import CommEvent, ModuleSpan, Timeline
-from .recompute import (
-    FSDP_AC_GRAPH_ID,
-    RecomputeReport,
-    apply_recompute_tags,
-    plan_recompute_tags,
-    tag_recompute,
-)
 
 __all__ = [
     "BucketReport",

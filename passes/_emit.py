@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from compiled_fsdp.core.layout import ShardSpec, pack_shards, sum_received
 
-from ._graph import NodeBuilder
+from .graph import NodeBuilder
 
 c10d = torch.ops._c10d_functional
 

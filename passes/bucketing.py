@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch.fx as fx
 
-from ._graph import node_order
+from .graph import node_order
 
 T = TypeVar("T")
 

@@ -39,13 +39,19 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp.core.layout import (
-    ShardSpec, cast, joined_shapes, pack_grads, reduce_input, split_reduced, split_specs, unpack_gathered,
+    ShardSpec,
+    cast,
+    joined_shapes,
+    pack_grads,
+    reduce_input,
+    split_reduced,
+    split_specs,
+    unpack_gathered,
 )
-from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, Regather, ReduceNext, Unshard
+from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, ReduceNext, Regather, Unshard
 
 from ._emit import emit_all_reduce, emit_gather, emit_reduce
-from .units import Unit
-from ._graph import (
+from .graph import (
     ChainTag,
     MarkerArgs,
     NodeBuilder,
@@ -62,6 +68,7 @@ from ._graph import (
     tangent_dependents,
     through_identity_views,
 )
+from .units import Unit
 
 c10d = torch.ops._c10d_functional
 

@@ -40,10 +40,8 @@ from compiled_fsdp.core.layout import pack_grads, reduce_input, split_reduced, u
 
 from ._emit import emit_all_reduce, emit_gather, emit_reduce
 from .bucketing import merge_small_buckets
-from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_marker, plan_handoff
 from .config import overlap
-from .units import Unit, choose_units, slot_uses
-from ._graph import (
+from .graph import (
     ChainTag,
     MarkerArgs,
     NodeBuilder,
@@ -58,6 +56,8 @@ from ._graph import (
     stable_topological_sort,
     through_identity_views,
 )
+from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_marker, plan_handoff
+from .units import Unit, choose_units, slot_uses
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

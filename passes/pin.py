@@ -47,7 +47,7 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch.utils._ordered_set import OrderedSet
 
 from .cost_model import ISSUES, WAIT
-from ._graph import chain_tag
+from .graph import chain_tag
 
 
 def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:

@@ -4,7 +4,7 @@
 After lowering, each unit's forward gather is a chain
 ``view(shard) -> cat -> all_gather_into_tensor -> wait_tensor -> view ->
 slice -> clone -> view -> slice``, recorded in
-``ChainTag.role == "gather_chain"`` (passes/_graph.py), one chain per unit
+``ChainTag.role == "gather_chain"`` (passes/graph.py), one chain per unit
 (passes/units.py). We tag *every* node of the chain:
 
 * ``reshard_after_forward=True``: ``CheckpointPolicy.MUST_RECOMPUTE``. The
@@ -40,7 +40,7 @@ import dataclasses
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._graph import chain_tag, is_unshard, parse_marker
+from .graph import chain_tag, is_unshard, parse_marker
 
 FSDP_AC_GRAPH_ID = 2**31 - 1
 

@@ -23,18 +23,7 @@ collective's wait and its tail (the views, copy-out or local sum that read only
 what it returned). *Compute*: everything else, kept in its original relative
 order. One walk over the compute nodes emits lazy nodes on demand (a wait lands
 right before the first node that needs its tail, and the whole tail follows it
-at once: see [Note: A reduce-scatter larger than the budget]
-A reduce-scatter is issued once no other reduce-scatter is in flight, even
-when it alone exceeds the budget: holding it back saves nothing (its
-gradients stay alive until it runs) and, first in its group's queue, it
-would hold back every later reduce-scatter to the graph's end. Seen on a GPU
-(Llama, fp32 gradients of the 128256 x 4096 output layer: 2.1 GB against a
-0.98 GB budget): every reduce-scatter went to the end, the estimated peak
-rose from 17 to 47 GB, so the backward schedule was dropped and every
-collective of the backward was waited right after its issue
-(tests/test_schedule_fx.py::test_reduce_scatter_larger_than_budget).
-
-[Note: In-flight bytes]) and issues
+at once: see [Note: In-flight bytes]) and issues
 the owned collectives of each process group in their original order -- one
 queue per group, so the per-group order is unchanged by construction, while
 collectives of two groups may pass each other (a backward all-gather passes the
@@ -75,6 +64,17 @@ peak by 56 MB against a 24 MB budget, so the pass kept the partitioner's order
 and every backward collective was waited right after it was issued (exposed
 ``wait_tensor`` 0.40-0.58 s per step in a profile); with the tail following
 its wait the peak rises by 14 MB and the same profile shows 0.03-0.17 s.
+
+[Note: A reduce-scatter larger than the budget]
+A reduce-scatter is issued once no other reduce-scatter is in flight, even
+when it alone exceeds the budget: holding it back saves nothing (its
+gradients stay alive until it runs) and, first in its group's queue, it
+would hold back every later reduce-scatter to the graph's end. Seen on a GPU
+(Llama, fp32 gradients of the 128256 x 4096 output layer: 2.1 GB against a
+0.98 GB budget): every reduce-scatter went to the end, the estimated peak
+rose from 17 to 47 GB, so the backward schedule was dropped and every
+collective of the backward was waited right after its issue
+(tests/test_schedule_fx.py::test_reduce_scatter_larger_than_budget).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ import torch.fx as fx
 
 from .config import OverlapConfig
 from .cost_model import A2A, AG, RS, WAIT, CostModel, node_bytes
-from ._graph import ChainTag, chain_tag, is_tangent
+from .graph import ChainTag, chain_tag, is_tangent
 from .timeline import Timeline, estimate_peak, simulate
 
 # The collectives the schedule places. HSDP's all-reduce over the replicas

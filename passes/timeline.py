@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._graph import chain_tag, is_reduce_grad, is_unshard, tangent_dependents
 from .cost_model import A2A, AG, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
+from .graph import chain_tag, is_reduce_grad, is_unshard, tangent_dependents
 
 
 @dataclasses.dataclass

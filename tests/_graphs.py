@@ -11,11 +11,12 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from compiled_fsdp.passes._graph import chain_tag
+from compiled_fsdp.passes.graph import chain_tag
 
 AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
-A2A = torch.ops._c10d_functional.all_to_all_single.default  # the gloo reduce (see compiled_fsdp/_reduce.py)
+# the gloo reduce ([Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)
+A2A = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 AR = torch.ops._c10d_functional.all_reduce.default  # HSDP's sum over the replicas
 # A handed-in block's backward re-gather, one opaque op (see [Note: Backward

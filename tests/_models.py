@@ -5,9 +5,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from examples.gpt import GPT, Block, GPTConfig, tiny, tiny_tied
 from examples.gpt import batch as gpt_batch
 from examples.gpt import loss_fn as gpt_loss
-from examples.gpt import GPT, Block, GPTConfig, tiny, tiny_tied
 
 
 class ScaledLinear(nn.Linear):
@@ -127,4 +127,5 @@ class DataDepBlock(Block):
 
 def break_case(where: str, tied: bool = False):
     cfg = tiny().cfg
-    return (lambda: BreakGPT(where, tied)), (lambda step: (gpt_batch(cfg, 2, step),)), (lambda logits, toks: gpt_loss(logits, toks))
+    return ((lambda: BreakGPT(where, tied)), (lambda step: (gpt_batch(cfg, 2, step),)),
+            (lambda logits, toks: gpt_loss(logits, toks)))

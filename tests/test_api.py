@@ -7,14 +7,14 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-
-import compiled_fsdp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
+import compiled_fsdp
 from compiled_fsdp import fully_shard
-from _dist import run_distributed
 from examples.gpt import Block, tiny, tiny_tied
+
+from _dist import run_distributed
 
 
 def test_requires_process_group() -> None:

@@ -16,6 +16,7 @@ import torch.fx as fx
 from compiled_fsdp import explain, fully_shard
 from compiled_fsdp.core.ops import BACKWARD_GATHERS
 from examples.gpt import GPT, GPTConfig
+
 from _dist import run_distributed
 from _graphs import AG, REGATHER, WAIT, GraphCapture, count, count_reduces, saved_gathered
 from _models import gpt_case

@@ -21,6 +21,7 @@ import compiled_fsdp
 from compiled_fsdp import fully_shard
 from compiled_fsdp.core import compat
 from examples.torchtitan_pattern import chunked_loss, selective_ac, shard_like_torchtitan
+
 from _dist import run_distributed
 
 VOCAB, DIM = 128, 32

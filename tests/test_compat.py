@@ -62,7 +62,8 @@ def _version_dependent(path: Path) -> list[str]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
             probe = node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3)
             if probe and _root(node.args[0]) in torch_names:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.func.id}({ast.unparse(node.args[0])}, ...)")
+                call = f"{node.func.id}({ast.unparse(node.args[0])}, ...)"
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {call}")
         elif isinstance(node, ast.Try):
             imports_torch = any(_imports_torch(n) for stmt in node.body for n in ast.walk(stmt))
             catches = {ast.unparse(h.type) for h in node.handlers if h.type is not None}

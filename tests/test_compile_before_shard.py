@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from compiled_fsdp import explain, fully_shard
+
 from _dist import run_distributed
 from _models import gpt_case
 from _parity import assert_close, run_parity

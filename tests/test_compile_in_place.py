@@ -10,6 +10,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
+
 from _dist import run_distributed
 from _parity import full_diff, full_params
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from compiled_fsdp import fully_shard
+
 from _dist import run_distributed
 from _graphs import AG, GraphCapture, count, count_reduces, resharded_gathers, saved_gathered
 from _models import gpt_case
@@ -110,8 +111,8 @@ def _inference_rank(rank: int, world: int, backend: str, blocks: bool) -> dict:
     import copy
 
     import compiled_fsdp
-    from compiled_fsdp.tools.check_worker import max_diff
     from compiled_fsdp.compile.install import recording
+    from compiled_fsdp.tools.check_worker import max_diff
 
     # A cache hit skips the passes (see [Note: AOTAutograd cache]): no report.
     torch._functorch.config.enable_autograd_cache = False

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from compiled_fsdp import dump_graphs, fully_shard
+
 from _dist import run_distributed
 from _models import gpt_case
 

@@ -14,8 +14,9 @@ import torch
 import compiled_fsdp
 from compiled_fsdp import fully_shard
 from compiled_fsdp.tools.check_worker import max_diff, shard_specs
-from _dist import run_distributed
 from examples.gpt import GPT, GPTConfig, batch, loss_fn
+
+from _dist import run_distributed
 
 BOUND_S = 8.0
 FULL = (0, 1)

@@ -27,9 +27,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from compiled_fsdp import fully_shard
 from compiled_fsdp.tools.check_worker import local_tensor, max_diff, shard_specs
+from examples.gpt import GPT, GPTConfig
+
 from _dist import run_distributed
 from _models import gpt_case
-from examples.gpt import GPT, GPTConfig
 
 
 def _shard(model: nn.Module) -> nn.Module:

@@ -6,10 +6,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from compiled_fsdp import fully_shard
+from examples.gpt import Block
+
 from _dist import run_distributed
 from _models import ChunkedHead, Twice, chunked_head_batch, gpt_case, twice_batch, twice_loss
 from _parity import assert_close, full_params, run_parity
-from examples.gpt import Block
 
 
 def _shard_nested(model, **kwargs) -> None:  # noqa: ANN001
@@ -124,8 +125,7 @@ def test_subgroup_mesh(backend: str) -> None:
 
 
 def _one_group_rank(rank: int, world: int) -> dict:
-    from compiled_fsdp import get_fsdp_state
-    from compiled_fsdp import config
+    from compiled_fsdp import config, get_fsdp_state
 
     config.comm.separate_reduce_group = False
     build, make_batch, loss = gpt_case(False)

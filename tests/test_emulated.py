@@ -93,7 +93,8 @@ inp.meta["val"] = torch.empty(8)
 ag = g.call_function(AG, (inp, world, dist.group.WORLD.group_name))
 ag.meta["val"] = torch.empty(8 * world)
 out["for_graph_links"] = CostModel.for_graph(g).comm == topo.links.comm
-out["for_graph_price"] = abs(CostModel.for_graph(g).collective_time(ag) - price("all_gather", 32 * world, world, across)) < 1e-12
+out["for_graph_price"] = abs(CostModel.for_graph(g).collective_time(ag)
+                            - price("all_gather", 32 * world, world, across)) < 1e-12
 
 # fully_shard under it: rank 0 holds ceil(rows / W) rows; the record counts what the runtime issued
 from compiled_fsdp import collective_counts, fully_shard, reset_collective_counts
@@ -144,7 +145,7 @@ def test_group_semantics_and_clock(world: int) -> None:
     assert res["shard_rows_ok"]
     record_counts, runtime_counts = res["fsdp_counts"]
     # every collective the eager runtime issued went through the network, once
-    assert record_counts == {"all_gather": runtime_counts["all_gather"], "reduce_scatter": runtime_counts["reduce_scatter"]}
+    assert record_counts == {k: runtime_counts[k] for k in ("all_gather", "reduce_scatter")}
     assert res["fsdp_exposed_le_comm"]
 
 

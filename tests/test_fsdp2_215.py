@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from test_chunked_loss import Decoder, batch, shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import compiled_fsdp
 from compiled_fsdp import DataParallelMeshDims, fully_shard, get_fsdp_state
-from _dist import run_distributed
 from examples.torchtitan_pattern import chunked_loss
-from test_chunked_loss import Decoder, batch, shard
+
+from _dist import run_distributed
 
 
 def _mean_of_ranks(ref: nn.Module, world: int, step: int, run) -> None:  # noqa: ANN001
@@ -40,7 +41,8 @@ def _spmd_rank(rank: int, world: int) -> dict:
     """``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)`` with parameters that
     come as DTensors replicated on that mesh (torchtitan's SPMD backends),
     torch's ``MixedPrecisionPolicy`` and ``OffloadPolicy``: 3 AdamW steps."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP, OffloadPolicy as TorchOffload
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import OffloadPolicy as TorchOffload
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "tp"))
     ref, model = Decoder(), Decoder()

@@ -21,6 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
+
 from _dist import run_distributed
 
 
@@ -428,8 +429,9 @@ def _managed(rank: int, world: int) -> dict:
 
 def test_torch_helpers_see_sharded_modules() -> None:
     """torch's ``_get_managed_modules`` (what fully_shard and tools walk) stops
-    at a module sharded (or replicated) here as at one sharded by FSDP2 ([Note: Seen as FSDP2's state] in core/compat.py). Before,
-    it descended into ours: the expected [0, 4, 5, 6] came out as all ten."""
+    at a module sharded (or replicated) here as at one sharded by FSDP2
+    ([Note: Seen as FSDP2's state] in core/compat.py). Before, it descended
+    into ours: the expected [0, 4, 5, 6] came out as all ten."""
     res = run_distributed(_managed, 1)[0]
     assert res["ours"]["managed"] == res["fsdp2"]["managed"] == [0, 4, 5, 6], res
     assert res["ours"]["state"] == res["fsdp2"]["state"] == [True, False, True], res
@@ -445,13 +447,15 @@ def test_thread_ranks(backend: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "import sys; from test_fsdp2_api import thread_ranks_main; thread_ranks_main(sys.argv[1])"
     proc = subprocess.run([sys.executable, "-c", code, backend], capture_output=True, text=True, timeout=300,
-                          cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])})
+                          cwd=root,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("thread ranks OK"), proc.stdout[-2000:]
 
 
 def thread_ranks_main(backend: str) -> None:
     from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
     from compiled_fsdp.tools.models import GPT, GPTConfig, batch, loss_fn
 
     world = 4

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from compiled_fsdp import fully_shard
+from examples.gpt import batch
+
 from _dist import run_distributed
 from _graphs import A2A, RS, GraphCapture, count
 from _models import gpt_case
 from _parity import run_parity
-from examples.gpt import batch
 
 
 def _shard(model: torch.nn.Module) -> None:

@@ -8,6 +8,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import explain, fully_shard
+
 from _dist import run_distributed
 from _graphs import GraphCapture
 from _models import break_case
@@ -57,7 +58,8 @@ CASES = {
     # around the eager call; each fragment gathers the root parameters it reads
     # (embedding/pos, then norm/head), layers.0 stays in the first fragment.
     ("block", False, True): (
-        _steps({"all_gather": 2, "reduce_scatter": 1}, {"fw_all_gather": 3, "bw_all_gather": 1, "bw_reduce_scatter": 3}),
+        _steps({"all_gather": 2, "reduce_scatter": 1},
+               {"fw_all_gather": 3, "bw_all_gather": 1, "bw_reduce_scatter": 3}),
         {"layers.1"},
     ),
     # The same with a data-dependent `if`, not resharding: no backward re-gathers.
@@ -86,7 +88,8 @@ CASES = {
     # graph's largest pieces there, so the 1/8 rule keeps them apart: two units
     # (see [Note: Units]); norm and head merge in the last fragment.
     ("twice", False, True): (
-        _steps({"all_gather": 3, "reduce_scatter": 1}, {"fw_all_gather": 4, "bw_all_gather": 1, "bw_reduce_scatter": 4}),
+        _steps({"all_gather": 3, "reduce_scatter": 1},
+               {"fw_all_gather": 4, "bw_all_gather": 1, "bw_reduce_scatter": 4}),
         {"layers.0"},
     ),
 }

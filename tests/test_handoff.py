@@ -9,14 +9,15 @@ from typing import Optional
 
 import pytest
 import torch
+from test_mixed_precision import _bf16_forward
 
 import compiled_fsdp
 from compiled_fsdp import MixedPrecisionPolicy, fully_shard
 from examples.gpt import GPT, GPTConfig
+
 from _dist import run_distributed
 from _models import gpt_case
 from _parity import assert_close, run_parity
-from test_mixed_precision import _bf16_forward
 
 
 class RoutedGPT(GPT):
@@ -169,9 +170,9 @@ def test_parameter_the_block_never_reads() -> None:
 
 
 def _off_rank(rank: int, world: int) -> dict:
-    from _graphs import GraphCapture
-
     from compiled_fsdp import config
+
+    from _graphs import GraphCapture
 
     build, make_batch, loss = gpt_case(False)
     capture = GraphCapture()

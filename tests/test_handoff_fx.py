@@ -16,8 +16,8 @@ import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
 from compiled_fsdp.core.layout import ShardSpec, bucket_offsets
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY
 from compiled_fsdp.passes import lower_markers, tag_recompute
-from compiled_fsdp.passes._graph import ChainTag, chain_tag, has_markers, tangent_dependents
 from compiled_fsdp.passes.config import OverlapConfig
+from compiled_fsdp.passes.graph import ChainTag, chain_tag, has_markers, tangent_dependents
 from compiled_fsdp.passes.schedule import schedule_graph
 
 c10d = torch.ops._c10d_functional

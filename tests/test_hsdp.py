@@ -20,10 +20,11 @@ from torch.distributed.tensor import Replicate, Shard
 import compiled_fsdp
 from compiled_fsdp import fully_shard, replicate
 from compiled_fsdp.tools.models import batch, loss_fn, tiny
+
 from _dist import run_distributed
-from _parity import full_diff, full_params
 from _graphs import GraphCapture, handed_in_waits
 from _models import BreakGPT
+from _parity import full_diff, full_params
 
 
 def _hsdp_mesh(world: int):

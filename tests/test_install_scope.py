@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from compiled_fsdp import fully_shard
+
 from _dist import run_distributed
 from _models import gpt_case
 

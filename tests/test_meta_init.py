@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from compiled_fsdp import fully_shard
+
 from _dist import run_distributed
 from _models import gpt_case
 from _parity import assert_close, run_parity

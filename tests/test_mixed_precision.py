@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from compiled_fsdp import MixedPrecisionPolicy, fully_shard
 from compiled_fsdp.tools.check_worker import shard_specs
+
 from _dist import run_distributed
 from _graphs import AG, GraphCapture, saved_gathered
 from _models import gpt_case

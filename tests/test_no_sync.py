@@ -13,6 +13,7 @@ import torch
 import compiled_fsdp
 from compiled_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from compiled_fsdp.tools.check_worker import max_diff, shard_specs
+
 from _dist import run_distributed
 from _graphs import GraphCapture
 from _models import gpt_case

@@ -20,7 +20,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
 from compiled_fsdp.compile import install as _compile
-from compiled_fsdp.passes._graph import chain_tag
 from compiled_fsdp.passes import (
     FSDP_AC_GRAPH_ID,
     apply_lowering,
@@ -29,7 +28,7 @@ from compiled_fsdp.passes import (
     run_joint_passes,
     tag_recompute,
 )
-
+from compiled_fsdp.passes.graph import chain_tag
 
 
 def U(shard, full, group, n, key, index, reshard, **kw):  # noqa: N802 - the marker, as the property calls it

@@ -15,6 +15,7 @@ from torch.distributed import fsdp as torch_fsdp
 import compiled_fsdp
 from compiled_fsdp.core import compat
 from compiled_fsdp.tools.models import batch, loss_fn, tiny
+
 from _dist import run_distributed
 from _parity import full_diff, full_params
 

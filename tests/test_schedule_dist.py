@@ -10,6 +10,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from compiled_fsdp import fully_shard
+
 from _dist import run_distributed
 from _models import gpt_case
 from _parity import assert_close, run_parity

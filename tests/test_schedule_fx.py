@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from compiled_fsdp.passes._graph import ChainTag, chain_tag
 from compiled_fsdp.passes.config import OverlapConfig
+from compiled_fsdp.passes.graph import ChainTag, chain_tag
 from compiled_fsdp.passes.schedule import schedule_graph
 
 c10d = torch.ops._c10d_functional

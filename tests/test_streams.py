@@ -7,14 +7,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from test_eager_parity import _shard_nested
 
 import compiled_fsdp
 from compiled_fsdp import get_fsdp_state
 from compiled_fsdp.runtime.streams import CommStreams
+
 from _dist import run_distributed
 from _models import gpt_case
 from _parity import assert_close, run_parity
-from test_eager_parity import _shard_nested
 
 
 def test_cpu_has_no_streams() -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from compiled_fsdp import explain, fully_shard
+
 from _dist import run_distributed
 from _graphs import AG, GraphCapture, count, count_reduces, resharded_gathers, saved_gathered
 from _models import Twice, gpt_case, twice_batch, twice_loss

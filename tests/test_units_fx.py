@@ -9,8 +9,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
 from compiled_fsdp.passes import plan_lowering, run_joint_passes
-from compiled_fsdp.passes._graph import chain_tag, is_unshard, parse_marker
 from compiled_fsdp.passes.config import overlap
+from compiled_fsdp.passes.graph import chain_tag, is_unshard, parse_marker
 from compiled_fsdp.passes.units import SlotUse, choose_units
 
 KB = 1024

@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 
-import compiled_fsdp
 from compiled_fsdp import explain, fully_shard
+
 from _dist import run_distributed
 from _graphs import GraphCapture
 from _models import gpt_case

@@ -81,8 +81,8 @@ def run_mode(mode: str, files: list[str], keyword: str | None, timeout: float,
             cmd += ["-k", keyword]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        print(f"[{mode}] {time.perf_counter() - t0:.0f}s: {proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]}",
-              flush=True)
+        last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+        print(f"[{mode}] {time.perf_counter() - t0:.0f}s: {last}", flush=True)
         if not os.path.exists(xml):
             raise RuntimeError(f"pytest wrote no report for mode {mode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return _outcomes(xml)
@@ -120,7 +120,8 @@ def main() -> None:
     from importlib.metadata import version  # (the release, read as the other benchmarks read it)
 
     with open(args.out, "w") as f:
-        json.dump({"torch": version("torch"), "files": args.files, "gpu_tests_on_cpu": not args.gpu_skips, "considered": len(considered), "counts": counts,
+        json.dump({"torch": version("torch"), "files": args.files, "gpu_tests_on_cpu": not args.gpu_skips,
+                   "considered": len(considered), "counts": counts,
                    "results": {m: {n: list(v) for n, v in r.items()} for m, r in results.items()}}, f, indent=1)
 
 

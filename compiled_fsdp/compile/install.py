@@ -77,7 +77,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx

@@ -13,6 +13,10 @@ missing name fails at once), the custom op's implementations
 node (``parse(node)``, static arguments checked). Adding an argument is one
 line here.
 
+An op's arguments are its dataclass's fields, the tensors without a default
+first and those with a default last (``names()``): the two markers of one parameter share most of theirs, declared
+once in ``_ParamMarker``, and a subclass's own fields follow them.
+
 ``module_key`` names the fully sharded module (the n-th ``fully_shard`` call),
 ``ENTRY_KEY`` the module a frame was compiled for and ``NEXT_KEY`` the module
 whose gather that frame hands over (DESIGN.md, "Blocks compiled on their
@@ -73,13 +77,24 @@ class Marker:
         return f"{NAMESPACE}::{cls.NAME}"
 
     @classmethod
+    def _fields(cls) -> list[dataclasses.Field]:
+        """The op's arguments in schema order: the tensors without a default,
+        the other arguments without one, then those with one; each part in
+        declaration order (base class first)."""
+        def rank(f: dataclasses.Field) -> int:
+            if f.default is not _NO_DEFAULT:
+                return 2
+            return 0 if f.metadata["schema"].startswith("Tensor") else 1
+        return sorted(dataclasses.fields(cls), key=rank)
+
+    @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(f.name for f in cls._fields())
 
     @classmethod
     def schema(cls) -> str:
         parts = []
-        for f in dataclasses.fields(cls):
+        for f in cls._fields():
             text = f"{f.metadata['schema']} {f.name}"
             if f.default is not _NO_DEFAULT:
                 text += f"={_schema_default(f.default)}"
@@ -157,15 +172,11 @@ class _OneParameter:
                 self.replicas, self.divide_factor)
 
 
-@dataclasses.dataclass(frozen=True)
-class Unshard(Marker, _OneParameter):
-    """One parameter read: the local shard in, the full parameter out."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ParamMarker(Marker):
+    """The arguments a parameter's read (``unshard``) and its backward
+    (``reduce_grad``) share."""
 
-    NAME: ClassVar[str] = "unshard"
-    STATIC_INTS: ClassVar[tuple[str, ...]] = (
-        "full_shape", "world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel")
-
-    shard: Any = _arg("Tensor")
     full_shape: Sequence[int] = _arg("SymInt[]")
     group_name: str = _arg("str")
     world_size: int = _arg("int")
@@ -174,21 +185,13 @@ class Unshard(Marker, _OneParameter):
     # How many rows of the parameter this rank holds (the shard's dim 0): see
     # [Note: Local rows in the marker] in core/ops.py.
     local_rows: int = _arg("int")
-    # The user's policy; the passes apply the reshard rule (core/rules.py) per unit.
-    reshard_after_forward: bool = _arg("bool")
-    # The group the gradient is reduced on (None: ``group_name``).
-    reduce_group_name: Optional[str] = _arg("str?", None)
-    # Mixed precision: the gathered dtype and the reduce dtype.
-    param_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+    # Mixed precision: the reduce dtype.
     reduce_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
     # See [Note: Accumulation without sync in graphs] in core/ops.py.
     kept: Any = _arg("Tensor?", None)
     sync: bool = _arg("bool", True)
-    # No fully sharded module contains this parameter's (the root's).
-    outermost: bool = _arg("bool", False)
-    # A gather handed over by the graph before, and where this parameter lies
-    # in its bucket (``bucket_numel`` 0: not handed over).
-    gathered: Any = _arg("Tensor?", None)
+    # Where this parameter lies in a bucket handed over by the graph before
+    # (``bucket_numel`` 0: not handed over).
     bucket_offset: int = _arg("int", 0)
     bucket_numel: int = _arg("int", 0)
     reduce_by_all_to_all: bool = _arg("bool", False)
@@ -197,6 +200,28 @@ class Unshard(Marker, _OneParameter):
     replicate_group_name: Optional[str] = _arg("str?", None)
     replicas: int = _arg("int", 1)
     divide_factor: Optional[float] = _arg("float?", None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Unshard(_ParamMarker, _OneParameter):
+    """One parameter read: the local shard in, the full parameter out."""
+
+    NAME: ClassVar[str] = "unshard"
+    STATIC_INTS: ClassVar[tuple[str, ...]] = (
+        "full_shape", "world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel")
+
+    shard: Any = _arg("Tensor")
+    # The user's policy; the passes apply the reshard rule (core/rules.py) per unit.
+    reshard_after_forward: bool = _arg("bool")
+    # The group the gradient is reduced on (None: ``group_name``).
+    reduce_group_name: Optional[str] = _arg("str?", None)
+    # Mixed precision: the gathered dtype.
+    param_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
+    # No fully sharded module contains this parameter's (the root's).
+    outermost: bool = _arg("bool", False)
+    # The gather handed over by the graph before (``bucket_offset`` and
+    # ``bucket_numel`` place this parameter in it).
+    gathered: Any = _arg("Tensor?", None)
 
     @property
     def reduce_group(self) -> str:
@@ -207,8 +232,8 @@ class Unshard(Marker, _OneParameter):
         return None
 
 
-@dataclasses.dataclass(frozen=True)
-class ReduceGrad(Marker, _OneParameter):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReduceGrad(_ParamMarker, _OneParameter):
     """The backward of one read: the full gradient in, this rank's averaged
     rows out (or, without sync, the full gradient for the sink; or, for a
     handed-over read, the gradient packed in the gather's layout)."""
@@ -217,25 +242,8 @@ class ReduceGrad(Marker, _OneParameter):
     STATIC_INTS: ClassVar[tuple[str, ...]] = Unshard.STATIC_INTS
 
     grad: Any = _arg("Tensor")
-    full_shape: Sequence[int] = _arg("SymInt[]")
-    group_name: str = _arg("str")
-    world_size: int = _arg("int")
-    module_key: int = _arg("int")
-    param_index: int = _arg("int")
-    local_rows: int = _arg("int")
-    reduce_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
     # The dtype of the reduced shard gradient (the parameter's).
     grad_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
-    kept: Any = _arg("Tensor?", None)
-    sync: bool = _arg("bool", True)
-    bucket_offset: int = _arg("int", 0)
-    bucket_numel: int = _arg("int", 0)
-    reduce_by_all_to_all: bool = _arg("bool", False)
-    # HSDP ([Note: HSDP] in runtime/api.py): the group the reduced shard is
-    # all-reduced on (None: no replicas) and its size; and FSDP2's divide factor.
-    replicate_group_name: Optional[str] = _arg("str?", None)
-    replicas: int = _arg("int", 1)
-    divide_factor: Optional[float] = _arg("float?", None)
 
     # A reduce marker carries no gather policy.
     reshard_after_forward: ClassVar[None] = None

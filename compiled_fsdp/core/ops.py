@@ -68,10 +68,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from compiled_fsdp.core import comm, compat, registry
 from compiled_fsdp.core.layout import (
-    EAGER, ShardSpec, cast, pack_grads, pack_shards, reduce_input, split_reduced, split_specs,
+    EAGER,
+    ShardSpec,
+    cast,
+    pack_grads,
+    pack_shards,
+    reduce_input,
+    split_reduced,
+    split_specs,
     unpack_gathered,
 )
-from compiled_fsdp.core.marker import GatherNext, ReduceGrad, Regather, ReduceNext, Unshard
+from compiled_fsdp.core.marker import GatherNext, ReduceGrad, ReduceNext, Regather, Unshard
 
 __all__ = ["BackwardGathers", "BACKWARD_GATHERS", "gather_next", "reduce_grad", "reduce_next", "regather", "unshard"]
 

@@ -41,15 +41,22 @@ from torch.distributed.tensor import Shard
 
 from compiled_fsdp.config import comm
 from compiled_fsdp.core.comm import ONE_PROCESS_BACKENDS, uses_all_to_all
-from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.divergence import Checker, checker_for, ranks_are_processes
+from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
 from compiled_fsdp.runtime.param import FSDPParam, install_class
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, OffloadPolicy, check_offload, check_policy
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
-from compiled_fsdp.runtime.validation import (MANAGED, check_device_and_backend, check_mesh, label,
-                                              resolve_dp_mesh_dims, shared_across_groups, validate)
+from compiled_fsdp.runtime.validation import (
+    MANAGED,
+    check_device_and_backend,
+    check_mesh,
+    label,
+    resolve_dp_mesh_dims,
+    shared_across_groups,
+    validate,
+)
 
 Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 

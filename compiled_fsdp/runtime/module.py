@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 
-__all__ = ["FSDPModule", "GradientReductionHandle", "ManagedByAncestor", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "ManagedByAncestor", "UnshardHandle",
+           "register_fsdp_forward_method"]
 
 
 class UnshardHandle:

@@ -36,8 +36,8 @@ from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, Pe
 from compiled_fsdp.runtime.param import FSDPParam
 
 if TYPE_CHECKING:
-    from compiled_fsdp.runtime.streams import CommStreams
     from compiled_fsdp.runtime.state import RootContext
+    from compiled_fsdp.runtime.streams import CommStreams
 
 
 class Phase(enum.Enum):

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from compiled_fsdp.runtime.api import fully_shard
-from compiled_fsdp.tools import models
 from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states
+from compiled_fsdp.tools import models
 
 __all__ = ["CheckConfig", "ModelSpec", "load_model_spec", "local_tensor", "max_diff", "run_rank", "shard_specs"]
 

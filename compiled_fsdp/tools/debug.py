@@ -61,13 +61,19 @@ import torch.fx as fx
 from torch._dynamo import callback_handler
 from torch._dynamo.convert_frame import register_bytecode_hook
 from torch._functorch import config as functorch_config
-from torch._inductor import config as inductor_config
 from torch._guards import CompileContext
+from torch._inductor import config as inductor_config
 from torch._logging._internal import trace_log
 
 from compiled_fsdp.compile import install
-
-from compiled_fsdp.tools.debug_render import GraphRecord, graph_stats, module_names, render_graph, write_index, write_readme
+from compiled_fsdp.tools.debug_render import (
+    GraphRecord,
+    graph_stats,
+    module_names,
+    render_graph,
+    write_index,
+    write_readme,
+)
 from compiled_fsdp.tools.debug_timeline import chrome_trace, timeline_slices
 
 __all__ = ["DUMP_ENV", "DumpSession", "dump_graphs"]
@@ -245,7 +251,8 @@ class DumpSession:
                 # The scheduling pass sees a partitioned graph and says which.
                 kind = report.graph if stage == "schedule" else _graph_kind(gm)
                 if stage == "before":
-                    fname, what = f"{idx}_joint_before_passes.py", "the joint forward+backward graph AOTAutograd built, before our passes"
+                    fname = f"{idx}_joint_before_passes.py"
+                    what = "the joint forward+backward graph AOTAutograd built, before our passes"
                 else:
                     fname, what = f"{idx}_{kind}_after_{stage}.py", f"the {kind} graph after our '{stage}' pass"
                     rec.pass_reports.append((f"{stage} ({kind})", report))

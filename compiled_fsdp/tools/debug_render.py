@@ -13,9 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from compiled_fsdp.compile import install
 from compiled_fsdp.core import registry
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY
-
-from compiled_fsdp.passes._graph import chain_tag
-
+from compiled_fsdp.passes.graph import chain_tag
 from compiled_fsdp.passes.timeline import collective_bytes, is_collective
 from compiled_fsdp.tools.debug_timeline import bucket_name, collective_label
 
@@ -134,7 +132,8 @@ def _index_line(rec: GraphRecord) -> str:
         kinds = ", ".join(f"{v} {k}" for k, v in st["kinds"].items()) or "none"
         coll = (f"collectives per step: {sum(st['kinds'].values())} ({kinds}); "
                 f"{st['bytes'] / 1024:.1f} KiB of unsharded data; buckets: {', '.join(st['buckets']) or '-'}")
-    breaks = f"{len(rec.graph_breaks)} graph break(s) (see 00_graph_breaks.txt)" if rec.graph_breaks else "0 graph breaks"
+    n_breaks = len(rec.graph_breaks)
+    breaks = f"{n_breaks} graph break(s) (see 00_graph_breaks.txt)" if n_breaks else "0 graph breaks"
     return f"- **graph {rec.compile_id}** `{rec.frame}` — {coll}; {breaks}"
 
 

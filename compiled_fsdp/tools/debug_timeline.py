@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from compiled_fsdp.passes._graph import ChainTag, chain_tag, is_reduce_grad, is_unshard
+from compiled_fsdp.core.marker import ReduceGrad, Unshard
 from compiled_fsdp.passes.cost_model import CostModel
+from compiled_fsdp.passes.graph import ChainTag, chain_tag, is_reduce_grad, is_unshard
 from compiled_fsdp.passes.timeline import Step, collective_kind, simulate
 
 __all__ = ["bucket_name", "chrome_trace", "collective_label", "timeline_slices"]
@@ -65,7 +66,8 @@ def _name(step: Step, node: fx.Node, module_names: dict[int, str]) -> str:
         name = f"{kind} {bucket_name(tag, module_names)}"
         return f"re-gather {bucket_name(tag, module_names)} (reshard after forward)" if step.regather else name
     if is_unshard(node) or is_reduce_grad(node):
-        return f"{kind} (unbucketed marker) {module_names.get(node.args[4], '')}".strip()
+        key = (Unshard if is_unshard(node) else ReduceGrad).bind(node.args, dict(node.kwargs)).module_key
+        return f"{kind} (unbucketed marker) {module_names.get(key, '')}".strip()
     return kind
 
 

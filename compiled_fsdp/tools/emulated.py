@@ -58,7 +58,13 @@ import torch.distributed as dist
 
 from compiled_fsdp.core.comm import EMULATED_BACKEND
 from compiled_fsdp.passes.cost_model import (
-    GPUS_PER_NODE, NCCL_COMM, NCCL_INTER_NODE, CommConstants, CostModel, Links, tensor_bytes,
+    GPUS_PER_NODE,
+    NCCL_COMM,
+    NCCL_INTER_NODE,
+    CommConstants,
+    CostModel,
+    Links,
+    tensor_bytes,
 )
 
 __all__ = ["EmulatedNetwork", "Record", "Topology", "init_emulated_network"]

@@ -111,7 +111,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             else:
                 results.append(res["value"])
         if hung:
-            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s (a hang); killed.\n" + "\n".join(errors))
+            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s (a hang); killed.\n"
+                               + "\n".join(errors))
         if errors:
             raise RuntimeError("\n".join(errors))
         return results

@@ -1,4 +1,5 @@
-"""Small FX helpers shared by the passes: marker parsing, fake-value node
+"""The passes' graph vocabulary, public to the tools and tests that read
+lowered graphs: marker parsing, the lowering's ``ChainTag``, fake-value node
 construction, and a stable topological sort."""
 
 from __future__ import annotations
