@@ -8,8 +8,8 @@ compiled_fsdp/core/layout.py): a strided ``[N, n_i]`` column slice per parameter
 contiguous. Timed three ways: eager ``clone``, the same function compiled by
 Inductor (the code the compiled step runs), and ``torch.split_with_sizes_copy``
 (the memcpy-speed kernel FSDP2 uses). Prints milliseconds per bucket. The
-answer decided that the copy-out stays an Inductor-generated kernel (DESIGN.md,
-Benchmark).
+answer decided that the copy-out stays an Inductor-generated kernel (benchmarks/RESULTS.md,
+"Results: the overlap benchmark").
 """
 from __future__ import annotations
 

@@ -253,6 +253,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         first = time.perf_counter() - t0
         for i in range(1, args.warmup):
             step(i)
+    # Where the compile went: Dynamo's timers (seconds summed, calls), and how
+    # many frames it compiled (identical blocks share one).
+    compile_s = {k: [round(sum(v), 3), len(v)] for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
+    frames_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, comm, exposed = [], [], []
@@ -271,6 +275,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "config": cfg.__dict__, "batch": args.batch, "first_step_s": first, "step_s": statistics.median(times),
         "step_times_s": times, "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
         "collectives": s["collectives"], "topology": net.topology.__dict__,
+        "compile_s": compile_s, "unique_graphs": frames_compiled,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }
     if device.type == "cuda":

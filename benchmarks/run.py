@@ -68,11 +68,11 @@ alternately, one step of each per iteration, for ``--paired-steps``
 iterations; each ratio is taken per iteration (max over ranks) and its
 median, min and max are reported. The order rotates every iteration: the
 configuration that ran first in every iteration was measured 6-9% slower
-than its own runs in second place (DESIGN.md, "Results: units"), so runs
+than its own runs in second place (benchmarks/RESULTS.md, "Results: units, one call against manual nesting"), so runs
 before 2026-11-23's rotation put ``ours_compiled``, always first, at that
 disadvantage. Memory is not measured there (the
 configurations share the processes); it comes from the rounds. The same
-method chose ``overlap.cover`` (DESIGN.md, Benchmark).
+method chose ``overlap.cover`` (benchmarks/RESULTS.md, "How far ahead to prefetch").
 
 Writes ``results.json`` and ``results.png`` (if matplotlib is installed) to
 ``--out`` (default /tmp/compiled_fsdp_bench) and prints a table with ratios.

@@ -19,7 +19,7 @@ Bucket layout]), so the results stay bitwise the eager runtime's:
   nothing derived from the handed-in buffer is saved. That re-gather is one
   ``regather`` op, which takes the gather prefetched when the backward began
   ([Note: Backward re-gathers prefetched across graphs] in
-  compiled_fsdp/core/ops.py). A block that keeps its parameters reads the
+  compiled_fsdp/core/registry.py). A block that keeps its parameters reads the
   handed-in gather throughout.
 * their ``reduce_grad`` markers (backward): the block's gradients, packed in
   the gather's layout (the gradient of the handed-in buffer) instead of

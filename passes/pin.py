@@ -30,7 +30,7 @@ the output code read ``all_gather`` x4 before the first wait). With
 node before it and each owned wait before the compute node after it, so
 that pass leaves our collectives where our schedule put them and still
 works on any collective we do not own. Measured both ways on torch 2.15
-(2 ranks, benchmark GPT; DESIGN.md, "Results: torch releases"): the same
+(2 ranks, benchmark GPT; benchmarks/RESULTS.md, "Two schedulers, one order"): the same
 step time (paired, pinned / moved 1.009) and the same peak of tensor memory
 (398.6 vs 392.6 MiB; two identical configurations differ by as much). So
 ``overlap.own_order`` (default True) pins both ways wherever this torch has

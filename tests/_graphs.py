@@ -20,7 +20,7 @@ A2A = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 AR = torch.ops._c10d_functional.all_reduce.default  # HSDP's sum over the replicas
 # A handed-in block's backward re-gather, one opaque op (see [Note: Backward
-# re-gathers prefetched across graphs] in compiled_fsdp/core/ops.py): counted
+# re-gathers prefetched across graphs] in compiled_fsdp/core/registry.py): counted
 # as the graph's all-gather.
 REGATHER = torch.ops.compiled_fsdp.regather.default
 

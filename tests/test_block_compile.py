@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp import explain, fully_shard
-from compiled_fsdp.core.ops import BACKWARD_GATHERS
+from compiled_fsdp.core.registry import CORE
 from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
@@ -56,7 +56,7 @@ def _blocks_rank(rank: int, world: int, how: str, backend: str, n_blocks: int) -
     from compiled_fsdp.compile.install import last_schedule_reports
 
     torch._dynamo.reset()
-    BACKWARD_GATHERS.reset()
+    CORE.backward_gathers.reset()
     counters.clear()
     torch._functorch.config.enable_autograd_cache = False  # count real compiles
     torch._inductor.config.fx_graph_cache = False
@@ -76,7 +76,7 @@ def _blocks_rank(rank: int, world: int, how: str, backend: str, n_blocks: int) -
                      graph_counts=capture.take_runtime if capture is not None else None,
                      after_step=lambda m: [(r.fqn, r.path, r.units) for r in explain(m)])
     res["unique_graphs"] = counters["stats"]["unique_graphs"]
-    res["prefetched_regathers"] = BACKWARD_GATHERS.taken
+    res["prefetched_regathers"] = CORE.backward_gathers.taken
     if capture is not None:
         res["graphs"] = (len(capture.forward), len(capture.backward))
         res["forward"] = [_forward_structure(g) for g in capture.forward]

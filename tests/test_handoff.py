@@ -230,12 +230,12 @@ def test_divide_factor_in_handed_over_reduces() -> None:
 
 
 def _prefetch_rank(rank: int, world: int, bf16: bool, explicit: bool) -> dict:
-    from compiled_fsdp.core.ops import BACKWARD_GATHERS
+    from compiled_fsdp.core.registry import CORE
     from compiled_fsdp.runtime.state import get_fsdp_state
 
     build, make_batch, loss = gpt_case(bf16)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    BACKWARD_GATHERS.reset()
+    CORE.backward_gathers.reset()
     seen = [0]
 
     def shard(model: torch.nn.Module) -> None:
@@ -244,7 +244,7 @@ def _prefetch_rank(rank: int, world: int, bf16: bool, explicit: bool) -> dict:
             model.layers[1].set_modules_to_backward_prefetch([])
 
     def step_record(model: torch.nn.Module) -> tuple:
-        taken, seen[0] = BACKWARD_GATHERS.taken - seen[0], BACKWARD_GATHERS.taken
+        taken, seen[0] = CORE.backward_gathers.taken - seen[0], CORE.backward_gathers.taken
         prefetched = [fqn for phase, fqn in get_fsdp_state(model).ctx.last_prefetched
                       if phase == "backward" and fqn.startswith("layers.")]
         return taken, prefetched

@@ -57,7 +57,7 @@ block's all-gather and hands it over unwaited:
   runs: no tensor passes from one backward graph to the next, so the graph
   calls an opaque op that takes the gather the eager pre-backward hooks
   issued, FSDP2's backward prefetch ([Note: Backward re-gathers prefetched
-  across graphs] in core/ops.py).
+  across graphs] in core/registry.py).
 - Which block is next: the previous iteration's forward order, the one the
   eager runtime prefetches by; in the first step the modules' order in the
   model. Only a module predicted to compile its own frame gets a handoff
@@ -82,7 +82,7 @@ from typing import Optional
 import torch
 
 from compiled_fsdp.compile import frames
-from compiled_fsdp.core import ops
+from compiled_fsdp.core import ops, registry
 from compiled_fsdp.core.layout import joined_shapes
 from compiled_fsdp.core.marker import GatherNext
 from compiled_fsdp.runtime.param import FSDPParam
@@ -151,13 +151,13 @@ class CompiledEntry:
         """This module's gather for its backward graph's ``regather``, issued
         now, not waited, if that op gathers this bucket and none is pending
         (see [Note: Backward re-gathers prefetched across graphs] in
-        core/ops.py). Returns whether it was issued."""
+        core/registry.py). Returns whether it was issued."""
         group = self.group
         shards = [p.sharded.to_local() for p in group.fsdp_params]
         key = ops.shards_key(shards)
-        if not ops.BACKWARD_GATHERS.wanted(key):
+        if not registry.CORE.backward_gathers.wanted(key):
             return False
-        ops.BACKWARD_GATHERS.issue(key, ops.issue_gather(
+        registry.CORE.backward_gathers.issue(key, ops.issue_gather(
             shards, list(group.specs), group.fsdp_params[0].param_dtype, group.group_name, group.key,
             counted=False))
         return True

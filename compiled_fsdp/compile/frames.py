@@ -33,7 +33,6 @@ each child is inlined whole into one fragment.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Hashable
 from typing import Optional
 
@@ -48,18 +47,7 @@ from compiled_fsdp.runtime.param_group import FSDPParamGroup
 __all__ = ["arm", "ensure_window", "is_split", "record_handoff_trace", "record_marker_trace",
            "traced_reads", "was_traced"]
 
-# group key (or a block's entry split key) -> param index -> ids of the
-# Dynamo frames whose graphs read it.
-_TRACED_FRAMES: dict[Hashable, dict[int, set[int]]] = {}
-# Compile id -> (trace attempt, the markers traced in it, in order), until the
-# compile ends: see ``_on_compile_end``.
-_COMPILE_MARKERS: dict[str, tuple[int, list[tuple[int, int]]]] = {}
-# Whether a Dynamo compile is under way (its window: see [Note: Passes
-# installed while compiling] in install.py). Global, as Dynamo's count of
-# pending compiles is: its start and end callbacks run in whichever thread
-# starts the first and ends the last of concurrent compiles.
-_WINDOW_OPEN = [False]
-_WINDOW_LOCK = threading.Lock()
+# (What this module records lives on install.SESSION.)
 
 
 def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable] = None) -> None:
@@ -69,19 +57,21 @@ def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable
     entry.py)."""
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame = compile_id.frame_id if compile_id is not None else -1
-    by_index = _TRACED_FRAMES.setdefault(key if split_key is None else split_key, {})
+    session = install.SESSION
+    by_index = session.traced_frames.setdefault(key if split_key is None else split_key, {})
     by_index.setdefault(param_index, set()).add(frame)
+    session.watch(key, split_key)
     _append_to_sequence(key, param_index)
 
 
 def traced_reads(key: Hashable) -> set[int]:
     """The parameter indices some traced frame read, recorded under ``key``."""
-    return set(_TRACED_FRAMES.get(key, ()))
+    return set(install.SESSION.traced_frames.get(key, ()))
 
 
 def was_traced(key: Hashable) -> bool:
     """Whether any graph read a parameter recorded under ``key``."""
-    return key in _TRACED_FRAMES
+    return key in install.SESSION.traced_frames
 
 
 def _append_to_sequence(key: int, param_index: int) -> None:
@@ -90,11 +80,11 @@ def _append_to_sequence(key: int, param_index: int) -> None:
     trace = torch._guards.CompileContext.current_trace_id()
     if compile_id is None or trace is None:
         return
-    attempt, seq = _COMPILE_MARKERS.get(str(compile_id), (trace.attempt, []))
+    attempt, seq = install.SESSION.compile_markers.get(str(compile_id), (trace.attempt, []))
     if trace.attempt != attempt:  # Dynamo restarted the analysis: keep the last attempt's
         seq = []
     seq.append((key, param_index))
-    _COMPILE_MARKERS[str(compile_id)] = (trace.attempt, seq)
+    install.SESSION.compile_markers[str(compile_id)] = (trace.attempt, seq)
 
 
 def record_handoff_trace(next_key: int) -> None:
@@ -120,7 +110,7 @@ def ensure_window() -> None:
     """Called while Dynamo traces a marker: a compile that started with the
     callbacks unregistered (a reset since the last root forward) opens its
     window now, and closes it at its end like any other."""
-    if not _WINDOW_OPEN[0]:
+    if not install.SESSION.dynamo_compiling:
         arm()
         _on_compile_start(None)
 
@@ -128,9 +118,9 @@ def ensure_window() -> None:
 def _on_compile_start(args: Optional[CallbackArgs]) -> None:
     """Dynamo's compile-start callback: peers waiting at a check wait on, and
     the passes are installed for this compile."""
-    with _WINDOW_LOCK:
-        if not _WINDOW_OPEN[0]:
-            _WINDOW_OPEN[0] = True
+    with install.SESSION.dynamo_lock:
+        if not install.SESSION.dynamo_compiling:
+            install.SESSION.dynamo_compiling = True
             install.open_window()
     set_compiling(True)
 
@@ -140,9 +130,9 @@ def _on_compile_end(args: CallbackArgs) -> None:
     an order no earlier graph did is checked against the other ranks before it
     runs. See [Note: Agreeing on collectives] in runtime/divergence.py."""
     try:
-        with _WINDOW_LOCK:
-            if _WINDOW_OPEN[0]:
-                _WINDOW_OPEN[0] = False
+        with install.SESSION.dynamo_lock:
+            if install.SESSION.dynamo_compiling:
+                install.SESSION.dynamo_compiling = False
                 install.close_window()
         _check_new_graph(str(args.compile_id))
     except BaseException:
@@ -152,7 +142,7 @@ def _on_compile_end(args: CallbackArgs) -> None:
 
 def _check_new_graph(compile_id: str) -> None:
     set_compiling(False)
-    _, seq = _COMPILE_MARKERS.pop(compile_id, (0, []))
+    _, seq = install.SESSION.compile_markers.pop(compile_id, (0, []))
     if not seq:
         return
     groups = [registry.owner_of(key) for key, _ in seq]
@@ -167,4 +157,4 @@ def _check_new_graph(compile_id: str) -> None:
 
 def is_split(key: Hashable) -> bool:
     """Whether some parameter of the group was read in more than one Dynamo frame."""
-    return any(len(frames) > 1 for frames in _TRACED_FRAMES.get(key, {}).values())
+    return any(len(frames) > 1 for frames in install.SESSION.traced_frames.get(key, {}).values())

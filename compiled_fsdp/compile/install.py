@@ -76,8 +76,9 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -85,11 +86,12 @@ from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from compiled_fsdp.core import compat
+from compiled_fsdp.core import compat, registry
 
 __all__ = [
-    "Recording", "add_observer", "close_window", "installed", "last_reports", "last_schedule_reports",
-    "open_backward_window", "open_window", "recording", "remove_observer", "units_of",
+    "SESSION", "CompileSession", "Recording", "add_observer", "close_window", "installed", "last_reports",
+    "last_schedule_reports", "observer_owners", "open_backward_window", "open_window", "recording",
+    "remove_observer", "units_of",
 ]
 
 _MAX_REPORTS = 64
@@ -143,7 +145,6 @@ class _Reports:
             fn(stage, gm, report)
 
 
-_REPORTS = _Reports()
 
 
 class _JointPass:
@@ -156,9 +157,9 @@ class _JointPass:
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
         from compiled_fsdp.passes import run_joint_passes
 
-        report = run_joint_passes(gm, _REPORTS.notify if _REPORTS.observers else None)
+        report = run_joint_passes(gm, SESSION.reports.notify if SESSION.reports.observers else None)
         if report.has_markers:
-            _REPORTS.add_joint(report)
+            SESSION.reports.add_joint(report)
         if self.inner is not None:
             gm = self.inner(gm, joint_inputs)
         return gm
@@ -191,17 +192,17 @@ class _SchedulePass(CustomGraphPass):
         if gm is not None and has_markers(graph):  # See [Note: Inference graphs].
             lowering = lower_markers(gm)
             # (explain() describes the training graphs' units)
-            _REPORTS.add_joint(JointPassReport(has_markers=True, lowering=lowering), units_for_explain=False)
-            if _REPORTS.observers:
-                _REPORTS.notify("lowering", gm, lowering)
+            SESSION.reports.add_joint(JointPassReport(has_markers=True, lowering=lowering), units_for_explain=False)
+            if SESSION.reports.observers:
+                SESSION.reports.notify("lowering", gm, lowering)
         report = schedule_graph(graph, config.overlap)
         if report.changed:
             # See [Note: Inductor's simple_overlap] in passes/pin.py.
             pin_order(graph, both_ways=compat.SIMPLE_OVERLAP and config.overlap.own_order)
         if report.graph != "none":
-            _REPORTS.add_schedule(report)
-            if _REPORTS.observers and gm is not None:
-                _REPORTS.notify("schedule", gm, report)
+            SESSION.reports.add_schedule(report)
+            if SESSION.reports.observers and gm is not None:
+                SESSION.reports.notify("schedule", gm, report)
 
     def uuid(self) -> bytes:
         from compiled_fsdp.passes import config
@@ -245,16 +246,82 @@ class _Window:
                     self.restore_rng = None
 
 
-_WINDOW = _Window()
+class CompileSession:
+    """The compile layer's process-wide state, on one object (``SESSION``):
+    what the passes reported, the open windows of [Note: Passes installed
+    while compiling], and what frames.py records while Dynamo traces (which
+    frames read which parameters, the markers of the compile under way,
+    whether a Dynamo compile is open). Module-level because Dynamo's
+    callbacks and torch's pass hooks reach it with no model at hand
+    (DESIGN.md, "State").
+
+    A group's records go with it: the first record under a group key sets a
+    finalizer on the key's owner (``watch``), which forgets that key (and a
+    block's split key once no live group records under it). ``reset()``
+    forgets every record; windows open for a compile under way stay."""
+
+    def __init__(self) -> None:
+        self.reports = _Reports()
+        self.window = _Window()
+        # group key (or a block's entry split key) -> param index -> ids of
+        # the Dynamo frames whose graphs read it.
+        self.traced_frames: dict[Hashable, dict[int, set[int]]] = {}
+        # Compile id -> (trace attempt, the markers traced in it, in order),
+        # until the compile ends (frames._on_compile_end).
+        self.compile_markers: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+        # Whether a Dynamo compile is under way. Process-wide, as Dynamo's
+        # count of pending compiles is: its start and end callbacks run in
+        # whichever thread starts the first and ends the last of concurrent compiles.
+        self.dynamo_compiling = False
+        self.dynamo_lock = threading.Lock()
+        self._split_keys: dict[Hashable, set[int]] = {}  # split key -> the group keys recorded under it
+        self._watched: set[int] = set()
+
+    def watch(self, key: int, split_key: Optional[Hashable]) -> None:
+        """Records under ``key`` (and ``split_key``) are forgotten when the
+        key's owner dies."""
+        with _lock:
+            if split_key is not None:
+                self._split_keys.setdefault(split_key, set()).add(key)
+            if key in self._watched:
+                return
+            owner = registry.owner_of(key)
+            if owner is None:
+                return
+            self._watched.add(key)
+        weakref.finalize(owner, self.forget, key).atexit = False
+
+    def forget(self, key: int) -> None:
+        with _lock:
+            self._watched.discard(key)
+            self.traced_frames.pop(key, None)
+            self.reports.units.pop(key, None)
+            for split, keys in list(self._split_keys.items()):
+                keys.discard(key)
+                if not keys:
+                    del self._split_keys[split]
+                    self.traced_frames.pop(split, None)
+
+    def reset(self) -> None:
+        with _lock:
+            self.reports.joint.clear()
+            self.reports.schedule.clear()
+            self.reports.units.clear()
+            self.traced_frames.clear()
+            self.compile_markers.clear()
+            self._split_keys.clear()
+
+
+SESSION = CompileSession()
 
 
 def open_window() -> None:
     """Opens a window: the passes are installed until the matching ``close_window()``."""
-    _WINDOW.enter()
+    SESSION.window.enter()
 
 
 def close_window() -> None:
-    _WINDOW.exit()
+    SESSION.window.exit()
 
 
 def open_backward_window() -> None:
@@ -263,23 +330,23 @@ def open_backward_window() -> None:
     at the next step's start (``close_backward_windows``)."""
     torch.autograd.Variable._execution_engine.queue_callback(_close_backward_window)
     with _lock:
-        _WINDOW.backward += 1
-        _WINDOW.enter()
+        SESSION.window.backward += 1
+        SESSION.window.enter()
 
 
 def _close_backward_window() -> None:
     with _lock:
-        if _WINDOW.backward > 0:
-            _WINDOW.backward -= 1
-            _WINDOW.exit()
+        if SESSION.window.backward > 0:
+            SESSION.window.backward -= 1
+            SESSION.window.exit()
 
 
 def close_backward_windows() -> None:
     """Closes the windows of backwards that raised (a step starts: none is under way)."""
     with _lock:
-        while _WINDOW.backward > 0:
-            _WINDOW.backward -= 1
-            _WINDOW.exit()
+        while SESSION.window.backward > 0:
+            SESSION.window.backward -= 1
+            SESSION.window.exit()
 
 
 @contextlib.contextmanager
@@ -297,32 +364,38 @@ def recording() -> Iterator[Recording]:
     """Collects every report the passes make while open."""
     rec = Recording()
     with _lock:
-        _REPORTS.recordings.append(rec)
+        SESSION.reports.recordings.append(rec)
     try:
         yield rec
     finally:
         with _lock:
-            _REPORTS.recordings.remove(rec)
+            SESSION.reports.recordings.remove(rec)
 
 
 def add_observer(fn: Callable[[str, fx.GraphModule, Any], None]) -> None:
     """Call ``fn(stage, gm, report)`` around every joint pass (see ``run_joint_passes``)
     and after the lowering and scheduling in the post-grad pass."""
     with _lock:
-        _REPORTS.observers.append(fn)
+        SESSION.reports.observers.append(fn)
+
+
+def observer_owners() -> list[Any]:
+    """The objects whose bound methods observe the passes (``add_observer``)."""
+    with _lock:
+        return [getattr(fn, "__self__", None) for fn in SESSION.reports.observers]
 
 
 def remove_observer(fn: Callable[[str, fx.GraphModule, Any], None]) -> None:
     with _lock:
-        if fn in _REPORTS.observers:
-            _REPORTS.observers.remove(fn)
+        if fn in SESSION.reports.observers:
+            SESSION.reports.observers.remove(fn)
 
 
 def last_reports() -> list:
     """Reports of the most recent joint-pass runs that saw markers, oldest
     first (bounded)."""
     with _lock:
-        return list(_REPORTS.joint)
+        return list(SESSION.reports.joint)
 
 
 def last_schedule_reports() -> list:
@@ -331,11 +404,11 @@ def last_schedule_reports() -> list:
     has ``before``/``after`` predicted timelines; ``as_dict()`` gives plain
     dicts (seconds from the graph's start)."""
     with _lock:
-        return list(_REPORTS.schedule)
+        return list(SESSION.reports.schedule)
 
 
 def units_of(module_key: int) -> dict[frozenset[int], tuple[str, ...]]:
     """The units the lowering chose for ``module_key``'s parameters, per graph
     (see [Note: Units] in passes/units.py), for ``explain()``."""
     with _lock:
-        return dict(_REPORTS.units.get(module_key, {}))
+        return dict(SESSION.reports.units.get(module_key, {}))

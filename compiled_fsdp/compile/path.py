@@ -31,7 +31,11 @@ from torch.utils._pytree import tree_flatten
 
 from compiled_fsdp.compile import frames, install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of
-from compiled_fsdp.core import compat, ops  # (ops registers torch.ops.compiled_fsdp)
+from compiled_fsdp.core import (
+    compat,
+    ops,  # noqa: F401 (registers torch.ops.compiled_fsdp)
+    registry,
+)
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, Unshard
 from compiled_fsdp.runtime.extension import CompiledPath
 from compiled_fsdp.runtime.param import FSDPParam
@@ -254,7 +258,7 @@ class TorchCompilePath(CompiledPath):
 
     def end_iteration(self, ctx: RootContext) -> None:
         _drop_unread_handoffs(ctx)
-        ops.BACKWARD_GATHERS.drop_pending()
+        registry.CORE.backward_gathers.drop_pending()
         root = _root(ctx)
         for p in root.regrad_none:  # see _drop_unread_handoffs
             p.sharded.grad = None
@@ -334,7 +338,7 @@ def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
     prefetched yet, then the one of the module before it in the forward order
     (or of those ``set_modules_to_backward_prefetch`` named), as FSDP2's
     backward prefetch. See [Note: Backward re-gathers prefetched across
-    graphs] in core/ops.py."""
+    graphs] in core/registry.py."""
     order = ctx.forward_order or ctx.prev_forward_order  # (a backward after the iteration's end: chunked loss)
     if state.backward_prefetch is not None:
         targets = list(state.backward_prefetch)

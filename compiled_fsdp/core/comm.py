@@ -10,8 +10,8 @@ reduce-scatter and an all-gather inside the ring) and copies this rank's
 chunk out on ``wait``. An all-to-all moves only the bytes a reduce-scatter
 needs: each rank sends chunk ``j`` of its input to rank ``j`` and receives
 every rank's copy of its own chunk, then sums the ``[N, T]`` rows locally.
-Measured on this project's CPU machines (DESIGN.md, "Results: the gloo
-reduce"): the all-to-all is faster and uses less CPU from 4 MB buckets up.
+Measured on this project's CPU machines (benchmarks/RESULTS.md, "Reducing
+gradients on gloo"): the all-to-all is faster and uses less CPU from 4 MB buckets up.
 So on gloo both runtimes reduce by all-to-all; NCCL keeps its
 reduce-scatter. The sum runs over rows in rank order, ``((g_0 + g_1) + ...)``;
 the eager runtime and the lowering both use it, so they stay bitwise equal.
@@ -24,14 +24,13 @@ and passes it to the collectives below and, in the markers, to the lowering.
 """
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from compiled_fsdp.core import compat
+from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.layout import EAGER, sum_received
 
 __all__ = [
@@ -46,35 +45,30 @@ EMULATED_BACKEND = "emulated"
 # Backends under which one process stands in for every rank.
 ONE_PROCESS_BACKENDS = ("fake", EMULATED_BACKEND)
 
-_COUNTS: collections.Counter = collections.Counter()
-# Bytes each rank sent into the bucketed collectives, by kind.
-_BYTES: collections.Counter = collections.Counter()
-
 
 def collective_counts() -> dict[str, int]:
     """How many eager collectives were issued, by kind, since the last reset:
     ``all_gather`` / ``reduce_scatter`` (the runtime's buckets) and
     ``unbucketed_all_gather`` / ``unbucketed_reduce_scatter`` (markers no
     pass lowered, run by their eager implementations)."""
-    return dict(_COUNTS)
+    return dict(registry.CORE.counts)
 
 
 def collective_bytes() -> dict[str, int]:
     """Bytes this rank contributed to the eager runtime's bucketed all-gathers and
     reduce-scatters, by kind, since the last reset."""
-    return dict(_BYTES)
+    return dict(registry.CORE.sent_bytes)
 
 
 def reset_collective_counts() -> None:
-    _COUNTS.clear()
-    _BYTES.clear()
+    registry.CORE.reset_counts()
 
 
 def count(kind: str, nbytes: int = 0) -> None:
     """Counts one eager collective of ``kind`` (and the bytes this rank sent)."""
-    _COUNTS[kind] += 1
+    registry.CORE.counts[kind] += 1
     if nbytes:
-        _BYTES[kind] += nbytes
+        registry.CORE.sent_bytes[kind] += nbytes
 
 
 def unaliased(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:

@@ -378,6 +378,15 @@ def register_composable_state(module: Any, state: Any) -> None:
     _composable_state._module_state_mapping[module] = weakref.ref(state)
 
 
+def module_state(module: Any) -> Any:
+    """The state entered for ``module`` in that map (by this project or by a
+    torch composable API), or None (also once it was freed)."""
+    from torch.distributed import _composable_state
+
+    ref = _composable_state._module_state_mapping.get(module)
+    return None if ref is None else ref()
+
+
 def side_effects_allowed_under_checkpoint() -> bool:
     """Whether Dynamo traces a Python side effect inside an activation
     checkpoint without breaking the graph: ``torch._dynamo.config.

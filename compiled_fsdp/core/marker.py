@@ -346,7 +346,7 @@ class ReduceNext(Marker):
 class Regather(Marker):
     """A handed-in module's backward re-gather, waited: the one prefetched
     for its shards if there is one, else gathered now. See [Note: Backward
-    re-gathers prefetched across graphs] in core/ops.py."""
+    re-gathers prefetched across graphs] in core/registry.py."""
 
     NAME: ClassVar[str] = "regather"
     STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "world_size", "module_key")

@@ -45,7 +45,7 @@ A parameter read twice has two markers with the same ``kept``. The lowering sums
 their gradients and adds ``kept`` once per parameter; the markers' own eager
 implementations (``backend="eager"``, or a module the lowering left alone) reduce
 per read, so ``reduce_grad`` adds a given ``kept`` tensor only the first time it
-sees it (``_ADDED``). Tested by tests/test_no_sync.py.
+sees it (``registry.CORE.added``). Tested by tests/test_no_sync.py.
 
 [Note: Local rows in the marker]
 ``local_rows`` is also the input's first dimension, and it is passed anyway:
@@ -64,7 +64,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from compiled_fsdp.core import comm, compat, registry
 from compiled_fsdp.core.layout import (
@@ -80,11 +79,8 @@ from compiled_fsdp.core.layout import (
 )
 from compiled_fsdp.core.marker import GatherNext, ReduceGrad, ReduceNext, Regather, Unshard
 
-__all__ = ["BackwardGathers", "BACKWARD_GATHERS", "gather_next", "reduce_grad", "reduce_next", "regather", "unshard"]
+__all__ = ["gather_next", "reduce_grad", "reduce_next", "regather", "unshard"]
 
-# Kept gradients an eager ``reduce_grad`` has already added (by identity); see
-# [Note: Accumulation without sync in graphs].
-_ADDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -187,10 +183,10 @@ def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
         return full.clone() if full is m.grad else full
     kept = m.kept
     if kept is not None:  # added once, however many reads: see the note
-        if kept in _ADDED:
+        if kept in registry.CORE.added:
             kept = None
         else:
-            _ADDED[kept] = None
+            registry.CORE.added[kept] = None
     flat = pack_grads(EAGER, [reduce_input(EAGER, m.grad, kept, m.reduce_dtype)], specs)
     if m.world_size > 1:
         comm.count("unbucketed_reduce_scatter")
@@ -305,7 +301,7 @@ def _reduce_next_fake(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------
-# regather: see [Note: Backward re-gathers prefetched across graphs]
+# regather: see [Note: Backward re-gathers prefetched across graphs] in registry.py
 # ---------------------------------------------------------------------------
 
 
@@ -315,58 +311,6 @@ def shards_key(shards: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(s.data_ptr() for s in shards)
 
 
-class BackwardGathers:
-    """[Note: Backward re-gathers prefetched across graphs]
-    A block compiled on its own that reshards after forward gathers its
-    parameters again in its backward graph, and a graph can only overlap that
-    gather with its own compute: each block's backward used to start by
-    waiting for its own gather. FSDP2 issues block i-1's gather when block i's
-    backward begins. The same here, through one op: the lowering makes a
-    handed-in block's backward re-gather ``compiled_fsdp::regather`` (an
-    opaque op that Inductor calls as it is), which takes the gather issued
-    for the same shards if one is pending and otherwise gathers now. The
-    compile layer issues them (``issue``) in the eager pre-backward hook of a
-    block's graph: that block's own gather if not yet issued, then the gather
-    of the block before it in the forward order, as FSDP2's backward prefetch
-    does. Only buckets whose ``regather`` has run once (``takers``) are
-    issued: a graph that re-gathers a subset of its parameters, or none, is
-    never sent one. A gather left pending at the end of backward is waited
-    for and dropped (``drop_pending``). What is gathered is one pack of the
-    shards with the layout functions of [Note: Bucket layout], so taking it is
-    bitwise the graph's own gather. Every rank runs the same program over the
-    same order, so all issue the same gathers.
-    Tested by tests/test_handoff.py::test_backward_regathers_prefetched."""
-
-    def __init__(self) -> None:
-        self.takers: set[tuple[int, ...]] = set()
-        self.pending: dict[tuple[int, ...], torch.Tensor] = {}
-        self.taken = 0  # regathers served by a pending gather (for the tests and the benchmarks)
-
-    def reset(self) -> None:
-        self.drop_pending()
-        self.takers.clear()
-        self.taken = 0
-
-    def wanted(self, key: tuple[int, ...]) -> bool:
-        return key in self.takers and key not in self.pending
-
-    def issue(self, key: tuple[int, ...], gathered: torch.Tensor) -> None:
-        self.pending[key] = gathered
-
-    def take(self, key: tuple[int, ...]) -> Optional[torch.Tensor]:
-        self.takers.add(key)
-        gathered = self.pending.pop(key, None)
-        if gathered is not None:
-            self.taken += 1
-        return gathered
-
-    def drop_pending(self) -> None:
-        for gathered in self.pending.values():
-            torch.ops._c10d_functional.wait_tensor(gathered)
-        self.pending.clear()
-
-
-BACKWARD_GATHERS = BackwardGathers()
 
 
 def _regather_specs(m: Regather) -> list[ShardSpec]:
@@ -379,7 +323,7 @@ def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
     """The gathered bucket of ``shards``, waited: prefetched, or gathered now."""
     m = Regather.bind(args, kwargs)
     shards = list(m.shards)
-    gathered = BACKWARD_GATHERS.take(shards_key(shards))
+    gathered = registry.CORE.backward_gathers.take(shards_key(shards))
     if gathered is None:
         gathered = issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
                                 counted=False)

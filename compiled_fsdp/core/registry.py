@@ -1,15 +1,34 @@
-"""The one registry of the core: group key -> the runtime object that owns the
-key (a fully sharded module's parameter group), for code that meets a key in
-a graph or a marker and must reach its owner (the marker ops' eager
-implementations, the compile layer's checks, the tools' reports).
+"""The core's process-wide state, on one object (``CORE``): what the marker
+ops and the collectives record while they run, and which runtime object owns
+a key they meet.
 
-Weak: a group lives as long as its module."""
+- ``owners``: group key -> the runtime object that owns the key (a fully
+  sharded module's parameter group), for code that meets a key in a graph or
+  a marker and must reach its owner (the marker ops' eager implementations,
+  the compile layer's checks, the tools' reports). Weak: a group lives as
+  long as its module.
+- ``counts`` / ``sent_bytes``: the eager collectives issued since the last
+  ``reset_counts()``, by kind (``compiled_fsdp.collective_counts()``).
+- ``added``: kept gradients an eager ``reduce_grad`` has already added (by
+  identity, weak); see [Note: Accumulation without sync in graphs] in ops.py.
+- ``backward_gathers``: the re-gathers issued ahead of the block graphs'
+  backward; see [Note: Backward re-gathers prefetched across graphs].
+
+It is module-level because the marker ops' eager implementations, which
+Dynamo and Inductor call with tensors and constants only, must reach it
+(DESIGN.md, "State"). ``reset()`` returns it to a new process's state, live
+owners apart.
+"""
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Optional, Protocol
 
-__all__ = ["MarkerOwner", "owner_of", "owners", "register_owner"]
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["CORE", "BackwardGathers", "CoreRegistry", "MarkerOwner", "owner_of", "owners", "register_owner"]
 
 
 class MarkerOwner(Protocol):
@@ -23,17 +42,89 @@ class MarkerOwner(Protocol):
         (-1: the whole bucket): the runtime agrees on it with the other ranks."""
 
 
-_OWNERS: "weakref.WeakValueDictionary[int, MarkerOwner]" = weakref.WeakValueDictionary()
+class BackwardGathers:
+    """[Note: Backward re-gathers prefetched across graphs]
+    A block compiled on its own that reshards after forward gathers its
+    parameters again in its backward graph, and a graph can only overlap that
+    gather with its own compute: each block's backward used to start by
+    waiting for its own gather. FSDP2 issues block i-1's gather when block i's
+    backward begins. The same here, through one op: the lowering makes a
+    handed-in block's backward re-gather ``compiled_fsdp::regather`` (an
+    opaque op that Inductor calls as it is), which takes the gather issued
+    for the same shards if one is pending and otherwise gathers now. The
+    compile layer issues them (``issue``) in the eager pre-backward hook of a
+    block's graph: that block's own gather if not yet issued, then the gather
+    of the block before it in the forward order, as FSDP2's backward prefetch
+    does. Only buckets whose ``regather`` has run once (``takers``) are
+    issued: a graph that re-gathers a subset of its parameters, or none, is
+    never sent one. A gather left pending at the end of backward is waited
+    for and dropped (``drop_pending``). What is gathered is one pack of the
+    shards with the layout functions of [Note: Bucket layout], so taking it is
+    bitwise the graph's own gather. Every rank runs the same program over the
+    same order, so all issue the same gathers.
+    Tested by tests/test_handoff.py::test_backward_regathers_prefetched."""
+
+    def __init__(self) -> None:
+        self.takers: set[tuple[int, ...]] = set()
+        self.pending: dict[tuple[int, ...], torch.Tensor] = {}
+        self.taken = 0  # regathers served by a pending gather (for the tests and the benchmarks)
+
+    def reset(self) -> None:
+        self.drop_pending()
+        self.takers.clear()
+        self.taken = 0
+
+    def wanted(self, key: tuple[int, ...]) -> bool:
+        return key in self.takers and key not in self.pending
+
+    def issue(self, key: tuple[int, ...], gathered: torch.Tensor) -> None:
+        self.pending[key] = gathered
+
+    def take(self, key: tuple[int, ...]) -> Optional[torch.Tensor]:
+        self.takers.add(key)
+        gathered = self.pending.pop(key, None)
+        if gathered is not None:
+            self.taken += 1
+        return gathered
+
+    def drop_pending(self) -> None:
+        for gathered in self.pending.values():
+            torch.ops._c10d_functional.wait_tensor(gathered)
+        self.pending.clear()
+
+
+class CoreRegistry:
+    """The core's state (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.owners: weakref.WeakValueDictionary[int, MarkerOwner] = weakref.WeakValueDictionary()
+        self.counts: collections.Counter = collections.Counter()
+        self.sent_bytes: collections.Counter = collections.Counter()
+        self.added: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.backward_gathers = BackwardGathers()
+
+    def reset_counts(self) -> None:
+        self.counts.clear()
+        self.sent_bytes.clear()
+
+    def reset(self) -> None:
+        """Forget what was recorded (owners stay: they die with their modules)."""
+        self.reset_counts()
+        self.added.clear()
+        self.backward_gathers.reset()
+
+
+CORE = CoreRegistry()
 
 
 def register_owner(owner: MarkerOwner) -> None:
-    _OWNERS[owner.key] = owner
+    CORE.owners[owner.key] = owner
 
 
 def owner_of(key: int) -> Optional[MarkerOwner]:
-    return _OWNERS.get(key)
+    return CORE.owners.get(key)
 
 
 def owners() -> list[MarkerOwner]:
     """Every live owner, by key."""
-    return [owner for _, owner in sorted(_OWNERS.items())]
+    return [owner for _, owner in sorted(CORE.owners.items())]

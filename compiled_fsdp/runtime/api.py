@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 import warnings
-import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -47,9 +46,9 @@ from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
 from compiled_fsdp.runtime.param import FSDPParam, install_class
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, OffloadPolicy, check_offload, check_policy
+from compiled_fsdp.runtime.registry import RUNTIME
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 from compiled_fsdp.runtime.validation import (
-    MANAGED,
     check_device_and_backend,
     check_mesh,
     label,
@@ -66,14 +65,14 @@ _AGREED_ERRORS = (TypeError, ValueError, AssertionError, NotImplementedError)
 # Group keys: the n-th application of fully_shard in a program is key n on every
 # rank, so markers and buckets agree across ranks. Counted per rank (per world
 # group object: thread ranks each have their own; see [Note: Helper groups]).
-_KEYS: "weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count]" = weakref.WeakKeyDictionary()
+# (RUNTIME.keys)
 
 
 def _next_key() -> int:
     world = dist.distributed_c10d._get_default_group()
-    counter = _KEYS.get(world)
+    counter = RUNTIME.keys.get(world)
     if counter is None:
-        counter = _KEYS[world] = itertools.count()
+        counter = RUNTIME.keys[world] = itertools.count()
     return next(counter)
 
 
@@ -119,16 +118,15 @@ class ShardingOptions:
         if self.mesh is not None:
             return self.mesh
         over = self.replicate_group if self.api == "replicate" else self.process_group
-        meshes = _MESHES.setdefault(over, {})
+        meshes = RUNTIME.meshes.setdefault(over, {})
         mesh = meshes.get(device_type)
         if mesh is None or mesh.get_group() not in dist.distributed_c10d._world.pg_map:
             mesh = meshes[device_type] = DeviceMesh.from_group(over, device_type)
         return mesh
 
 
-# Process group -> device type -> the 1-D mesh built over it (see [Note: Helper
-# groups] in divergence.py: keyed by the group object, so per rank).
-_MESHES: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, DeviceMesh]]" = weakref.WeakKeyDictionary()
+# (RUNTIME.meshes: process group -> device type -> the 1-D mesh built over it;
+# see [Note: Helper groups] in divergence.py: keyed by the group object, so per rank.)
 
 
 def _resolve_options(
@@ -226,7 +224,7 @@ def _mesh_ranks(options: ShardingOptions) -> Optional[list[int]]:
 # Gather group -> its reduce group, created once per gather group (keyed by the
 # group object: per rank, see [Note: Helper groups] in divergence.py). Weakly:
 # see [Note: Process groups at exit] in tools/launch.py.
-_REDUCE_GROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
+# (RUNTIME.reduce_groups)
 
 
 def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -247,7 +245,7 @@ def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     spanning the world with ``new_group`` (which all ranks join), for a
     smaller group with ``use_local_synchronization`` (only its members join).
     """
-    reduce_group = _REDUCE_GROUPS.get(group)
+    reduce_group = RUNTIME.reduce_groups.get(group)
     if reduce_group is None or reduce_group not in dist.distributed_c10d._world.pg_map:
         # (not created yet, or destroyed with its world by destroy_process_group)
         ranks = dist.get_process_group_ranks(group)
@@ -257,7 +255,7 @@ def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
             group_desc=f"compiled_fsdp_reduce_{group.group_name}",
         )
         assert reduce_group is not None
-        _REDUCE_GROUPS[group] = reduce_group
+        RUNTIME.reduce_groups[group] = reduce_group
     return reduce_group
 
 
@@ -362,7 +360,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         for param, places in owners.items():
             fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank, mp,
                            shard_size=shard_size)
-            MANAGED[param] = fp
+            RUNTIME.managed[param] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
             fsdp_params, options.process_group, options.reduce_group, _next_key(),

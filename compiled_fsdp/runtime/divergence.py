@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from compiled_fsdp.config import comm
 from compiled_fsdp.core import compat
+from compiled_fsdp.runtime.registry import RUNTIME
 
 __all__ = ["CollectiveMismatchError"]
 
@@ -322,10 +323,6 @@ def _describe(cp: Checkpoint) -> str:
     return f"{cp.what} in step {cp.step}"
 
 
-# Check groups with a collective left waiting: never destroyed.
-_ABANDONED: list[dist.ProcessGroup] = []
-
-
 def _abandon(group: dist.ProcessGroup) -> None:
     """A gloo group whose collective still waits for a peer cannot be destroyed
     (its destructor joins the threads that wait, after ``destroy_process_group``
@@ -333,12 +330,8 @@ def _abandon(group: dist.ProcessGroup) -> None:
     exit until the peer's process ends: a deadlock when that peer waits for
     this process's other groups to close. So it is kept alive for good: one
     reference more than anything holds, which nothing releases."""
-    _ABANDONED.append(group)
+    RUNTIME.abandoned.append(group)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-# Ranks tuple -> its checker, created at fully_shard (see ``checker_for``).
-_CHECKERS: dict[tuple[int, ...], Checker] = {}
-
-
 def ranks_are_processes(group: dist.ProcessGroup) -> bool:
     """[Note: Helper groups]
     Whether each rank of ``group`` is a process of its own that runs the
@@ -369,11 +362,11 @@ def checker_for(group: dist.ProcessGroup, ranks: Optional[Sequence[int]] = None)
     ranks = tuple(sorted(ranks if ranks is not None else dist.get_process_group_ranks(group)))
     if len(ranks) == 1:
         return None  # (one rank: nothing to pair up with)
-    checker = _CHECKERS.get(ranks)
-    if checker is None or not checker.alive():
+    checker = RUNTIME.checker(ranks)
+    if checker is None:
         local = len(ranks) != dist.get_world_size()
         check_group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local,
                                      group_desc="compiled_fsdp_check")
         assert check_group is not None
-        checker = _CHECKERS[ranks] = Checker(check_group)
+        checker = RUNTIME.checkers[ranks] = Checker(check_group)
     return checker

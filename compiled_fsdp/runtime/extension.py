@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from compiled_fsdp.runtime.registry import RUNTIME
+
 if TYPE_CHECKING:
     from compiled_fsdp.runtime.param import FSDPParam
     from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -92,14 +94,13 @@ class CompiledPath:
         """The iteration is over (backward done, or a forward without backward)."""
 
 
-_PATH: CompiledPath = CompiledPath()
+_EAGER_ONLY = CompiledPath()  # (stateless: no compile layer loaded)
 
 
 def compiled_path() -> CompiledPath:
-    return _PATH
+    return RUNTIME.path or _EAGER_ONLY
 
 
 def set_compiled_path(path: CompiledPath) -> None:
-    global _PATH
-    _PATH = path
+    RUNTIME.path = path
 

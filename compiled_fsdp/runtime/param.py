@@ -54,6 +54,7 @@ from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
+from compiled_fsdp.runtime.registry import RUNTIME
 
 if TYPE_CHECKING:
     from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -263,9 +264,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-_SUBCLASS_CACHE: dict[tuple[type, frozenset[str], tuple[type, ...]], type] = {}
-
-
 def _make_property(name: str) -> property:
     def getter(self: nn.Module) -> torch.Tensor:
         return self._fsdp_params[name].current_value()
@@ -306,10 +304,10 @@ def install_class(
         mixins = module.__dict__["_fsdp_mixins"] = (*mixins, mixin)
     base = getattr(module, "_fsdp_base_class", type(module))
     key = (base, frozenset(params), mixins)
-    cls = _SUBCLASS_CACHE.get(key)
+    cls = RUNTIME.subclasses.get(key)
     if cls is None:
         attrs: dict[str, Any] = {n: _make_property(n) for n in sorted(params)}
         attrs["_fsdp_base_class"] = base
         cls = type(f"FSDP{base.__name__}", (*mixins, base), attrs)
-        _SUBCLASS_CACHE[key] = cls
+        RUNTIME.subclasses[key] = cls
     module.__class__ = cls

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import weakref
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -59,7 +60,11 @@ class _UnshardFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group: "FSDPParamGroup", bucket: int, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.bucket = group, bucket
+        # Weakly: the outputs' autograd node holds ctx from C++, where Python's
+        # collector cannot see it, and a parameter keeps its unsharded view (an
+        # output) alive: a strong group here made a cycle that kept every model
+        # alive for good (tests/test_state.py).
+        ctx.group, ctx.bucket = weakref.ref(group), bucket
         ctx.set_materialize_grads(False)
         params = [group.fsdp_params[i] for i in group.reduce_buckets[bucket]]
         outs = tuple(p.unsharded.view_as(p.unsharded) for p in params)
@@ -68,7 +73,9 @@ class _UnshardFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[None, ...]:
-        ctx.group.post_backward(grads, ctx.bucket)
+        group = ctx.group()
+        if group is not None:  # (None: the model was freed before this backward ran)
+            group.post_backward(grads, ctx.bucket)
         return (None,) * (2 + len(grads))
 
 

@@ -51,7 +51,6 @@ tests/test_hsdp.py::test_replicate_buckets_overlap_backward (and
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional, Union
 
 import torch.distributed as dist
@@ -60,23 +59,24 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from compiled_fsdp.runtime.api import ShardingOptions, _shard_one, check_initialized, mesh_group
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
+from compiled_fsdp.runtime.registry import RUNTIME
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state
 
 __all__ = ["replicate"]
 
 # Group -> this rank's group of one, made once per group object (per rank,
 # as the other helper groups: [Note: Helper groups] in divergence.py).
-_ALONE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
+# (RUNTIME.alone_groups)
 
 
 def _group_of_one(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    alone = _ALONE.get(group)
+    alone = RUNTIME.alone_groups.get(group)
     if alone is None or alone not in dist.distributed_c10d._world.pg_map:
         rank = dist.get_rank()
         alone = dist.new_group([rank], backend=dist.get_backend(group), use_local_synchronization=True,
                                group_desc=f"compiled_fsdp_alone_{group.group_name}")
         assert alone is not None
-        _ALONE[group] = alone
+        RUNTIME.alone_groups[group] = alone
     return alone
 
 

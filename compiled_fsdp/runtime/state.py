@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import enum
 import sys
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -112,11 +111,10 @@ from compiled_fsdp.runtime.streams import CommStreams
 
 __all__ = ["FSDPState", "Path", "get_fsdp_state", "iter_fsdp_states", "module_fqns"]
 
-# Module -> its state, both weakly: the module keeps its state alive through its
-# hooks (bound methods of the state), so a model nobody references is freed
-# with its groups (a strong value would keep every sharded model, and its
-# process groups, alive to the end of the process).
-_MODULE_STATE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[FSDPState]]" = weakref.WeakKeyDictionary()
+# A module's state is recorded once, in torch's map of composable-API states
+# (compat.register_composable_state), where torch's tools look too. Both
+# weakly: the module keeps its state alive through its hooks (bound methods
+# of the state), so a model nobody references is freed with its groups.
 
 
 class Path(enum.Enum):
@@ -141,8 +139,8 @@ def module_fqns(root: nn.Module) -> dict[nn.Module, str]:
 
 def get_fsdp_state(module: nn.Module) -> Optional["FSDPState"]:
     """The state of ``module`` if ``fully_shard`` was applied to it, else None."""
-    ref = _MODULE_STATE.get(module)
-    return None if ref is None else ref()
+    state = compat.module_state(module)
+    return state if isinstance(state, FSDPState) else None
 
 
 def iter_fsdp_states(module: nn.Module) -> list["FSDPState"]:
@@ -385,7 +383,6 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         # Set on the root before its first forward (FSDPModule.set_manual_backward_finalization).
         self.manual_finalization = False
         for module in modules:
-            _MODULE_STATE[module] = weakref.ref(self)
             compat.register_composable_state(module, self)
             if len(modules) == 1:
                 module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)

@@ -10,14 +10,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils.weak import WeakIdKeyDictionary
 
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
+from compiled_fsdp.runtime.registry import RUNTIME
 from compiled_fsdp.runtime.state import get_fsdp_state
-
-# Original parameter -> its FSDPParam, to detect a parameter claimed twice.
-# (Keyed by identity: tensors compare elementwise.)
-MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def check_mesh(mesh: DeviceMesh) -> None:
@@ -144,7 +140,7 @@ def collect_owned(
             fqn = f"{path}.{name}" if path else name
             # (A shard is a DTensor; no registry holds it: a weak reference would stop
             # to_empty() from swapping it, see [Note: Meta-device init].)
-            if p in MANAGED or isinstance(p, DTensor):
+            if p in RUNTIME.managed or isinstance(p, DTensor):
                 conflicts.append(fqn)
                 continue
             if p.dim() == 0:
@@ -253,7 +249,7 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
     for root in modules:
         for m in root.modules():
             for name, p in list(m._parameters.items()):
-                if isinstance(p, DTensor) and p not in MANAGED and p.device_mesh == mesh:
+                if isinstance(p, DTensor) and p not in RUNTIME.managed and p.device_mesh == mesh:
                     if any(not pl.is_replicate() for pl in p.placements):
                         raise NotImplementedError(
                             f"fully_shard: parameter {name!r} of {type(m).__name__} is a DTensor placed "

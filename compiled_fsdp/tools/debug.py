@@ -114,6 +114,7 @@ class DumpSession:
         self._hook_handle: Any = None
         self._saved_caches: Optional[tuple[bool, bool]] = None
         self.active = False
+        self.from_env = False  # started by COMPILED_FSDP_DUMP (start_from_env)
         self._generation = 0  # resets seen; see [Note: Dumps survive a reset]
 
     # -- lifecycle ---------------------------------------------------------
@@ -292,14 +293,12 @@ def dump_graphs(directory: str) -> Iterator[DumpSession]:
         session.stop()
 
 
-_env_session: Optional[DumpSession] = None
-
-
 def start_from_env() -> None:
     """``COMPILED_FSDP_DUMP=<dir>`` dumps the rest of the process; called by
     ``fully_shard`` (idempotent)."""
-    global _env_session
     root = os.environ.get(DUMP_ENV)
-    if root and _env_session is None:
-        _env_session = DumpSession(root)
-        _env_session.start()
+    if not root or any(isinstance(s, DumpSession) and s.from_env for s in install.observer_owners()):
+        return
+    session = DumpSession(root)
+    session.from_env = True  # (held by its observer, on install.SESSION)
+    session.start()

@@ -1,0 +1,80 @@
+"""The runtime's process-wide state, on one object (``RUNTIME``).
+
+What ``fully_shard`` makes once per process group and shares between the
+modules sharded over it, and what the hooks must find from a module alone:
+
+- ``keys``: world group -> the counter that numbers ``fully_shard`` calls
+  (a group's key: the same on every rank, so markers and buckets agree).
+- ``meshes``, ``reduce_groups``, ``alone_groups``: helper meshes and groups
+  made once per data group object (per rank: [Note: Helper groups] in
+  divergence.py).
+- ``checkers``: ranks -> the divergence checker over them.
+- ``abandoned``: check groups with a collective left waiting, kept alive for
+  good (``divergence._abandon``).
+- ``managed``: original parameter -> its FSDPParam (by identity, weakly), to
+  detect a parameter claimed twice.
+- ``subclasses``: the ``FSDP<Module>`` classes made by ``fully_shard``
+  ([Note: Parameter property] in param.py), reused across modules.
+- ``path``: the compile layer's seam ([Note: The compiled path] in
+  extension.py), set when the compile layer loads.
+
+The per-group entries are weak (a model nobody references is freed with its
+groups), the checkers are pruned when their group is destroyed, and the
+subclasses live while a module of theirs does. ``reset()`` forgets every
+cache (keys and abandoned groups apart: keys are never reused in a process,
+since the markers of a live model name them). The module state itself is
+torch's map (``compat.module_state``), not kept here: see state.py.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from compiled_fsdp.runtime.divergence import Checker
+    from compiled_fsdp.runtime.extension import CompiledPath
+
+__all__ = ["RUNTIME", "RuntimeRegistry"]
+
+
+class RuntimeRegistry:
+    """The runtime's state (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.keys: weakref.WeakKeyDictionary[dist.ProcessGroup, Any] = weakref.WeakKeyDictionary()
+        self.meshes: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, DeviceMesh]] = (
+            weakref.WeakKeyDictionary())
+        self.reduce_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+            weakref.WeakKeyDictionary())
+        self.alone_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+            weakref.WeakKeyDictionary())
+        self.checkers: dict[tuple[int, ...], Checker] = {}
+        self.abandoned: list[dist.ProcessGroup] = []
+        self.managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.subclasses: weakref.WeakValueDictionary[tuple, type] = weakref.WeakValueDictionary()
+        self.path: Optional[CompiledPath] = None
+
+    def checker(self, ranks: tuple[int, ...]) -> Optional[Checker]:
+        """The live checker over ``ranks`` (a destroyed one is pruned)."""
+        checker = self.checkers.get(ranks)
+        if checker is not None and not checker.alive():
+            del self.checkers[ranks]
+            return None
+        return checker
+
+    def reset(self) -> None:
+        """Forget the helper groups, meshes, checkers and classes (the
+        modules that hold them keep them)."""
+        self.meshes.clear()
+        self.reduce_groups.clear()
+        self.alone_groups.clear()
+        self.checkers.clear()
+        self.subclasses.clear()
+
+
+RUNTIME = RuntimeRegistry()
