@@ -1,7 +1,9 @@
 """The layers import one way (DESIGN.md, "Layering"): core <- runtime <- compile
-<- tools, and the passes import only the core. Checked on every import
-statement of the package, function-level ones included, so the layering
-cannot rot unnoticed."""
+<- tools, and the passes import only the core; inside the runtime, a module
+imports only those below it in ``RUNTIME_ORDER`` (FSDP2's one-way layering:
+the parameter never names its group, the group never names the state).
+Checked on every import statement of the package, function-level and
+type-only ones included, so the layering cannot rot unnoticed."""
 from __future__ import annotations
 
 import ast
@@ -22,6 +24,11 @@ ALLOWED = {
     # The package's facade: the public names (tools only lazily, see below).
     "facade": {"core", "config", "runtime", "compile", "tools"},
 }
+
+
+# The runtime's modules, lowest first: each may import only those before it.
+RUNTIME_ORDER = ["registry", "policy", "streams", "divergence", "collectives", "extension", "param",
+                 "param_group", "state", "validation", "module", "api", "replicate"]
 
 
 def _module_name(path: Path) -> str:
@@ -94,11 +101,21 @@ def _violations(extra: tuple[tuple[Path, str], ...] = ()) -> list[str]:
                 theirs = "facade"
             if theirs not in ALLOWED[mine]:
                 found.append(f"{where}: {mine} module {me} imports {target} ({theirs})")
+            elif mine == theirs == "runtime" and not _runtime_below(target, me):
+                found.append(f"{where}: runtime module {me} imports {target}, which is not below it "
+                             f"({' < '.join(RUNTIME_ORDER)})")
             elif mine == "compile" and theirs == "passes" and module_level:
                 found.append(f"{where}: {me} imports {target} at import time (the passes load at the first compile)")
             elif mine == "facade" and theirs == "tools" and module_level and me != "compiled_fsdp.check":
                 found.append(f"{where}: {me} imports {target} at import time (tools load when used)")
     return found
+
+
+def _runtime_below(target: str, me: str) -> bool:
+    parts, mine = target.split("."), me.split(".")
+    if len(parts) < 3 or len(mine) < 3:  # (the runtime package itself)
+        return len(mine) < 3
+    return RUNTIME_ORDER.index(parts[2]) < RUNTIME_ORDER.index(mine[2])
 
 
 def test_imports_go_one_way() -> None:
@@ -114,6 +131,18 @@ def test_the_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     fake.write_text("def f():\n    from compiled_fsdp.compile import install\n")
     found = _violations(((fake, "compiled_fsdp.runtime._layering_probe"),))
     assert any("_layering_probe.py:2: runtime module" in f for f in found), found
+
+
+def test_the_check_sees_a_type_only_import_up() -> None:
+    """A type-only import of the group by the parameter is a pointer up."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fake = Path(tmp) / "param.py"
+        fake.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                        "    from compiled_fsdp.runtime.param_group import FSDPParamGroup\n")
+        found = _violations(((fake, "compiled_fsdp.runtime.param"),))
+    assert any("param.py:3: runtime module compiled_fsdp.runtime.param imports" in f for f in found), found
 
 
 def test_import_loads_no_pass_and_no_tool() -> None:

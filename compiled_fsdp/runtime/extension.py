@@ -14,16 +14,17 @@ the ``compiled`` slot of the runtime objects (``FSDPParamGroup.compiled``,
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from compiled_fsdp.runtime.registry import RUNTIME
 
-if TYPE_CHECKING:
-    from compiled_fsdp.runtime.param import FSDPParam
-    from compiled_fsdp.runtime.param_group import FSDPParamGroup
-    from compiled_fsdp.runtime.state import FSDPState, RootContext
+# The runtime objects the hooks pass, by role: ``param.FSDPParam``,
+# ``param_group.FSDPParamGroup``, ``state.FSDPState`` and ``state.RootContext``.
+# Not imported, even for types: each of those modules imports this one
+# (tests/test_layers.py forbids the cycle).
+FSDPParam = FSDPParamGroup = FSDPState = RootContext = Any
 
 __all__ = ["CompiledPath", "compiled_path", "set_compiled_path"]
 

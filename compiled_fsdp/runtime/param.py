@@ -43,7 +43,7 @@ a DCP load fills them from a checkpoint. A forward while a shard is still on
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -56,9 +56,19 @@ from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
 
-if TYPE_CHECKING:
-    from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
+class ParamOwner(Protocol):
+    """What a parameter asks of its group (``param_group.FSDPParamGroup``),
+    named here so that this module never imports the group's."""
+
+    name: str
+    exposed_views: Optional[Sequence[Optional[torch.Tensor]]]
+
+    def view_of(self, index: int) -> torch.Tensor:
+        """The gathered view of parameter ``index`` its module's forward reads."""
+
+    def forward_active(self) -> bool:
+        """Whether the eager runtime is inside a forward of the group's root."""
 
 class FSDPParam:
     """A managed parameter: its shard (the registered ``nn.Parameter``, a
@@ -100,7 +110,7 @@ class FSDPParam:
         # sync, on both paths; see [Note: Accumulation without sync in graphs]
         # in core/ops.py and [Note: Gradient accumulation without sync] in module.py.
         self.grad_sink: Optional[torch.Tensor] = None
-        self.group: Optional["FSDPParamGroup"] = None
+        self.group: Optional[ParamOwner] = None
         self.index = -1
         self.bucket_offset = 0  # its columns in the group's bucket ([Note: Bucket layout])
         for module, name in owners:

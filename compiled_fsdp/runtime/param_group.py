@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import enum
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,6 @@ from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, Pe
 from compiled_fsdp.runtime.param import FSDPParam
 
 if TYPE_CHECKING:
-    from compiled_fsdp.runtime.state import RootContext
     from compiled_fsdp.runtime.streams import CommStreams
 
 
@@ -54,6 +53,18 @@ class ShardedState(enum.Enum):
     GATHERING = "gathering"  # all-gather issued, not awaited (a prefetch)
     UNSHARDED = "unsharded"
 
+
+
+class GroupContext(Protocol):
+    """What a group asks of its root's iteration (``state.RootContext``, set
+    at lazy init), named here so that this module never imports the state's."""
+
+    phase: Phase
+    streams: Optional["CommStreams"]
+
+    def on_reduce_issued(self, group: "FSDPParamGroup") -> None:
+        """``group`` issued a reduction: the root awaits the others' (at most
+        two groups' in flight) and queues the end of backward."""
 
 class _UnshardFn(torch.autograd.Function):
     """See [Note: Eager autograd through UnshardFn]: one per reduce bucket."""
@@ -164,7 +175,7 @@ class FSDPParamGroup:
         self._iter_views: Optional[Sequence[Optional[torch.Tensor]]] = None
         self.needs_grad_sync = False  # a backward was registered for this iteration
         # The root's RootContext (see [Note: Roots and iterations]), set at lazy init.
-        self.ctx: Optional["RootContext"] = None
+        self.ctx: Optional[GroupContext] = None
         # The compile layer's state for this group (see [Note: The compiled path]).
         self.compiled: Any = None
 

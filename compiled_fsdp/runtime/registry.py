@@ -28,7 +28,7 @@ torch's map (``compat.module_state``), not kept here: see state.py.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
@@ -36,10 +36,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from compiled_fsdp.runtime.divergence import Checker
-    from compiled_fsdp.runtime.extension import CompiledPath
-
 __all__ = ["RUNTIME", "RuntimeRegistry"]
+
+
+class _Checker(Protocol):
+    """What the registry asks of a checker (``divergence.Checker``)."""
+
+    def alive(self) -> bool:
+        """False once its check group was destroyed."""
 
 
 class RuntimeRegistry:
@@ -53,15 +57,15 @@ class RuntimeRegistry:
             weakref.WeakKeyDictionary())
         self.alone_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
             weakref.WeakKeyDictionary())
-        self.checkers: dict[tuple[int, ...], Checker] = {}
+        self.checkers: dict[tuple[int, ...], Any] = {}  # (divergence.Checker)
         self.abandoned: list[dist.ProcessGroup] = []
         self.managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.subclasses: weakref.WeakValueDictionary[tuple, type] = weakref.WeakValueDictionary()
-        self.path: Optional[CompiledPath] = None
+        self.path: Any = None  # (extension.CompiledPath; None: the eager-only default)
 
-    def checker(self, ranks: tuple[int, ...]) -> Optional[Checker]:
-        """The live checker over ``ranks`` (a destroyed one is pruned)."""
-        checker = self.checkers.get(ranks)
+    def checker(self, ranks: tuple[int, ...]) -> Any:
+        """The live checker over ``ranks`` (a destroyed one is pruned), or None."""
+        checker: Optional[_Checker] = self.checkers.get(ranks)
         if checker is not None and not checker.alive():
             del self.checkers[ranks]
             return None
