@@ -7,8 +7,7 @@ and leaves a graph without ``compiled_fsdp`` markers untouched.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch.fx as fx
 
@@ -23,6 +22,7 @@ from .lowering import (
     lower_markers,
     plan_lowering,
 )
+from .pipeline import PASSES, Observer, PipelineReport, run_passes
 from .recompute import (
     FSDP_AC_GRAPH_ID,
     RecomputeReport,
@@ -65,7 +65,10 @@ __all__ = [
     "plan_lowering",
     "plan_recompute_tags",
     "Observer",
+    "PASSES",
+    "PipelineReport",
     "run_joint_passes",
+    "run_passes",
     "tag_recompute",
 ]
 
@@ -75,6 +78,7 @@ class JointPassReport:
     has_markers: bool
     lowering: LoweringReport | None = None
     recompute: RecomputeReport | None = None
+    ran: tuple[str, ...] = ()  # the passes that ran, in order
 
     @property
     def changed(self) -> bool:
@@ -95,24 +99,15 @@ class JointPassReport:
         )
 
 
-# observe(stage, graph_module, report_or_None): called before the first pass
-# ("before") and after each pass (its name) -- the debug dump's hook.
-Observer = Callable[[str, fx.GraphModule, Optional[Any]], None]
-
-
 def run_joint_passes(gm: fx.GraphModule, observe: Optional[Observer] = None) -> JointPassReport:
-    """Runs every joint-graph pass on ``gm`` in place: lowering (with
-    bucketing of small modules), then recompute tagging. A graph without
-    markers is returned untouched. Scheduling runs later, on the partitioned
-    graphs (see schedule.py)."""
+    """Runs the joint graph's passes on ``gm`` in place ([Note: One pass
+    pipeline] in pipeline.py: lowering with bucketing, then recompute
+    tagging). A graph without markers is returned untouched. Scheduling runs
+    later, on the partitioned graphs (see schedule.py)."""
     if not has_markers(gm.graph):
         return JointPassReport(has_markers=False)
     if observe is not None:
         observe("before", gm, None)
-    lowering = lower_markers(gm)
-    if observe is not None:
-        observe("lowering", gm, lowering)
-    recompute = tag_recompute(gm)
-    if observe is not None:
-        observe("recompute", gm, recompute)
-    return JointPassReport(has_markers=True, lowering=lowering, recompute=recompute)
+    done = run_passes("joint", gm, observe)
+    return JointPassReport(has_markers=True, lowering=done.reports.get("lowering"),
+                           recompute=done.reports.get("recompute"), ran=tuple(done.ran))

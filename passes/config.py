@@ -1,4 +1,5 @@
-"""User-facing knobs of the overlap passes (bucketing, scheduling).
+"""User-facing knobs of the passes: which run (``pipeline``), and how the
+overlap passes bucket and schedule (``overlap``).
 
 Set them before the first compile: ``compiled_fsdp.passes.config.overlap.schedule
 = False``. Their values are part of Inductor's cache key (see
@@ -43,3 +44,13 @@ class OverlapConfig:
 
 
 overlap = OverlapConfig()
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    # Passes switched off, by name (see [Note: One pass pipeline] in
+    # pipeline.py): any of "lowering", "recompute", "schedule", "pin".
+    disabled: frozenset[str] = frozenset()
+
+
+pipeline = PipelineConfig()

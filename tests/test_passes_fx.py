@@ -460,3 +460,23 @@ def test_mixed_precision_and_kept_lowering_matches_markers(single_rank_group: st
     assert _markers(gm) == []
     for e, r in zip(expected, gm(*args)):
         torch.testing.assert_close(r, e, rtol=0, atol=0)
+
+
+def test_pipeline_runs_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: One pass pipeline]: the joint graph's passes run in order, any
+    of them is switched off by name, and an unknown name is refused."""
+    from compiled_fsdp.passes import config, run_passes
+
+    assert run_joint_passes(_two_module_graph()).ran == ("lowering", "recompute")
+    monkeypatch.setattr(config.pipeline, "disabled", frozenset({"recompute"}))
+    gm = _two_module_graph()
+    report = run_joint_passes(gm)
+    assert report.ran == ("lowering",) and report.recompute is None and _markers(gm) == []
+    assert not any("recompute" in n.meta for n in gm.graph.nodes)
+    monkeypatch.setattr(config.pipeline, "disabled", frozenset({"lowering"}))
+    gm = _two_module_graph()
+    done = run_passes("joint", gm)
+    assert done.disabled == ["lowering"] and done.ran == ["recompute"] and len(_markers(gm)) == 8
+    monkeypatch.setattr(config.pipeline, "disabled", frozenset({"lowring"}))
+    with pytest.raises(ValueError, match="names no pass: \\['lowring'\\]"):
+        run_passes("joint", _two_module_graph())

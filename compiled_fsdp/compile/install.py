@@ -184,30 +184,31 @@ class _SchedulePass(CustomGraphPass):
     into Inductor's cache keys (see [Note: AOTAutograd cache])."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        from compiled_fsdp.passes import JointPassReport, config, has_markers, lower_markers
-        from compiled_fsdp.passes.pin import pin_order
-        from compiled_fsdp.passes.schedule import schedule_graph
+        from compiled_fsdp.passes import JointPassReport, run_passes
 
         gm = graph.owning_module
-        if gm is not None and has_markers(graph):  # See [Note: Inference graphs].
-            lowering = lower_markers(gm)
+        if gm is None:  # (Inductor hands the graph of a GraphModule)
+            return
+
+        def observe(stage: str, gm: fx.GraphModule, report: Any) -> None:
+            shown = stage == "lowering" or (stage == "schedule" and report.graph != "none")
+            if shown and SESSION.reports.observers:
+                SESSION.reports.notify(stage, gm, report)
+
+        done = run_passes("partitioned", gm, observe)
+        lowering = done.reports.get("lowering")
+        if lowering is not None:  # See [Note: Inference graphs].
             # (explain() describes the training graphs' units)
-            SESSION.reports.add_joint(JointPassReport(has_markers=True, lowering=lowering), units_for_explain=False)
-            if SESSION.reports.observers:
-                SESSION.reports.notify("lowering", gm, lowering)
-        report = schedule_graph(graph, config.overlap)
-        if report.changed:
-            # See [Note: Inductor's simple_overlap] in passes/pin.py.
-            pin_order(graph, both_ways=compat.SIMPLE_OVERLAP and config.overlap.own_order)
-        if report.graph != "none":
-            SESSION.reports.add_schedule(report)
-            if SESSION.reports.observers and gm is not None:
-                SESSION.reports.notify("schedule", gm, report)
+            SESSION.reports.add_joint(JointPassReport(has_markers=True, lowering=lowering, ran=tuple(done.ran)),
+                                      units_for_explain=False)
+        schedule = done.reports.get("schedule")
+        if schedule is not None and schedule.graph != "none":
+            SESSION.reports.add_schedule(schedule)
 
     def uuid(self) -> bytes:
         from compiled_fsdp.passes import config
 
-        return get_hash_for_files(_source_files(), "compiled_fsdp" + repr(config.overlap))
+        return get_hash_for_files(_source_files(), "compiled_fsdp" + repr(config.overlap) + repr(config.pipeline))
 
 
 class _Window:
