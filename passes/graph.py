@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import torch
 import torch.fx as fx
@@ -103,6 +103,9 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
     return inp, args
 
 
+Role = Literal["gather_chain", "reduce_chain", "keep_chain", "handoff_issue", "handoff_chain", "handoff_grad"]
+
+
 @dataclasses.dataclass(frozen=True)
 class ChainTag:
     """What the lowering records on each node it adds, under
@@ -113,7 +116,7 @@ class ChainTag:
     # gather: "handoff_issue" (issued for the next block, not waited here),
     # "handoff_chain" (the wait and unpack of this block's), "handoff_grad"
     # (this block's gradient, packed for the issuer).
-    role: str
+    role: Role
     # The bucket's smallest (module_key, unit): its name. module_key is the n-th
     # ``fully_shard`` call, unit its index in forward use order (see units.py).
     module_key: int

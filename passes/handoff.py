@@ -55,6 +55,7 @@ from .graph import (
     ChainTag,
     MarkerArgs,
     NodeBuilder,
+    Role,
     accumulation_root,
     chain_meta,
     erase_nodes,
@@ -157,7 +158,7 @@ def handed_in_units(plan: HandoffPlan) -> list[Unit]:
     return out
 
 
-def _meta(src: fx.Node, role: str, module_key: int, reshard: bool | None) -> dict:
+def _meta(src: fx.Node, role: Role, module_key: int, reshard: bool | None) -> dict:
     return chain_meta(src, ChainTag(role=role, module_key=module_key, unit=0, units=((module_key, 0),),
                                     reshard_after_forward=reshard))
 

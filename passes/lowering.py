@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -76,11 +77,14 @@ class Slot:
     kept: fx.Node | None = None
 
 
+# "keep": a gradient kept without sync, no collective (see [Note:
+# Accumulation without sync in graphs] in compiled_fsdp/core/ops.py).
+BucketKind = Literal["gather", "reduce", "keep"]
+
+
 @dataclasses.dataclass
 class BucketPlan:
-    # "gather" | "reduce" | "keep" (a gradient kept without sync: no collective;
-    # see [Note: Accumulation without sync in graphs] in compiled_fsdp/core/ops.py)
-    kind: str
+    kind: BucketKind
     module_key: int
     group_name: str
     world_size: int
@@ -142,7 +146,7 @@ class LoweringPlan:
 
 @dataclasses.dataclass
 class BucketReport:
-    kind: str
+    kind: BucketKind
     module_key: int
     group_name: str
     world_size: int
@@ -221,7 +225,7 @@ def _marker_key(n: fx.Node) -> int:
     return key if isinstance(key, int) else -1
 
 
-def _plan_bucket(kind: str, module_key: int, markers: list[fx.Node]) -> BucketPlan:
+def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> BucketPlan:
     parsed = [parse_marker(m) for m in markers]
     first = parsed[0][1]
     slots: dict[int, Slot] = {}

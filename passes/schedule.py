@@ -80,6 +80,7 @@ collective of the backward was waited right after its issue
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -100,10 +101,18 @@ _SCHEDULED = (AG, RS, A2A)
 _FOREIGN_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "compiled_fsdp")
 
 
+# What the schedule places: a gather waited in this graph, a reduce-scatter
+# (or gloo's all-to-all), or a handoff (the next block's gather, waited in the
+# next graph).
+CollKind = Literal["gather", "reduce", "handoff"]
+
+
 @dataclasses.dataclass
-class _Coll:
+class Collective:
+    """One owned collective as the plan found it."""
+
     node: fx.Node
-    kind: str
+    kind: CollKind
     tag: ChainTag
     nbytes: int
     group: str  # process group name
@@ -117,7 +126,7 @@ class _Coll:
 @dataclasses.dataclass
 class Move:
     node: str
-    kind: str  # "issue" | "wait"
+    kind: Literal["issue", "wait"]
     bucket: str  # ChainTag.bucket
     from_index: int
     to_index: int
@@ -129,11 +138,13 @@ class SchedulePlan:
     changed: bool
     budget_bytes: int
     reason: str = ""
+    # The owned collectives the plan found (what apply_schedule reports on).
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class ScheduleReport:
-    graph: str  # "forward" | "backward" | "none"
+    graph: Literal["forward", "backward", "none"]
     changed: bool = False
     reason: str = ""
     budget_bytes: int = 0
@@ -165,7 +176,7 @@ def _same_chain(a: fx.Node, tag: ChainTag) -> bool:
     return a.op == "call_function" and chain_tag(a) == tag
 
 
-def _find_colls(graph: fx.Graph) -> list[_Coll]:
+def _find_colls(graph: fx.Graph) -> list[Collective]:
     colls = []
     for n in graph.nodes:
         info = chain_tag(n)
@@ -183,7 +194,7 @@ def _find_colls(graph: fx.Graph) -> list[_Coll]:
             stack.extend(a.all_input_nodes)
         waits = [u for u in n.users if u.target is WAIT]
         kind = "handoff" if info.role == "handoff_issue" else "gather" if n.target is AG else "reduce"
-        colls.append(_Coll(
+        colls.append(Collective(
             node=n, kind=kind,
             tag=info, nbytes=_held_bytes(n, cone), group=str(n.args[-1]), cone=cone,
             wait=waits[0] if len(waits) == 1 else None, barrier=-1,
@@ -203,7 +214,7 @@ def _held_bytes(n: fx.Node, cone: list[fx.Node]) -> int:
     return node_bytes(n) + (node_bytes(src) if made_for_it else 0)
 
 
-def _lazy_tail(c: _Coll) -> list[fx.Node]:
+def _lazy_tail(c: Collective) -> list[fx.Node]:
     """The wait and the nodes after it that read only the wait's chain (views,
     copy-out, the local sum of a gloo reduce)."""
     if c.wait is None:
@@ -221,145 +232,161 @@ def _lazy_tail(c: _Coll) -> list[fx.Node]:
 
 
 def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None = None) -> SchedulePlan:
-    """Computes the new node order; reads the graph only."""
+    """Computes the new node order; reads the graph only. See [Note:
+    Scheduling rules]."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     colls = _find_colls(graph)
     if not colls:
         return SchedulePlan(order=nodes, changed=False, budget_bytes=0, reason="no owned collectives")
     if any(c.wait is None for c in colls if c.kind != "handoff"):
-        return SchedulePlan(order=nodes, changed=False, budget_bytes=0,
+        return SchedulePlan(order=nodes, changed=False, budget_bytes=0, collectives=colls,
                             reason="a collective without exactly one wait")
-    cost = cost or CostModel.for_graph(graph)
     budget = config.budget_bytes
     if budget is None:
         gathers = [c.nbytes for c in colls if c.kind != "reduce"]
         budget = 2 * max(gathers or [c.nbytes for c in colls])
-    issue_of: dict[fx.Node, _Coll] = {}
-    lazy_of: dict[fx.Node, _Coll] = {}
-    for c in colls:
+    order = _Scheduler(graph, nodes, colls, budget, config.cover, cost or CostModel.for_graph(graph)).run()
+    changed = any(a is not b for a, b in zip(order, nodes))
+    return SchedulePlan(order=order, changed=changed, budget_bytes=budget, collectives=colls)
+
+
+class _Scheduler:
+    """One walk over a graph's compute nodes that emits the collectives'
+    issue chains and lazy tails around them ([Note: Scheduling rules])."""
+
+    def __init__(self, graph: fx.Graph, nodes: list[fx.Node], colls: list[Collective], budget: int,
+                 cover: float, cost: CostModel) -> None:
+        self.nodes, self.colls, self.budget = nodes, colls, budget
+        self.issue_of: dict[fx.Node, Collective] = {}
+        self.lazy_of: dict[fx.Node, Collective] = {}
+        for c in colls:
+            for n in (*c.cone, c.node):
+                self.issue_of[n] = c
+            for n in c.tail:
+                self.lazy_of[n] = c
+        self.compute = [n for n in nodes if n not in self.issue_of and n not in self.lazy_of]
+        self.graph_pos = {n: i for i, n in enumerate(nodes)}
+        self.barriers = [i for i, n in enumerate(self.compute) if _is_foreign_collective(n)]
+        self._place(cover, cost)
+        self.order: list[fx.Node] = []
+        self.emitted: set[fx.Node] = set(n for n in graph.nodes if n.op == "placeholder")
+        # One queue per process group, each in original order and issued strictly
+        # in that order; the queues are visited in order of their first collective.
+        self.queues: dict[str, list[Collective]] = {}
+        for c in colls:
+            self.queues.setdefault(c.group, []).append(c)
+        self.in_flight: list[Collective] = []
+
+    def _place(self, cover: float, cost: CostModel) -> None:
+        """Each collective's barrier and, for gathers, the earliest compute
+        index worth issuing at (``cover`` times its duration before its first
+        use), from the original order."""
+        times = [cost.compute_time(n) for n in self.compute]
+        suffix = [0.0] * (len(self.compute) + 1)
+        for i in range(len(self.compute) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + times[i]
+        first_use: dict[int, int] = {}
+        for i, n in enumerate(self.compute):
+            for a in n.all_input_nodes:
+                c = self.lazy_of.get(a)
+                if c is not None:
+                    first_use.setdefault(id(c), i)
+        for c in self.colls:
+            c.barrier = sum(1 for b in self.barriers if self.graph_pos[self.compute[b]] < self.graph_pos[c.node]) - 1
+            use = first_use.get(id(c), len(self.compute))
+            want = cost.collective_time(c.node) * cover
+            # latest p <= use with compute(p..use) >= want
+            p = use
+            while p > 0 and suffix[p] - suffix[use] < want:
+                p -= 1
+            c.desired = p
+
+    def emit(self, n: fx.Node) -> None:
+        self.order.append(n)
+        self.emitted.add(n)
+
+    def issue_head(self, group: str) -> None:
+        c = self.queues[group].pop(0)
         for n in (*c.cone, c.node):
-            issue_of[n] = c
-        for n in c.tail:
-            lazy_of[n] = c
-    compute = [n for n in nodes if n not in issue_of and n not in lazy_of]
-    times = [cost.compute_time(n) for n in compute]
-    suffix = [0.0] * (len(compute) + 1)
-    for i in range(len(compute) - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + times[i]
-    # Barriers and first uses, from the original order.
-    graph_pos = {n: i for i, n in enumerate(nodes)}
-    barriers = [i for i, n in enumerate(compute) if _is_foreign_collective(n)]
-    first_use: dict[int, int] = {}
-    for i, n in enumerate(compute):
-        for a in n.all_input_nodes:
-            c = lazy_of.get(a)
-            if c is not None:
-                first_use.setdefault(id(c), i)
-    for c in colls:
-        c.barrier = sum(1 for b in barriers if graph_pos[compute[b]] < graph_pos[c.node]) - 1
-        use = first_use.get(id(c), len(compute))
-        want = cost.collective_time(c.node) * config.cover
-        # latest p <= use with compute(p..use) >= want
-        p = use
-        while p > 0 and suffix[p] - suffix[use] < want:
-            p -= 1
-        c.desired = p
-
-    order: list[fx.Node] = []
-    emitted: set[fx.Node] = set(n for n in graph.nodes if n.op == "placeholder")
-    # One queue per process group, each in original order and issued strictly
-    # in that order; the queues are visited in order of their first collective.
-    queues: dict[str, list[_Coll]] = {}
-    for c in colls:
-        queues.setdefault(c.group, []).append(c)
-    in_flight: list[_Coll] = []
-
-    def emit(n: fx.Node) -> None:
-        order.append(n)
-        emitted.add(n)
-
-    def issue_head(group: str) -> None:
-        c = queues[group].pop(0)
-        for n in (*c.cone, c.node):
-            emit(n)
+            self.emit(n)
         if c.kind != "handoff":  # (waited in the next graph, so never here)
-            in_flight.append(c)
+            self.in_flight.append(c)
 
-    def issue_through(c: _Coll) -> None:
+    def issue_through(self, c: Collective) -> None:
         """Issues ``c`` and whatever precedes it on its group."""
-        while c in queues[c.group]:
-            issue_head(c.group)
+        while c in self.queues[c.group]:
+            self.issue_head(c.group)
 
-    def ensure(n: fx.Node) -> None:
-        if n in emitted:
+    def ensure(self, n: fx.Node) -> None:
+        if n in self.emitted:
             return
-        if n in issue_of:
-            issue_through(issue_of[n])
+        if n in self.issue_of:
+            self.issue_through(self.issue_of[n])
             return
-        assert n in lazy_of, f"{n} needed before its position"
+        assert n in self.lazy_of, f"{n} needed before its position"
         # A tail reads only its collective and itself, so the whole tail is
         # emitted at once, in graph order. See [Note: In-flight bytes].
-        c = lazy_of[n]
-        issue_through(c)
+        c = self.lazy_of[n]
+        self.issue_through(c)
         for t in c.tail:
-            emit(t)
-        if c in in_flight:
-            in_flight.remove(c)
+            self.emit(t)
+        if c in self.in_flight:
+            self.in_flight.remove(c)
 
-    def ready(c: _Coll, at: int, emitted_barriers: int) -> bool:
+    def ready(self, c: Collective, at: int, emitted_barriers: int) -> bool:
         if c.barrier >= emitted_barriers:  # a barrier before it is not emitted yet
             return False
-        if any(a not in emitted and a not in issue_of for n in c.cone + [c.node]
+        if any(a not in self.emitted and a not in self.issue_of for n in c.cone + [c.node]
                for a in n.all_input_nodes):
             return False
         return not (c.kind == "gather" and at < c.desired)
 
-    def make_room(c: _Coll) -> bool:
+    def make_room(self, c: Collective) -> bool:
         """Waits reduce-scatters in flight until ``c`` fits the budget; whether it
         fits. A handoff (the next graph's gather, never waited here) is issued
         as early as its inputs allow, whatever is in flight."""
         if c.kind == "handoff":
             return True
-        while sum(x.nbytes for x in in_flight) + c.nbytes > budget:
-            rs = next((x for x in in_flight if x.kind == "reduce"), None)
+        while sum(x.nbytes for x in self.in_flight) + c.nbytes > self.budget:
+            rs = next((x for x in self.in_flight if x.kind == "reduce"), None)
             if rs is None:  # see [Note: A reduce-scatter larger than the budget]
                 return c.kind == "reduce"
             assert rs.wait is not None
-            ensure(rs.wait)
+            self.ensure(rs.wait)
         return True
 
-    def try_issue(at: int, emitted_barriers: int) -> None:
+    def try_issue(self, at: int, emitted_barriers: int) -> None:
         progress = True
         while progress:
             progress = False
-            for group, queue in queues.items():
-                if queue and ready(queue[0], at, emitted_barriers) and make_room(queue[0]):
-                    issue_head(group)
+            for group, queue in self.queues.items():
+                if queue and self.ready(queue[0], at, emitted_barriers) and self.make_room(queue[0]):
+                    self.issue_head(group)
                     progress = True
 
-    done_barriers = 0
-    for i, n in enumerate(compute):
-        if _is_foreign_collective(n):
-            for c in colls:
-                if graph_pos[c.node] < graph_pos[n]:
-                    issue_through(c)
-            for c in list(in_flight):
-                assert c.wait is not None
-                ensure(c.wait)
-            emit(n)
-            done_barriers = barriers.index(i) + 1
-            continue
-        try_issue(i, done_barriers)
-        for a in n.all_input_nodes:
-            ensure(a)
-        emit(n)
-        try_issue(i + 1, done_barriers)
-    for c in colls:
-        issue_through(c)
-    for n in nodes:
-        ensure(n)
-    changed = any(a is not b for a, b in zip(order, nodes))
-    return SchedulePlan(order=order, changed=changed, budget_bytes=budget)
+    def run(self) -> list[fx.Node]:
+        done_barriers = 0
+        for i, n in enumerate(self.compute):
+            if _is_foreign_collective(n):
+                for c in self.colls:
+                    if self.graph_pos[c.node] < self.graph_pos[n]:
+                        self.issue_through(c)
+                for c in list(self.in_flight):
+                    assert c.wait is not None
+                    self.ensure(c.wait)
+                self.emit(n)
+                done_barriers = self.barriers.index(i) + 1
+                continue
+            self.try_issue(i, done_barriers)
+            for a in n.all_input_nodes:
+                self.ensure(a)
+            self.emit(n)
+            self.try_issue(i + 1, done_barriers)
+        for c in self.colls:
+            self.issue_through(c)
+        for n in self.nodes:
+            self.ensure(n)
+        return self.order
 
 
 def _sequence(order: list[fx.Node]) -> list[str]:
@@ -377,7 +404,7 @@ def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None =
     """Reorders ``graph`` to ``plan.order`` when that keeps the estimated peak
     within the original peak plus the budget; reports what it did."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    colls = _find_colls(graph)
+    colls = plan.collectives
     backward = any(is_tangent(n) for n in graph.nodes)
     kind = "none" if not colls else "backward" if backward or any(c.kind == "reduce" for c in colls) \
         else "forward"
