@@ -90,14 +90,11 @@ STATE_OBJECTS = {
     ("compiled_fsdp/core/registry.py", "CORE"),
     ("compiled_fsdp/runtime/registry.py", "RUNTIME"),
     ("compiled_fsdp/compile/install.py", "SESSION"),
-    # torch keeps a backend's registration for the process: the emulated
-    # network's creator and the network its next groups join.
-    ("compiled_fsdp/tools/emulated.py", "_BACKEND"),
 }
 # Module-level values that are not state: configuration the user sets (as
 # torch._dynamo.config), locks, a stateless default; and names in capitals,
 # constants by convention (the cost model's tables).
-NOT_STATE = {"__all__", "_lock", "comm", "overlap", "_EAGER_ONLY", "_path", "EAGER", "SIMPLE_OVERLAP",
+NOT_STATE = {"__all__", "_lock", "comm", "overlap", "pipeline", "_EAGER_ONLY", "_path", "EAGER", "SIMPLE_OVERLAP",
              "_HEADER", "M", "T", "_LAZY", "_TRACE_FILES", "_TRACKS", "_BACKEND_DEVICES"}
 
 

@@ -212,6 +212,7 @@ class EmulatedNetwork:
         self._model = CostModel().with_links(topology.links)  # (only its comm_time is used)
         self._cuda = _CudaQueue(device) if device.type == "cuda" else None
         self._lock = threading.Lock()
+        self.store: Optional[dist.Store] = None  # what its groups were made from (init_emulated_network)
         self.reset()
 
     def reset(self) -> None:
@@ -367,8 +368,6 @@ def init_emulated_network(
     timing collectives on ``device`` (default: CUDA when available). Every
     group made later (``new_group``, a DeviceMesh's dimensions) shares the
     returned network. End it with ``torch.distributed.destroy_process_group()``."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("init_emulated_network: a default process group exists already; call "
                            "torch.distributed.destroy_process_group() first.")
@@ -378,33 +377,29 @@ def init_emulated_network(
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     net = EmulatedNetwork(topology or Topology.nccl(), dev)
-    _BACKEND.network = net
-    _BACKEND.register()
-    dist.init_process_group(EMULATED_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    if EMULATED_BACKEND.upper() not in dir(dist.Backend):  # (torch keeps a registration for good)
+        dist.Backend.register_backend(EMULATED_BACKEND, _create_group, devices=["cpu", "cuda"])
+    # The network travels with the store: every group's creator gets a prefix
+    # store over this one (the network keeps it alive, so it stays this object).
+    net.store = _NetworkStore(net)
+    dist.init_process_group(EMULATED_BACKEND, store=net.store, rank=rank, world_size=world_size)
     return net
 
 
-class _Backend:
-    """The backend's registration (once per process: torch keeps it for
-    good) and the network its groups join (the latest
-    ``init_emulated_network``'s)."""
+class _NetworkStore(dist.Store):
+    """A store that only carries the network its groups join (as torch's
+    ``FakeStore``, nothing is stored)."""
 
-    def __init__(self) -> None:
-        self.network: Optional[EmulatedNetwork] = None
-        self._registered = False
-
-    def register(self) -> None:
-        if self._registered or EMULATED_BACKEND.upper() in dir(dist.Backend):
-            self._registered = True
-            return
-        dist.Backend.register_backend(EMULATED_BACKEND, self.create, devices=["cpu", "cuda"])
-        self._registered = True
-
-    def create(self, store: Any, rank: int, size: int, timeout: Any) -> EmulatedGroup:
-        if self.network is None:
-            raise RuntimeError("the emulated backend is started by compiled_fsdp.tools.emulated."
-                               "init_emulated_network, not by init_process_group directly.")
-        return EmulatedGroup(self.network, rank, size)
+    def __init__(self, network: EmulatedNetwork) -> None:
+        super().__init__()
+        self.network = network
 
 
-_BACKEND = _Backend()
+def _create_group(store: Any, rank: int, size: int, timeout: Any) -> EmulatedGroup:
+    """The backend's creator: the network is the one under ``store``'s prefixes."""
+    while store is not None and not isinstance(store, _NetworkStore):
+        store = getattr(store, "underlying_store", None)
+    if store is None:
+        raise RuntimeError("the emulated backend is started by compiled_fsdp.tools.emulated."
+                           "init_emulated_network, not by init_process_group directly.")
+    return EmulatedGroup(store.network, rank, size)
