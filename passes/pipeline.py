@@ -6,7 +6,8 @@ Every graph pass is an entry of ``PASSES``: its name, the graphs it runs on
 ``joint_custom_pass``; ``"partitioned"``: each forward or backward graph
 after the partitioner, in Inductor's post-grad pass) and the function that
 plans and applies it, returning its report. ``run_passes`` runs them in list
-order; any of them is switched off by name with
+order, and shows each graph to the observers (the debug dumps) after its
+pass, or after the passes that amend it (``pin`` finishes ``schedule``); any of them is switched off by name with
 ``compiled_fsdp.passes.config.pipeline.disabled`` (part of Inductor's cache
 key, as the overlap settings are). Its report says which ran, which were
 off, and what each reported. The compile layer calls it for both kinds of
@@ -33,7 +34,6 @@ from compiled_fsdp.core import compat
 from . import config
 from .graph import has_markers
 from .lowering import lower_markers
-from .pin import pin_order
 from .recompute import tag_recompute
 from .schedule import schedule_graph
 
@@ -57,6 +57,8 @@ class GraphPass:
     name: str
     stages: tuple[Stage, ...]
     run: Callable[[fx.GraphModule, PipelineReport], Any]
+    # Finishes the pass before it (the observers see that pass's graph after this one).
+    amends: bool = False
 
 
 def _lowering(gm: fx.GraphModule, done: PipelineReport) -> Any:
@@ -66,6 +68,8 @@ def _lowering(gm: fx.GraphModule, done: PipelineReport) -> Any:
 
 
 def _pin(gm: fx.GraphModule, done: PipelineReport) -> Optional[str]:
+    from .pin import pin_order  # (Inductor's control dependencies: loaded when first needed)
+
     schedule = done.reports.get("schedule")
     if schedule is None or not schedule.changed:
         return None
@@ -79,7 +83,7 @@ PASSES: tuple[GraphPass, ...] = (
     GraphPass("lowering", ("joint", "partitioned"), _lowering),
     GraphPass("recompute", ("joint",), lambda gm, done: tag_recompute(gm)),
     GraphPass("schedule", ("partitioned",), lambda gm, done: schedule_graph(gm.graph, config.overlap)),
-    GraphPass("pin", ("partitioned",), _pin),
+    GraphPass("pin", ("partitioned",), _pin, amends=True),
 )
 
 
@@ -93,15 +97,26 @@ def run_passes(stage: Stage, gm: fx.GraphModule, observe: Optional[Observer] = N
         raise ValueError(f"compiled_fsdp: config.pipeline.disabled names no pass: {unknown}; "
                          f"the passes are {[p.name for p in PASSES]}")
     done = PipelineReport(stage)
+    shown: list[tuple[str, Any]] = []  # (observed once the passes amending it ran)
+
+    def show() -> None:
+        for name, report in shown:
+            if observe is not None:
+                observe(name, gm, report)
+        shown.clear()
+
     for p in PASSES:
         if stage not in p.stages:
             continue
         if p.name in config.pipeline.disabled:
             done.disabled.append(p.name)
             continue
+        if not p.amends:
+            show()
         report = p.run(gm, done)
         done.ran.append(p.name)
         done.reports[p.name] = report
-        if observe is not None and report is not None:
-            observe(p.name, gm, report)
+        if report is not None and not p.amends:
+            shown.append((p.name, report))
+    show()
     return done

@@ -404,7 +404,7 @@ def apply_schedule(graph: fx.Graph, plan: SchedulePlan, cost: CostModel | None =
     """Reorders ``graph`` to ``plan.order`` when that keeps the estimated peak
     within the original peak plus the budget; reports what it did."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    colls = plan.collectives
+    colls = plan.collectives or _find_colls(graph)  # (a plan made by hand may not carry them)
     backward = any(is_tangent(n) for n in graph.nodes)
     kind = "none" if not colls else "backward" if backward or any(c.kind == "reduce" for c in colls) \
         else "forward"

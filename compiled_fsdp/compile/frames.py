@@ -57,10 +57,7 @@ def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable
     entry.py)."""
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame = compile_id.frame_id if compile_id is not None else -1
-    session = install.SESSION
-    by_index = session.traced_frames.setdefault(key if split_key is None else split_key, {})
-    by_index.setdefault(param_index, set()).add(frame)
-    session.watch(key, split_key)
+    install.SESSION.record_trace(key, param_index, frame, split_key)
     _append_to_sequence(key, param_index)
 
 

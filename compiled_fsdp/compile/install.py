@@ -208,7 +208,8 @@ class _SchedulePass(CustomGraphPass):
     def uuid(self) -> bytes:
         from compiled_fsdp.passes import config
 
-        return get_hash_for_files(_source_files(), "compiled_fsdp" + repr(config.overlap) + repr(config.pipeline))
+        return get_hash_for_files(_source_files(), "compiled_fsdp" + repr(config.overlap)
+                                  + repr(sorted(config.pipeline.disabled)))
 
 
 class _Window:
@@ -276,25 +277,30 @@ class CompileSession:
         self.dynamo_compiling = False
         self.dynamo_lock = threading.Lock()
         self._split_keys: dict[Hashable, set[int]] = {}  # split key -> the group keys recorded under it
-        self._watched: set[int] = set()
+        self._watched: dict[int, int] = {}  # key -> id of the owner whose death forgets it
 
-    def watch(self, key: int, split_key: Optional[Hashable]) -> None:
-        """Records under ``key`` (and ``split_key``) are forgotten when the
-        key's owner dies."""
+    def record_trace(self, key: int, param_index: int, frame: int, split_key: Optional[Hashable]) -> None:
+        """A marker of ``key``'s parameter ``param_index`` traced in Dynamo
+        frame ``frame`` (recorded under ``split_key`` when given), forgotten
+        when the key's owner dies. Keys repeat across owners (a new world
+        group counts from 0 again; thread ranks share numbers), so the
+        finalizer is the latest owner's."""
         with _lock:
             if split_key is not None:
                 self._split_keys.setdefault(split_key, set()).add(key)
-            if key in self._watched:
-                return
+            by_index = self.traced_frames.setdefault(key if split_key is None else split_key, {})
+            by_index.setdefault(param_index, set()).add(frame)
             owner = registry.owner_of(key)
-            if owner is None:
+            if owner is None or self._watched.get(key) == id(owner):
                 return
-            self._watched.add(key)
-        weakref.finalize(owner, self.forget, key).atexit = False
+            self._watched[key] = id(owner)
+        weakref.finalize(owner, self.forget, key, id(owner)).atexit = False
 
-    def forget(self, key: int) -> None:
+    def forget(self, key: int, owner_id: int) -> None:
         with _lock:
-            self._watched.discard(key)
+            if self._watched.get(key) != owner_id:
+                return  # (a later owner of the key took it over)
+            del self._watched[key]
             self.traced_frames.pop(key, None)
             self.reports.units.pop(key, None)
             for split, keys in list(self._split_keys.items()):

@@ -21,8 +21,8 @@ modules sharded over it, and what the hooks must find from a module alone:
 The per-group entries are weak (a model nobody references is freed with its
 groups), the checkers are pruned when their group is destroyed, and the
 subclasses live while a module of theirs does. ``reset()`` forgets every
-cache (keys and abandoned groups apart: keys are never reused in a process,
-since the markers of a live model name them). The module state itself is
+cache (keys and abandoned groups apart: the markers of a live model name
+its keys, so a counter restarts only with a new world group). The module state itself is
 torch's map (``compat.module_state``), not kept here: see state.py.
 """
 from __future__ import annotations
