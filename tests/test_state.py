@@ -33,7 +33,7 @@ def _sizes() -> dict:
     }
 
 
-def _train(how: str) -> tuple[weakref.ref, list[int], dict]:
+def _train(how: str) -> tuple[weakref.ref, dict]:
     build, make_batch, loss_fn = gpt_case()
     model = build()
     for block in model.layers:
@@ -51,9 +51,8 @@ def _train(how: str) -> tuple[weakref.ref, list[int], dict]:
         loss_fn(run(tokens), tokens).backward()
         opt.step()
         opt.zero_grad()
-    keys = sorted(owner.key for owner in CORE.owners.values())
     during = _sizes()
-    return weakref.ref(model), keys, during
+    return weakref.ref(model), during
 
 
 HOW = ("model", "blocks", "eager")  # torch.compile(model), block.compile() per block, no compile
@@ -63,9 +62,9 @@ def _rank(rank: int, world: int) -> dict:
     before = _sizes()
     out: dict = {"before": before}
     for how in HOW:
-        ref, keys, during = _train(how)
+        ref, during = _train(how)
         gc.collect()
-        out[how] = {"freed": ref() is None, "keys": keys, "during": during, "after": _sizes()}
+        out[how] = {"freed": ref() is None, "during": during, "after": _sizes()}
     return out
 
 

@@ -258,7 +258,7 @@ class CompileSession:
     (DESIGN.md, "State").
 
     A group's records go with it: the first record under a group key sets a
-    finalizer on the key's owner (``watch``), which forgets that key (and a
+    finalizer on the key's owner (``record_trace``), which forgets that key (and a
     block's split key once no live group records under it). ``reset()``
     forgets every record; windows open for a compile under way stay."""
 

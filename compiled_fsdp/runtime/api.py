@@ -62,13 +62,13 @@ Policy = Union[Iterable[type], Callable[[nn.Module], bool]]
 # The exception types ``fully_shard``'s checks raise (FSDP2's, for the same
 # mistakes); one found on any rank is raised on every rank ([Note: Agreeing at fully_shard]).
 _AGREED_ERRORS = (TypeError, ValueError, AssertionError, NotImplementedError)
-# Group keys: the n-th application of fully_shard in a program is key n on every
-# rank, so markers and buckets agree across ranks. Counted per rank (per world
-# group object: thread ranks each have their own; see [Note: Helper groups]).
-# (RUNTIME.keys)
 
 
 def _next_key() -> int:
+    """The next group key: the n-th application of fully_shard in a program is
+    key n on every rank, so markers and buckets agree across ranks. Counted per
+    rank (per world group object, in ``RUNTIME.keys``: thread ranks each have
+    their own; see [Note: Helper groups])."""
     world = dist.distributed_c10d._get_default_group()
     counter = RUNTIME.keys.get(world)
     if counter is None:
@@ -124,9 +124,6 @@ class ShardingOptions:
             mesh = meshes[device_type] = DeviceMesh.from_group(over, device_type)
         return mesh
 
-
-# (RUNTIME.meshes: process group -> device type -> the 1-D mesh built over it;
-# see [Note: Helper groups] in divergence.py: keyed by the group object, so per rank.)
 
 
 def _resolve_options(
@@ -220,11 +217,6 @@ def _mesh_ranks(options: ShardingOptions) -> Optional[list[int]]:
         return options.mesh.mesh.flatten().tolist()
     return dist.get_process_group_ranks(options.replicate_group)  # replicate over a group
 
-
-# Gather group -> its reduce group, created once per gather group (keyed by the
-# group object: per rank, see [Note: Helper groups] in divergence.py). Weakly:
-# see [Note: Process groups at exit] in tools/launch.py.
-# (RUNTIME.reduce_groups)
 
 
 def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:

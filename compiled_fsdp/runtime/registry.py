@@ -5,9 +5,11 @@ modules sharded over it, and what the hooks must find from a module alone:
 
 - ``keys``: world group -> the counter that numbers ``fully_shard`` calls
   (a group's key: the same on every rank, so markers and buckets agree).
-- ``meshes``, ``reduce_groups``, ``alone_groups``: helper meshes and groups
+- ``meshes``, ``reduce_groups``, ``alone_groups``: the 1-D mesh over a data
+  group (per device type), its reduce group, and this rank's group of one,
   made once per data group object (per rank: [Note: Helper groups] in
-  divergence.py).
+  divergence.py); weakly, see [Note: Process groups at exit] in
+  tools/launch.py.
 - ``checkers``: ranks -> the divergence checker over them.
 - ``abandoned``: check groups with a collective left waiting, kept alive for
   good (``divergence._abandon``).

@@ -64,10 +64,6 @@ from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state
 
 __all__ = ["replicate"]
 
-# Group -> this rank's group of one, made once per group object (per rank,
-# as the other helper groups: [Note: Helper groups] in divergence.py).
-# (RUNTIME.alone_groups)
-
 
 def _group_of_one(group: dist.ProcessGroup) -> dist.ProcessGroup:
     alone = RUNTIME.alone_groups.get(group)
