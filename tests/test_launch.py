@@ -1,13 +1,17 @@
 """The multi-rank launcher the tests and the checker use: a rank that aborts
-at teardown fails the call, even after returning its value."""
+at teardown fails the call, even after returning its value; the tests' fork
+server starts ranks under the environment they were called in."""
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 
 import pytest
 
-from _dist import run_distributed
+from compiled_fsdp.tools.launch import run_distributed as launch
+
+from _dist import FORK_SERVER, ForkServer, run_distributed
 
 
 def _abort_at_exit_rank(rank: int, world: int) -> int:
@@ -20,7 +24,28 @@ def _fine_rank(rank: int, world: int) -> int:
     return rank
 
 
+def _env_rank(rank: int, world: int, name: str) -> tuple[str | None, int]:
+    return os.environ.get(name), os.getpid()
+
+
 def test_teardown_abort_fails_the_call() -> None:
-    assert run_distributed(_fine_rank, 2, timeout=120) == [0, 1]
+    # A spawned rank (the launcher's default) runs the interpreter's teardown, where the abort happens.
+    spawn = multiprocessing.get_context("spawn")
+    assert launch(_fine_rank, 2, timeout=120, context=spawn) == [0, 1]
     with pytest.raises(RuntimeError, match="rank 1 returned a result but exited with code -6"):
-        run_distributed(_abort_at_exit_rank, 2, timeout=120)
+        launch(_abort_at_exit_rank, 2, timeout=120, context=spawn)
+
+
+def test_fork_server_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "COMPILED_FSDP_TEST_LAUNCH_ENV"
+    monkeypatch.delenv(name, raising=False)
+    assert run_distributed(_fine_rank, 2, timeout=120) == [0, 1]  # the server is running from here on
+    assert FORK_SERVER.context().get_start_method() == "forkserver"
+    assert [v for v, _ in run_distributed(_env_rank, 2, name, timeout=120)] == [None, None]
+    monkeypatch.setenv(name, "set")
+    assert FORK_SERVER.context().get_start_method() == "spawn"
+    assert [v for v, _ in run_distributed(_env_rank, 2, name, timeout=120)] == ["set", "set"]
+    fresh = ForkServer()
+    assert fresh.context().get_start_method() == "forkserver"
+    fresh.reset()
+    assert fresh.started_env is None

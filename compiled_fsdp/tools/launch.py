@@ -11,6 +11,7 @@ import pickle
 import tempfile
 import time
 import traceback
+from multiprocessing.context import BaseContext
 from typing import Any, Callable
 
 import torch
@@ -37,7 +38,11 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     anyway."""
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # One Inductor compile thread per rank (the ranks already share the cores).
+    # Inductor reads the variable when it is imported, which a fork server's
+    # preload or the unpickling of ``fn`` has done by now, hence the config too.
+    import torch._inductor.config as inductor_config
+    inductor_config.compile_threads = int(os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1"))
     result: dict[str, Any]
     try:
         store = dist.FileStore(store_path, world_size)
@@ -68,7 +73,8 @@ def _wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: fl
         pass
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                    context: BaseContext | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's value.
 
     ``fn`` must be importable (module level). A rank that raises fails the call with
@@ -76,8 +82,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     call fails: a hang is a test failure, never a stuck CI job. A rank that exits
     with a non-zero code fails it too, even after returning its value (a job that
     aborts at teardown is a failed job under torchrun).
+
+    Each rank is a fresh process, started by ``context`` (a ``multiprocessing``
+    context; "spawn" when none is given). The tests pass a fork server's
+    (tests/_dist.py, [Note: The tests' fork server]).
     """
-    ctx = mp.get_context("spawn")
+    ctx = context if context is not None else mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
