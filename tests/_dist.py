@@ -10,8 +10,12 @@ the rank is still a fresh process with its own process group and nothing a
 previous test left behind, but it starts in half a second. What a fork does
 not carry is an environment changed since the server started: modules read
 some variables when imported (``TORCH_LOGS``, ``TORCHINDUCTOR_*``), so a call
-made under another environment than the server's is spawned as before
-(``PYTEST_CURRENT_TEST`` aside: pytest sets it for every test).
+made under another environment than the server's is spawned as before.
+Three variables that do not count are set in the calling process by its own
+tools: ``PYTEST_CURRENT_TEST`` by pytest for every test, and by Inductor at
+its first compile ``TORCHINDUCTOR_CACHE_DIR`` (to the default a fresh process
+finds too) and ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`` (an address in
+that process, set again by whichever process loads Inductor's C++ helper).
 Nor does a forked rank tear an interpreter down: it leaves with ``os._exit``
 after writing its result, so an abort at interpreter exit ([Note: Process
 groups at exit]) shows only in a spawned rank; tests/test_launch.py spawns
@@ -23,12 +27,14 @@ import os
 from multiprocessing.context import BaseContext
 from typing import Any, Callable
 
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
 from compiled_fsdp.tools.launch import DEFAULT_TIMEOUT_S
 from compiled_fsdp.tools.launch import run_distributed as _launch
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ForkServer", "run_distributed"]
 
-VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo",
            "torch._inductor.compile_fx", "pytest", "compiled_fsdp", "compiled_fsdp.tools.launch")
 
@@ -46,7 +52,7 @@ class ForkServer:
         self.started_env: dict[str, str] | None = None
 
     def context(self) -> BaseContext:
-        env = {k: v for k, v in os.environ.items() if k not in VOLATILE}
+        env = _environment()
         if self.started_env is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(list(self.preload))
@@ -55,6 +61,14 @@ class ForkServer:
         if env == self.started_env:
             return multiprocessing.get_context("forkserver")
         return multiprocessing.get_context("spawn")
+
+
+def _environment() -> dict[str, str]:
+    """The environment a rank would start under, less what does not count (the Note)."""
+    env = {k: v for k, v in os.environ.items() if k not in VOLATILE}
+    if env.get("TORCHINDUCTOR_CACHE_DIR") == os.path.abspath(default_cache_dir()):
+        del env["TORCHINDUCTOR_CACHE_DIR"]
+    return env
 
 
 FORK_SERVER = ForkServer()

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 
 import pytest
+import torch
 
 from compiled_fsdp.tools.launch import run_distributed as launch
 
@@ -49,3 +50,13 @@ def test_fork_server_follows_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert fresh.context().get_start_method() == "forkserver"
     fresh.reset()
     assert fresh.started_env is None
+
+
+def test_a_compile_in_the_caller_keeps_the_fork_server() -> None:
+    """Inductor sets two variables in the process that compiles (the Note);
+    the ranks started after that still come from the fork server."""
+    run_distributed(_fine_rank, 2, timeout=120)
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="inductor")
+    compiled(torch.randn(2, 4)).sum().backward()
+    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
+    assert FORK_SERVER.context().get_start_method() == "forkserver"
