@@ -1,6 +1,6 @@
 """What torch 2.15's FSDP2 API adds, as a user calls it: ``dp_mesh_dims``,
 torch's own policy classes, ``param_dtype_override_fn`` and the new
-``FSDPModule`` methods (DESIGN.md, "FSDP2's API"), each against a
+``FSDPModule`` methods (README.md, "FSDP2's arguments and methods"), each against a
 single-process reference or the documented refusal, on 2 gloo ranks."""
 from __future__ import annotations
 

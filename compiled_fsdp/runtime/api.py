@@ -286,7 +286,7 @@ def fully_shard(
     ``Shard(0)`` or None (dim 0); other dims are refused. ``dp_mesh_dims``
     (torch 2.15's ``DataParallelMeshDims``): ``mesh`` is the full SPMD mesh and
     this names its data-parallel dims ([Note: dp_mesh_dims] in validation.py).
-    torch's own policy classes are taken as ours. See DESIGN.md, "FSDP2's API".
+    torch's own policy classes are taken as ours. See README.md, "FSDP2's arguments and methods".
     """
     modules = _as_modules(module)
     if dp_mesh_dims is not None:

@@ -49,7 +49,8 @@ class GradientReductionHandle:
 class FSDPModule:
     """Mixed into the class of every module ``fully_shard`` was applied to, so
     ``isinstance(m, compiled_fsdp.FSDPModule)`` tells which they are. The
-    methods are FSDP2's, with its names and meaning (DESIGN.md, "FSDP2's API")."""
+    methods are FSDP2's, with its names and meaning (README.md, "FSDP2's
+    arguments and methods"; why some differ: DESIGN.md, "FSDP2's API")."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # A module built from this class anew (slicing a sharded nn.Sequential
