@@ -380,12 +380,20 @@ _SAME_WORDS = {
 }
 
 
+# Refused by FSDP2 in torch 2.13 and 2.15; 2.11's runs the forward without a
+# word. Ours refuses on every release, in FSDP2's words.
+_FSDP2_CHECKS_LATER = {"shared_across"}
+
+
 def test_bad_input_as_fsdp2() -> None:
     """The same exception type as FSDP2, at the same point, with its words,
     on every rank (2 gloo ranks; a hang would fail the launcher's timeout)."""
     for res in run_distributed(_errors, 2):
         for name, words in _SAME_WORDS.items():
             ours, theirs = res[name]
+            if theirs is None and name in _FSDP2_CHECKS_LATER:
+                assert ours is not None and words in ours[1], (name, ours)
+                continue
             assert theirs is not None and ours is not None, (name, ours, theirs)
             assert ours[0] == theirs[0], (name, ours, theirs)
             assert words in ours[1] and words in theirs[1], (name, ours, theirs)
