@@ -30,6 +30,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from compiled_fsdp.core import gated
+
 c10d = torch.ops._c10d_functional
 
 AG = c10d.all_gather_into_tensor.default
@@ -41,8 +43,27 @@ A2A = c10d.all_to_all_single.default
 # compiled_fsdp/runtime/api.py); priced as a ring's reduce-scatter plus
 # all-gather over the replicate group, which spans nodes.
 AR = c10d.all_reduce.default
-ISSUES = (AG, RS, A2A, AR)  # the collectives the passes issue (each has one wait)
+# The same four, skipped at run time when their last argument says so: a
+# handoff's ([Note: A stand-in for the last block's next] in compiled_fsdp/core/gated.py).
+AG_IF, RS_IF, A2A_IF, AR_IF = (gated.all_gather_if._opoverload, gated.reduce_scatter_if._opoverload,
+                               gated.all_to_all_single_if._opoverload, gated.all_reduce_if._opoverload)
+GATHERS, REDUCE_SCATTERS, ALL_TO_ALLS, ALL_REDUCES = (AG, AG_IF), (RS, RS_IF), (A2A, A2A_IF), (AR, AR_IF)
+ISSUES = (*GATHERS, *REDUCE_SCATTERS, *ALL_TO_ALLS, *ALL_REDUCES)  # the collectives the passes issue (one wait each)
 WAIT = c10d.wait_tensor.default
+# Where each collective's group name is among its arguments.
+_GROUP_ARG = {AG: 2, AG_IF: 2, RS: 3, RS_IF: 3, A2A: 3, A2A_IF: 3, AR: 2, AR_IF: 2}
+
+
+def collective_group(node: fx.Node) -> str:
+    """The group name of one of ``ISSUES``."""
+    return str(node.args[_GROUP_ARG[node.target]])
+
+
+def collective_world(node: fx.Node) -> int:
+    """The ranks a gather, reduce-scatter or all-to-all of ``ISSUES`` spans."""
+    if node.target in ALL_TO_ALLS:
+        return len(node.args[1])
+    return int(node.args[2] if node.target in REDUCE_SCATTERS else node.args[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +135,11 @@ def node_bytes(node: fx.Node) -> int:
 
 
 def _collective_kind(node: fx.Node) -> str | None:
-    if node.target is AG:
+    if node.target in GATHERS:
         return "all_gather"
-    if node.target is RS or node.target is A2A:
+    if node.target in REDUCE_SCATTERS or node.target in ALL_TO_ALLS:
         return "reduce_scatter"
-    if node.target is AR:
+    if node.target in ALL_REDUCES:
         return "all_reduce"
     return None
 
@@ -157,7 +178,7 @@ def _declared_links(graph: fx.Graph) -> "Links | None":
     declares, if any (the same on every rank: a property of the group)."""
     for n in graph.nodes:
         if _collective_kind(n) is not None:
-            links = getattr(_group(str(n.args[-1])), "links", None)
+            links = getattr(_group(collective_group(n)), "links", None)
             return links if isinstance(links, Links) else None
     return None
 
@@ -240,11 +261,9 @@ class CostModel:
         if kind is None:
             return 0.0
         if kind == "all_reduce":
-            return self.comm_time(kind, node_bytes(node.args[0]), _group_size(str(node.args[-1])), True)
-        world = (len(node.args[1]) if node.target is A2A
-                 else node.args[-2] if kind == "reduce_scatter" else node.args[1])
+            return self.comm_time(kind, node_bytes(node.args[0]), _group_size(collective_group(node)), True)
         buf = node if kind == "all_gather" else node.args[0]
-        return self.comm_time(kind, node_bytes(buf), int(world))
+        return self.comm_time(kind, node_bytes(buf), collective_world(node))
 
     def latency_bytes(self, kind: str, world_size: int) -> int:
         """Buffer size at which the bandwidth term equals the latency term:

@@ -170,7 +170,8 @@ def _apply_issue(graph: fx.Graph, n: fx.Node) -> None:
                         a.replicas)
     b = NodeBuilder(graph, _meta(n, "handoff_issue", NEXT_KEY, None))
     with graph.inserting_before(n):
-        gathered = emit_gather(b, shards, specs, [a.param_dtype] * len(specs), a.world_size, a.group_name)
+        gathered = emit_gather(b, shards, specs, [a.param_dtype] * len(specs), a.world_size, a.group_name,
+                               live=a.live)
     n.replace_all_uses_with(gathered)
     graph.erase_node(n)
 
@@ -186,9 +187,9 @@ def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
             kept = list(a.kept)
             kept_flat = pack_grads(b, kept, specs) if any(k is not None for k in kept) else None
             flat = reduce_input(b, a.grad, kept_flat, a.reduce_dtype)
-            summed = emit_reduce(b, flat, a.world_size, a.group_name, a.reduce_by_all_to_all)
+            summed = emit_reduce(b, flat, a.world_size, a.group_name, a.reduce_by_all_to_all, live=a.live)
             if a.replicate_group_name is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
-                summed = emit_all_reduce(b, summed, a.replicate_group_name)
+                summed = emit_all_reduce(b, summed, a.replicate_group_name, live=a.live)
             results = split_reduced(b, summed, specs, list(a.local_rows), [a.grad_dtype] * len(specs))
     for u in list(n.users):
         assert u.target is operator.getitem, u

@@ -86,7 +86,7 @@ import torch
 import torch.fx as fx
 
 from .config import OverlapConfig
-from .cost_model import A2A, AG, RS, WAIT, CostModel, node_bytes
+from .cost_model import ALL_TO_ALLS, GATHERS, REDUCE_SCATTERS, WAIT, CostModel, collective_group, node_bytes
 from .graph import ChainTag, chain_tag, is_tangent
 from .timeline import Timeline, estimate_peak, simulate
 
@@ -96,7 +96,7 @@ from .timeline import Timeline, estimate_peak, simulate
 # the reduced gradient is needed or the budget asks for room). Scheduled on
 # its own, its cone swallowed the reduce-scatter's wait and the planner
 # looped (a 4-rank HSDP job under Inductor hung in make_room).
-_SCHEDULED = (AG, RS, A2A)
+_SCHEDULED = (*GATHERS, *REDUCE_SCATTERS, *ALL_TO_ALLS)
 
 _FOREIGN_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "compiled_fsdp")
 
@@ -193,10 +193,10 @@ def _find_colls(graph: fx.Graph) -> list[Collective]:
             cone.append(a)
             stack.extend(a.all_input_nodes)
         waits = [u for u in n.users if u.target is WAIT]
-        kind = "handoff" if info.role == "handoff_issue" else "gather" if n.target is AG else "reduce"
+        kind = "handoff" if info.role == "handoff_issue" else "gather" if n.target in GATHERS else "reduce"
         colls.append(Collective(
             node=n, kind=kind,
-            tag=info, nbytes=_held_bytes(n, cone), group=str(n.args[-1]), cone=cone,
+            tag=info, nbytes=_held_bytes(n, cone), group=collective_group(n), cone=cone,
             wait=waits[0] if len(waits) == 1 else None, barrier=-1,
         ))
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -395,7 +395,7 @@ def _sequence(order: list[fx.Node]) -> list[str]:
         info = chain_tag(n)
         if info is None or n.target not in (*_SCHEDULED, WAIT):
             continue
-        what = "wait" if n.target is WAIT else "all_gather" if n.target is AG else "reduce_scatter"
+        what = "wait" if n.target is WAIT else "all_gather" if n.target in GATHERS else "reduce_scatter"
         seq.append(f"{what}:{info.bucket}")
     return seq
 

@@ -32,7 +32,7 @@ import dataclasses
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .cost_model import A2A, AG, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
+from .cost_model import ALL_TO_ALLS, GATHERS, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
 from .graph import chain_tag, is_reduce_grad, is_unshard, tangent_dependents
 
 
@@ -98,7 +98,7 @@ def is_collective(node: fx.Node) -> bool:
     """A collective that moves data (not its wait): ours, a foreign one, or a leftover marker."""
     if node.op != "call_function":
         return False
-    if is_unshard(node) or is_reduce_grad(node):
+    if is_unshard(node) or is_reduce_grad(node) or node.target in ISSUES:
         return True
     ns = getattr(node.target, "namespace", None)
     return ns == "_c10d_functional" and "wait_tensor" not in str(node.target)
@@ -108,7 +108,7 @@ def is_reduce(node: fx.Node) -> bool:
     """A reduce-scatter, a reduce marker, or our all-to-all reduce (gloo; see
     [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)."""
     return ("reduce_scatter" in str(node.target) or is_reduce_grad(node)
-            or (node.target is A2A and chain_tag(node) is not None))
+            or (node.target in ALL_TO_ALLS and chain_tag(node) is not None))
 
 
 def collective_kind(node: fx.Node) -> str:
@@ -173,9 +173,9 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         queue_end = start + dur
         kind = collective_kind(n)
         if n.target in ISSUES and info is not None:
-            buf = n if n.target is AG else n.args[0]
+            buf = n if n.target in GATHERS else n.args[0]
             events[n] = CommEvent(
-                kind="all_gather" if n.target is AG else "reduce_scatter",
+                kind="all_gather" if n.target in GATHERS else "reduce_scatter",
                 module_key=info.module_key, unit=info.unit, bytes=node_bytes(buf),
                 issue_s=t, start_s=start, end_s=queue_end, wait_s=-1.0, exposed_s=0.0,
             )

@@ -23,6 +23,26 @@ AR = torch.ops._c10d_functional.all_reduce.default  # HSDP's sum over the replic
 # re-gathers prefetched across graphs] in compiled_fsdp/core/registry.py): counted
 # as the graph's all-gather.
 REGATHER = torch.ops.compiled_fsdp.regather.default
+# A handoff's collectives, skipped when their last argument (``live``) is
+# false: [Note: A stand-in for the last block's next] in compiled_fsdp/core/gated.py.
+AG_IF = torch.ops.compiled_fsdp.all_gather_if.default
+RS_IF = torch.ops.compiled_fsdp.reduce_scatter_if.default
+A2A_IF = torch.ops.compiled_fsdp.all_to_all_single_if.default
+AR_IF = torch.ops.compiled_fsdp.all_reduce_if.default
+_GATED = {AG_IF: "all_gather", RS_IF: "reduce_scatter", A2A_IF: "reduce_scatter", AR_IF: "all_reduce"}
+
+
+def _gated_inputs(gm: fx.GraphModule) -> list[tuple[str, int]]:
+    """Each gated collective's kind and the position of the graph input that
+    says whether it runs."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _GATED:
+            live = n.args[-1]
+            assert live.op == "placeholder", live
+            out.append((_GATED[n.target], inputs.index(live)))
+    return out
 
 
 class GraphCapture:
@@ -37,12 +57,15 @@ class GraphCapture:
         def compiler(graphs: list[fx.GraphModule], phase: str) -> Any:
             def compile_one(gm: fx.GraphModule, example_inputs: Any) -> Any:
                 graphs.append(gm)
-                n_ag, n_rs, n_ar = count(gm, AG) + count(gm, REGATHER), count_reduces(gm), count(gm, AR)
+                n_ag, n_rs, n_ar = count(gm, AG) + count(gm, REGATHER), count(gm, RS) + count(gm, A2A), count(gm, AR)
+                gated = _gated_inputs(gm)  # (counted as they run)
 
                 def run(args: list) -> Any:
                     self.runtime[f"{phase}_all_gather"] += n_ag
                     self.runtime[f"{phase}_reduce_scatter"] += n_rs
                     self.runtime[f"{phase}_all_reduce"] += n_ar
+                    for kind, i in gated:
+                        self.runtime[f"{phase}_{kind}"] += int(bool(args[i]))
                     return gm(*args)
 
                 run._boxed_call = True  # take the argument list, as AOTAutograd prefers
@@ -69,8 +92,9 @@ def count(gm: fx.GraphModule, target: Any) -> int:
 
 def count_reduces(gm: fx.GraphModule) -> int:
     """Gradient reduces: reduce-scatters, or on gloo the all-to-alls that stand
-    in for them (see [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)."""
-    return count(gm, RS) + count(gm, A2A)
+    in for them (see [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py);
+    a handoff's included."""
+    return count(gm, RS) + count(gm, A2A) + count(gm, RS_IF) + count(gm, A2A_IF)
 
 
 def resharded_gathers(gm: fx.GraphModule) -> list[fx.Node]:

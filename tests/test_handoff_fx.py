@@ -24,6 +24,8 @@ c10d = torch.ops._c10d_functional
 AG, RS, WAIT = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                 c10d.wait_tensor.default)
 REGATHER = torch.ops.compiled_fsdp.regather.default  # a resharding block's backward re-gather
+# A handoff's collectives, skipped for a stand-in ([Note: A stand-in for the last block's next]).
+AG_IF, RS_IF = torch.ops.compiled_fsdp.all_gather_if.default, torch.ops.compiled_fsdp.reduce_scatter_if.default
 GROUP, N = "fake_group", 2
 # The block's bucket: w (5, 4), u (3) -- never read here --, b (5).
 OWN = [(5, 4), (3,), (5,)]
@@ -33,14 +35,14 @@ NEXT = [(5, 4), (4,)]  # the next block's parameters
 
 
 def _joint(reshard: bool, kept: bool) -> fx.GraphModule:
-    def fn(s_w, s_b, n_w, n_b, gathered, x, k_w, k_b, t_out, t_next):
+    def fn(s_w, s_b, n_w, n_b, gathered, x, k_w, k_b, live, t_out, t_next):
         kw = {"gathered": gathered, "bucket_numel": TOTAL}
         w = torch.ops.compiled_fsdp.unshard(s_w, [5, 4], GROUP, N, ENTRY_KEY, 0, 3, reshard,
                                             bucket_offset=OFFSETS[0], **kw)
         b = torch.ops.compiled_fsdp.unshard(s_b, [5], GROUP, N, ENTRY_KEY, 2, 3, reshard,
                                             bucket_offset=OFFSETS[2], **kw)
         nxt = torch.ops.compiled_fsdp.gather_next(
-            [n_w, n_b], [k_w, k_b] if kept else [None, None], [], [], [5, 4, 4], [3, 2], GROUP, N,
+            [n_w, n_b], [k_w, k_b] if kept else [None, None], [], live, [], [5, 4, 4], [3, 2], GROUP, N,
             NEXT_KEY, None, None, None, True, False, None, None, 1)
         out = torch.nn.functional.linear(x, w, b).tanh()
         grads = torch.autograd.grad([out, nxt], [s_w, s_b, n_w, n_b, gathered, x], [t_out, t_next],
@@ -51,7 +53,8 @@ def _joint(reshard: bool, kept: bool) -> fx.GraphModule:
         return torch.randn(*shape, requires_grad=True)
 
     args = (leaf(3, 4), leaf(3), leaf(3, 4), leaf(2), leaf(N * TOTAL), leaf(7, 4),
-            torch.randn(5, 4), torch.randn(4), torch.randn(7, 5), torch.randn(N * 14))
+            torch.randn(5, 4), torch.randn(4), torch.ones((), dtype=torch.bool), torch.randn(7, 5),
+            torch.randn(N * 14))
     gm = make_fx(fn, tracing_mode="fake")(*args)
     for ph, name in zip(gm.graph.find_nodes(op="placeholder")[-2:], ("tangents_1", "tangents_2")):
         ph.target = ph.name = name  # as AOTAutograd names them
@@ -88,7 +91,7 @@ def test_handoff_lowering(reshard: bool) -> None:
     gathered = gm.graph.find_nodes(op="placeholder")[4]
     outputs = gm.graph.output_node().args[0]
     # The next block's gather: issued, not waited here, returned.
-    (issue,) = [g for g in _calls(gm, AG) if _role(g) == "handoff_issue"]
+    (issue,) = [g for g in _calls(gm, AG_IF) if _role(g) == "handoff_issue"]
     assert not any(u.target is WAIT for u in issue.users) and outputs[1] is issue
     # This block's: one wait on the handed-in input; the forward reads it.
     (wait,) = [w for w in _calls(gm, WAIT) if w.args[0] is gathered]
@@ -113,24 +116,27 @@ def test_handoff_lowering(reshard: bool) -> None:
     zeros = [n for n in gm.graph.nodes if n.target is torch.ops.aten.zeros.default and _role(n) == "handoff_grad"]
     assert [list(z.args[0]) for z in zeros] == [[N, SPECS[1].shard_numel]]
     # The next block's gradient: kept gradients packed and added, one reduce-scatter.
-    (rs,) = _calls(gm, RS)
+    (rs,) = _calls(gm, RS_IF)
     assert _role(rs) == "reduce_chain" and chain_tag(rs).module_key == NEXT_KEY
+    live = gm.graph.find_nodes(op="placeholder")[8]  # both run or both skip, as the marker says
+    assert issue.args[-1] is live and rs.args[-1] is live
     assert outputs[2 + 2].meta["val"].shape == (3, 4) and outputs[2 + 3].meta["val"].shape == (2,)
 
 
 def test_handoff_without_sync_unpacks_for_the_sinks() -> None:
-    def fn(n_w, sink, t_next):
-        nxt = torch.ops.compiled_fsdp.gather_next([n_w], [None], [sink], [0], [5, 4], [3], GROUP, N,
+    def fn(n_w, sink, live, t_next):
+        nxt = torch.ops.compiled_fsdp.gather_next([n_w], [None], [sink], live, [0], [5, 4], [3], GROUP, N,
                                                   NEXT_KEY, None, None, torch.float32, False, False, None,
                                                   None, 1)
         return (nxt, *torch.autograd.grad([nxt], [n_w, sink], [t_next], allow_unused=True))
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(3, 4, requires_grad=True),
-                                          torch.zeros(5, 4, requires_grad=True), torch.randn(N * 12))
+                                          torch.zeros(5, 4, requires_grad=True), torch.ones((), dtype=torch.bool),
+                                          torch.randn(N * 12))
     gm.graph.find_nodes(op="placeholder")[-1].target = "tangents_1"
     report = lower_markers(gm)
     assert report.handoffs == ["issue", "reduce"] and not has_markers(gm.graph)
-    assert _calls(gm, RS) == []  # nothing communicated: the sink gets the full gradient
+    assert _calls(gm, RS) == _calls(gm, RS_IF) == []  # nothing communicated: the sink gets the full gradient
     out = gm.graph.output_node().args[0]
     assert out[1] is None and out[2].meta["val"].shape == (5, 4) and _role(out[2]) == "keep_chain"
 

@@ -61,8 +61,9 @@ block's all-gather and hands it over unwaited:
 - Which block is next: the previous iteration's forward order, the one the
   eager runtime prefetches by; in the first step the modules' order in the
   model. Only a module predicted to compile its own frame gets a handoff
-  (``CompiledPath.predicts_own_frame``). The last block issues nothing, so its
-  graph is a second variant (Dynamo guards ``handoff_next``), compiled once.
+  (``CompiledPath.predicts_own_frame``). The last block hands its gather to
+  a stand-in that communicates nothing, so that its graph is the other
+  blocks' ([Note: A stand-in for the last block's next] in core/gated.py).
 - A wrong prediction stays correct. A block handed nothing gathers itself (a
   variant compiled when first needed). A handoff its module did not read (it
   ran eagerly, or not at all) is waited and dropped (``drop_handoff``); its
@@ -77,9 +78,11 @@ Tested by tests/test_handoff.py.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
+from torch import nn
 
 from compiled_fsdp.compile import frames
 from compiled_fsdp.core import ops, registry
@@ -110,6 +113,11 @@ class CompiledEntry:
         self.handoff_traced = False  # this forward's trace issued handoff_next's gather
         self._handed_eagerly: Optional[torch.Tensor] = None  # the handoff_in issued outside a graph
         self._handoff_read: Optional[torch.Tensor] = None  # the handoff_in this forward reads
+        # Whether this module's handed-over gather communicates: false for a
+        # stand-in (``stand_in``); the graph reads the tensor, never the bool.
+        self.live = True
+        self.live_flag = torch.ones((), dtype=torch.bool)
+        self._stand_in: Optional[tuple[tuple, CompiledEntry]] = None
         self.full_shapes = tuple(joined_shapes(group.specs))
         self.local_rows = tuple(p.local_rows for p in group.fsdp_params)
         key, split_key = group.key, self.split_key
@@ -145,7 +153,24 @@ class CompiledEntry:
             reduce_group_name=group.reduce_group_name, param_dtype=first.param_dtype,
             reduce_dtype=first.reduce_dtype, sync=sync, reduce_by_all_to_all=group.reduce_by_all_to_all,
             divide_factor=group.specs[0].divide_factor, replicate_group_name=group.replicate_group_name,
-            replicas=group.specs[0].replicas)
+            replicas=group.specs[0].replicas, live=self.live_flag)
+
+    def stand_in(self) -> "CompiledEntry":
+        """A module like this one for this module's graph to hand a gather to
+        when no module follows: the same structure, communicating nothing.
+        See [Note: A stand-in for the last block's next] in core/gated.py."""
+        group = self.group
+        sync = group.reduce_grads
+        key = (sync, tuple(id(p.sharded) for p in group.fsdp_params),
+               tuple(p.grad_sink is None for p in group.fsdp_params))
+        if self._stand_in is None or self._stand_in[0] != key:
+            copied = copy.copy(group)
+            copied.fsdp_params = [_stand_in_param(p, sync) for p in group.fsdp_params]
+            entry = CompiledEntry(copied)
+            entry.live = False
+            entry.live_flag = torch.zeros((), dtype=torch.bool)
+            self._stand_in = (key, entry)
+        return self._stand_in[1]
 
     def issue_backward_gather(self) -> bool:
         """This module's gather for its backward graph's ``regather``, issued
@@ -188,6 +213,11 @@ class CompiledEntry:
             self.handoff_in = self._handed_eagerly = None
         self._handoff_read = None
         handed, self.handoff_next = self.handoff_next, None
+        if handed is not None and not handed.live:
+            handed.handoff_in = None  # (nothing in flight: see gated.py)
+            for p in handed.group.fsdp_params:  # (its gradient from the last backward)
+                p.sharded.grad = None
+            return None
         return handed
 
     def params_left_unread(self) -> list[FSDPParam]:
@@ -217,6 +247,18 @@ class CompiledEntry:
             for p in self.group.fsdp_params:
                 p.drop_kept_grad()
         return True
+
+
+def _stand_in_param(p: FSDPParam, sync: bool) -> FSDPParam:
+    """``p`` for a stand-in: its shard a new leaf aliasing ``p``'s (what the
+    stand-in's backward gives it is dropped); with sync, ``p``'s kept gradient
+    (passed to a reduce that does not run); without, a sink of its own."""
+    c = copy.copy(p)
+    c.sharded = nn.Parameter(p.sharded.detach(), requires_grad=p.sharded.requires_grad)
+    if not sync and p.grad_sink is not None:
+        c.grad_sink = None
+        c.ensure_grad_sink()
+    return c
 
 
 def entry_of(group: FSDPParamGroup) -> CompiledEntry:

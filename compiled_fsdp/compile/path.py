@@ -218,10 +218,15 @@ class TorchCompilePath(CompiledPath):
         state.set_path(Path.OWN_FRAME)
         ctx.forward_order.append(state)
         handed = ctx.prefetch_next(state, in_graph=True)
-        if handed is not None and not _may_trace_handoff(state):
+        traces = _may_trace_handoff(state)
+        if handed is not None and not traces:
             entry_of(handed).hand_over_eagerly()
             handed = None
-        entry_of(state.param_group).begin(None if handed is None else entry_of(handed))
+        entry = entry_of(state.param_group)
+        if handed is not None:
+            entry.begin(entry_of(handed))
+        else:  # (the last: [Note: A stand-in for the last block's next] in core/gated.py)
+            entry.begin(entry.stand_in() if traces and state.param_group.hand_over_gathers else None)
         return True
 
     def hand_over(self, target: FSDPState, in_graph: bool) -> Optional[FSDPParamGroup]:

@@ -272,7 +272,9 @@ class GatherNext(Marker):
     the eager code) before it. ``full_shapes``: the parameters' full shapes
     concatenated (each has its shard's number of dimensions). With ``sync``,
     ``kept`` holds each parameter's kept gradient (or None); without,
-    ``sinks`` are the gradient sinks of the parameters ``sink_params``. (No
+    ``sinks`` are the gradient sinks of the parameters ``sink_params``.
+    ``live``: a 0-d bool, false for a stand-in that communicates nothing
+    ([Note: A stand-in for the last block's next] in core/gated.py). (No
     defaults: autograd counts only the arguments a call passes.)"""
 
     NAME: ClassVar[str] = "gather_next"
@@ -297,6 +299,7 @@ class GatherNext(Marker):
     # HSDP: the replicas' group (None: none) and how many there are.
     replicate_group_name: Optional[str] = _arg("str?")
     replicas: int = _arg("int")
+    live: Any = _arg("Tensor")
 
     @property
     def reduce_group(self) -> str:
@@ -329,6 +332,7 @@ class ReduceNext(Marker):
     # HSDP: the reduced bucket is also summed over the replicas' group.
     replicate_group_name: Optional[str] = _arg("str?", None)
     replicas: int = _arg("int", 1)
+    live: Any = _arg("Tensor?", None)  # (None: live) see GatherNext
 
     @classmethod
     def of_gather(cls, gather: GatherNext, grad: Any) -> "ReduceNext":
@@ -339,7 +343,8 @@ class ReduceNext(Marker):
                    world_size=gather.world_size, module_key=gather.module_key,
                    reduce_dtype=gather.reduce_dtype, grad_dtype=shards[0].dtype, sync=gather.sync,
                    reduce_by_all_to_all=gather.reduce_by_all_to_all, divide_factor=gather.divide_factor,
-                   replicate_group_name=gather.replicate_group_name, replicas=gather.replicas)
+                   replicate_group_name=gather.replicate_group_name, replicas=gather.replicas,
+                   live=gather.live)
 
 
 @dataclasses.dataclass(frozen=True)

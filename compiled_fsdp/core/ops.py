@@ -222,6 +222,8 @@ def gather_next(*args: Any, **kwargs: Any) -> torch.Tensor:
     """One module's bucketed all-gather, returned *not waited*: whoever reads
     it waits (``unshard(gathered=...)``)."""
     m = GatherNext.bind(args, kwargs)
+    if not bool(m.live):  # a stand-in: [Note: A stand-in for the last block's next] in gated.py
+        return _gather_next_fake(*args, **kwargs)
     return issue_gather(list(m.shards), _next_specs(m), m.param_dtype, m.group_name, m.module_key)
 
 
@@ -279,6 +281,8 @@ def reduce_next(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
     if not m.sync:  # the full gradients, for the sinks
         full = cast(EAGER, m.grad, m.reduce_dtype)
         return [f.clone() for f in unpack_gathered(EAGER, full, specs)]
+    if m.live is not None and not bool(m.live):  # a stand-in's: nothing to reduce
+        return [g.zero_() for g in _reduce_next_fake(*args, **kwargs)]
     kept = list(m.kept)
     kept_flat = pack_grads(EAGER, kept, specs) if any(k is not None for k in kept) else None
     flat = reduce_input(EAGER, m.grad, kept_flat, m.reduce_dtype)
