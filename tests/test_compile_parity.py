@@ -246,5 +246,5 @@ def test_no_grad_inference_blocks() -> None:
     for res in run_distributed(_inference_rank, 2, "inductor", True, timeout=900):
         for diff, counts in res["steps"]:
             assert diff <= 1e-5 and counts == {"all_gather": 2}
-        # layers.0's graph, then the last block's (a variant)
-        assert res["handoffs"] == [["issue", "read"], ["read"]] and res["gather_buckets"] == [0, 0]
+        # one graph: the last block hands its gather to a stand-in
+        assert res["handoffs"] == [["issue", "read"]] and res["gather_buckets"] == [0]
