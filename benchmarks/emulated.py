@@ -13,6 +13,9 @@ Kinds (each in a fresh process, rank 0 of W, local batch ``--batch``):
   ours_eager    compiled_fsdp's eager runtime
   fsdp2_eager   torch.distributed.fsdp.fully_shard
   fsdp2_blocks  FSDP2, each block compiled then sharded (torchtitan's recipe)
+  graph_trainer torchtitan's graph_trainer: SimpleFSDP, the training step
+                traced whole and rewritten by its passes (graph_trainer_peer.py;
+                the patterns plain and titan_plain, where torchtitan imports)
 
 Links: ``nccl`` is the cost model's H100 cluster (NVLink in a node of 8, 45
 GB/s per GPU between nodes); ``match`` scales every link so that one block's
@@ -49,7 +52,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import llama  # noqa: E402
 
-KINDS = ("floor", "ours", "ours_blocks", "ours_eager", "fsdp2_eager", "fsdp2_blocks")
+KINDS = ("floor", "ours", "ours_blocks", "ours_eager", "fsdp2_eager", "fsdp2_blocks", "graph_trainer")
 MODELS = {  # --model: the GPU job (Llama-3.1-8B dimensions), the CPU's, the tests'
     "8b": llama.LLAMA_3_1_8B.with_(checkpoint_blocks=True),
     "cpu": llama.LlamaConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn=768, vocab=4096, seq=256),
@@ -108,9 +111,21 @@ def _sharding_api(kind: str, cuda: bool) -> tuple[Any, Any]:
 def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
            pattern: str = "plain") -> tuple[nn.Module, Any, Any]:
     """(the model, what a step calls, the optimizer)."""
+    cuda = device.type == "cuda"
+    if kind == "graph_trainer":  # (its own recipe: the loss in its graph, so not the chunked one)
+        import graph_trainer_peer
+
+        if pattern == "titan":
+            raise ValueError("graph_trainer traces its own loss: use --pattern plain or titan_plain")
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = llama.Llama(cfg.with_(checkpoint_blocks=False))
+        model.init_weights()
+        dtypes = (torch.bfloat16, torch.float32) if cuda else (None, None)
+        model, step = graph_trainer_peer.build(model, device, *dtypes, llama.loss_fn)
+        return model, step, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     if pattern.startswith("titan"):
         return _build_titan(kind, cfg, device, world)
-    cuda = device.type == "cuda"
     if kind == "floor":
         torch.manual_seed(0)
         with torch.device(device):
@@ -242,8 +257,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         def step(i: int = 0) -> None:
             tokens = llama.batch(cfg, args.batch, seed=i, device=device)
             # (titan_plain: torchtitan's pattern with a plain loss, the head in the model's forward)
-            loss = _titan_step(run, tokens) if args.pattern == "titan" else llama.loss_fn(run(tokens), tokens)
-            loss.backward()
+            if args.kind == "graph_trainer":  # (its graph runs the backward too)
+                run(tokens)
+            else:
+                loss = _titan_step(run, tokens) if args.pattern == "titan" else llama.loss_fn(run(tokens), tokens)
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=args.kind != "floor")
 

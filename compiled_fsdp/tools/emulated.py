@@ -109,7 +109,7 @@ class Record:
     the network's epoch (``EmulatedNetwork.reset``); on CUDA they are read
     from events when ``EmulatedNetwork.records()`` is called."""
 
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all" | "broadcast" | "barrier"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all" | "broadcast" (scatter too) | "barrier"
     group: str  # the group's name
     group_size: int
     bytes: int  # the unsharded buffer (a gather's output, a reduce's input)
@@ -355,6 +355,14 @@ class EmulatedGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors: list, opts: Any = None) -> _Work:
         return self._go("broadcast", tensors)
+
+    def scatter(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
+        """Priced as a broadcast of the whole; the source rank (``inputs``
+        given) keeps its own chunk, as a real group leaves it, so that a
+        ``distribute_tensor`` from this rank shards real values."""
+        if inputs and inputs[0]:
+            outputs[0].copy_(inputs[0][self.rank()])
+        return self._go("broadcast", [t for ts in inputs for t in ts] or outputs)
 
     def barrier(self, opts: Any = None) -> _Work:
         return self._go("barrier", [])
