@@ -22,9 +22,16 @@ communicates nothing and returns an unspecified tensor of the right shape,
 which only the stand-in's own leaves receive (its gather is read by no
 graph; its reduce gives the stand-in's aliases a gradient nobody reads).
 ``wait_tensor`` on such a tensor returns at once (no work is registered for
-it). What a stand-in still costs per step: its bucket's pack in the forward,
-and in the backward the cast and pack of a zero gradient of the bucket's
-size. Tested by tests/test_handoff.py::test_last_block_one_graph.
+it). The passes schedule and price them as the collectives they stand for:
+the graph is the one the blocks whose handoff is live run. What a stand-in
+still costs per step: its bucket's pack in the forward, and in the backward
+the cast and pack of a zero gradient of the bucket's size (AOTAutograd's
+tangent for an output nothing used). Tested by
+tests/test_block_compile.py (one graph for every block, under aot_eager and
+Inductor, and per step n - 1 handoff gathers and reduces run for n blocks:
+the stand-in's are skipped), tests/test_handoff_fx.py (the lowering passes
+``live`` to both collectives) and tests/test_no_sync.py (accumulation without
+sync: one graph per flag value, the last block's included).
 """
 from __future__ import annotations
 
