@@ -7,12 +7,21 @@ block's next] in compiled_fsdp/core/gated.py."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
 
-from compiled_fsdp.core.layout import ShardSpec, pack_shards, sum_received
+from compiled_fsdp.core import copy_out
+from compiled_fsdp.core.layout import (
+    ShardSpec,
+    bucket_offsets,
+    joined_shapes,
+    pack_shards,
+    sum_received,
+    unpack_gathered,
+)
 
 from .cost_model import A2A, A2A_IF, AG, AG_IF, AR, AR_IF, RS, RS_IF, WAIT
 from .graph import NodeBuilder
@@ -30,6 +39,20 @@ def emit_gather(
     """The bucket's pack and its ``all_gather_into_tensor``, not waited."""
     packed = pack_shards(b, list(shards), list(specs), list(dtypes))
     return _issue(b, AG, AG_IF, live, packed, world_size, group_name)
+
+
+def emit_unpack(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec],
+                offsets: Sequence[int] | None = None, total: int | None = None) -> list[fx.Node]:
+    """``unpack_gathered``: one ``unpack_bucket`` op where the parameters must
+    be copied out ([Note: One copy-out per bucket] in
+    compiled_fsdp/core/copy_out.py), views where the bucket is one parameter."""
+    offsets = bucket_offsets(specs) if offsets is None else list(offsets)
+    total = sum(s.shard_numel for s in specs) if total is None else total
+    if specs[0].world_size == 1 or all(s.shard_numel == total for s in specs):
+        return unpack_gathered(b, flat, specs, offsets, total)
+    out = b(copy_out.unpack_bucket._opoverload, flat, joined_shapes(specs), [len(s.full_shape) for s in specs],
+            specs[0].world_size, offsets, total)
+    return [b(operator.getitem, out, i) for i in range(len(specs))]
 
 
 def emit_reduce(b: NodeBuilder, flat: fx.Node, world_size: int, group_name: str, by_all_to_all: bool,

@@ -50,7 +50,7 @@ from compiled_fsdp.core.layout import (
 )
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, ReduceNext, Regather, Unshard
 
-from ._emit import emit_all_reduce, emit_gather, emit_reduce
+from ._emit import emit_all_reduce, emit_gather, emit_reduce, emit_unpack
 from .graph import (
     ChainTag,
     MarkerArgs,
@@ -209,7 +209,7 @@ def _apply_reads(graph: fx.Graph, h: HandedIn, backward: set[fx.Node]) -> None:
     b = NodeBuilder(graph, _meta(first, "handoff_chain", args.module_key, reshard))
     with graph.inserting_before(first):
         waited = b(c10d.wait_tensor.default, h.gathered)
-        fulls = dict(zip(indices, unpack_gathered(b, waited, specs, h.offsets, total)))
+        fulls = dict(zip(indices, emit_unpack(b, waited, specs, h.offsets, total)))
     again: dict[int, fx.Node] = {}
     rb = None
     if reshard:  # the backward re-gathers from the shards (see the module docstring)
@@ -224,7 +224,7 @@ def _apply_reads(graph: fx.Graph, h: HandedIn, backward: set[fx.Node]) -> None:
             # if one was: [Note: Backward re-gathers prefetched across graphs])
             g = rb(Regather.op().default, shards, joined_shapes(specs), args.group_name,
                    args.world_size, args.module_key, args.param_dtype)
-            again = dict(zip(indices, unpack_gathered(rb, g, specs)))
+            again = dict(zip(indices, emit_unpack(rb, g, specs)))
     for i in indices:
         for m in h.reads[i]:
             m.replace_all_uses_with(fulls[i])

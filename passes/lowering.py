@@ -37,9 +37,9 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from compiled_fsdp.core.layout import pack_grads, reduce_input, split_reduced, unpack_gathered
+from compiled_fsdp.core.layout import pack_grads, reduce_input, split_reduced
 
-from ._emit import emit_all_reduce, emit_gather, emit_reduce
+from ._emit import emit_all_reduce, emit_gather, emit_reduce, emit_unpack
 from .bucketing import merge_small_buckets
 from .config import overlap
 from .graph import (
@@ -374,7 +374,7 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
     with graph.inserting_before(first_marker):
         gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
                                plan.world_size, plan.group_name)
-        fulls = unpack_gathered(b, b(c10d.wait_tensor.default, gathered), specs)
+        fulls = emit_unpack(b, b(c10d.wait_tensor.default, gathered), specs)
     for s, full in zip(plan.slots, fulls):
         for m in s.markers:
             m.replace_all_uses_with(full)

@@ -376,7 +376,8 @@ def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPPar
         if ctx.checker is not None and not root.backward_checked:
             # See [Note: Agreeing on collectives] in runtime/divergence.py.
             root.backward_checked = True
-            ctx.checker.check_backward()
+            ctx.checker.check_backward([(s.param_group.identity, s.param_group.label) for s in ctx.forward_order
+                                        if s.param_group is not None])
         reduced = [g for g in _graph_reduced_groups(ctx) if any(g is h for h in groups)]
         for g, flag in traced:
             if g.reduce_grads != flag:

@@ -11,7 +11,8 @@ these points:
 
 - ``STEP``: the root's forward starts (every step, both paths);
 - ``BACKWARD``: the step's first compiled backward starts (the compiled
-  root's; with blocks compiled on their own, the first block's to run);
+  root's; with blocks compiled on their own, the first block's to run),
+  with the modules the forward ran, in order;
 - ``COLLECTIVE``: each all-gather and reduce-scatter of the eager runtime
   (``replicate``'s all-reduce of each bucket: [Note: replicate's buckets];
   issued with the collective, awaited before its result is used);
@@ -39,8 +40,11 @@ failing rank records its error in the store, and a rank that arrives later
 raises it at its next check instead of running into a collective alone.
 
 Not covered: a rank-dependent choice between graphs that every rank has
-already compiled (both marker sequences were agreed, in earlier steps), and a
-rank stalling between two frames of a graph-broken forward. Their collectives
+already compiled (both marker sequences were agreed, in earlier steps) inside
+one compiled forward, and a rank stalling between two frames of a
+graph-broken forward. (Such a choice between modules is covered: ``BACKWARD``
+compares the forward's modules, and identical blocks compiled on their own
+share one graph, so a rank running one block fewer compiles nothing new.) Their collectives
 wait as long as the process group's own timeout (``init_process_group``).
 Tested by tests/test_divergence.py.
 """
@@ -179,8 +183,16 @@ class Checker:
         self.step, self.index = step, 0
         self.check(Checkpoint(STEP, step, 0, "the start of the forward"))
 
-    def check_backward(self) -> None:
-        self.check(Checkpoint(BACKWARD, self.step, 0, "the start of the compiled backward"))
+    def check_backward(self, forward: Sequence[tuple[tuple, str]] = ()) -> None:
+        """``forward``: the modules this step's forward ran, in order (each
+        group's ``identity`` and ``label``), compared too: ranks that ran
+        different modules through graphs they had all agreed on (blocks
+        compiled on their own share one) differ here, before any collective
+        of the backward."""
+        what = "the start of the compiled backward"
+        if forward:
+            what += " after a forward through " + ", ".join(label for _, label in forward)
+        self.check(Checkpoint(BACKWARD, self.step, stable_code(tuple(i for i, _ in forward)), what))
 
     def check_graph(self, code: int, what: str) -> None:
         """A graph reading sharded parameters in a new order is about to run
