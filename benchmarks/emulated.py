@@ -245,7 +245,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     cfg = _config(args)
     # Cold caches: the first step is the compile a user waits for, and a cache
-    # hit would skip the passes (no schedule report, no prediction).
+    # hit would skip the passes (no schedule report, no prediction). (The
+    # driver gives each worker an empty kernel cache directory: run_one.)
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
     net = init_emulated_network(args.world, topology=_topology(args.link, args), device=args.device)
@@ -349,11 +350,15 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
     if args.network_gbps is not None:
         cmd += ["--network-gbps", str(args.network_gbps)]
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
-        ok, tail = proc.returncode == 0 and os.path.exists(result), (proc.stdout + proc.stderr)[-2500:]
-    except subprocess.TimeoutExpired:
-        ok, tail = False, f"timed out after {args.worker_timeout}s"
+    # Cold: a cache directory of its own (Inductor's compiled kernels, Triton's),
+    # so no configuration's first step reuses kernels another run compiled.
+    with tempfile.TemporaryDirectory(prefix="emulated_cache_") as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout, env=env)
+            ok, tail = proc.returncode == 0 and os.path.exists(result), (proc.stdout + proc.stderr)[-2500:]
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {args.worker_timeout}s"
     if not ok:
         print(f"[{kind} W={world} {link}] FAILED:\n{tail}", file=sys.stderr, flush=True)
         return {"kind": kind, "world": world, "link": link, "error": tail.strip().splitlines()[-1] if tail else ""}
@@ -410,7 +415,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 64])
     p.add_argument("--links", nargs="+", default=None, help="default: nccl on CUDA, match match/4 on the CPU")
     p.add_argument("--network-gbps", type=float, default=None, help="nccl: GB/s per GPU between nodes")
-    p.add_argument("--match-gbps", type=float, default=None, help="(set by the driver)")
+    p.add_argument("--match-gbps", type=float, default=None,
+                   help="the match link's GB/s (default: measured per world; give one to pair runs)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--pattern", default="plain", choices=("plain", "titan", "titan_plain"),
                    help="titan: torchtitan's per-block compile, selective AC and chunked loss (not 'ours'); "
@@ -443,8 +449,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     results = []
+    given = args.match_gbps  # (fixed: runs to pair share one link)
     for world in args.worlds:
-        if any(link.startswith("match") for link in links):
+        if given is None and any(link.startswith("match") for link in links):
             args.match_gbps = match_gbps(args, world)
             print(f"W={world}: link {args.match_gbps:.3f} GB/s matches a block's forward", file=sys.stderr)
         for i, link in enumerate(links):  # the floor communicates nothing: once per world

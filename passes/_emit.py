@@ -18,6 +18,7 @@ from compiled_fsdp.core.layout import (
     ShardSpec,
     bucket_offsets,
     joined_shapes,
+    pack_grads,
     pack_shards,
     sum_received,
     unpack_gathered,
@@ -37,8 +38,32 @@ def emit_gather(
     dtypes: Sequence[torch.dtype | None], world_size: int, group_name: str, live: fx.Node | None = None,
 ) -> fx.Node:
     """The bucket's pack and its ``all_gather_into_tensor``, not waited."""
-    packed = pack_shards(b, list(shards), list(specs), list(dtypes))
-    return _issue(b, AG, AG_IF, live, packed, world_size, group_name)
+    return _issue(b, AG, AG_IF, live, emit_pack_shards(b, shards, specs, dtypes), world_size, group_name)
+
+
+def _shapes(specs: Sequence[ShardSpec]) -> tuple[list[int], list[int]]:
+    return joined_shapes(specs), [len(s.full_shape) for s in specs]
+
+
+def emit_pack_shards(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[ShardSpec],
+                     dtypes: Sequence[torch.dtype | None]) -> fx.Node:
+    """``pack_shards`` as one ``pack_bucket`` op ([Note: One copy-out per
+    bucket] in compiled_fsdp/core/copy_out.py), or as aten ops where one
+    shard needs no copy or the dtypes differ."""
+    if len(specs) == 1 or len(set(dtypes)) > 1:
+        return pack_shards(b, list(shards), list(specs), list(dtypes))
+    return b(copy_out.pack_bucket._opoverload, list(shards), *_shapes(specs), specs[0].world_size, dtypes[0])
+
+
+def emit_pack_grads(b: NodeBuilder, grads: Sequence[fx.Node | None], specs: Sequence[ShardSpec],
+                    offsets: Sequence[int] | None = None, total: int | None = None) -> fx.Node:
+    """``pack_grads`` as one ``pack_bucket_grads`` op (see ``emit_pack_shards``)."""
+    if specs[0].world_size == 1 or len(specs) == 1 and offsets is None:
+        return pack_grads(b, list(grads), list(specs), offsets, total)
+    offsets = bucket_offsets(specs) if offsets is None else list(offsets)
+    total = sum(s.shard_numel for s in specs) if total is None else total
+    return b(copy_out.pack_bucket_grads._opoverload, list(grads), *_shapes(specs), specs[0].world_size,
+             list(offsets), total)
 
 
 def emit_unpack(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec],
@@ -50,8 +75,7 @@ def emit_unpack(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec],
     total = sum(s.shard_numel for s in specs) if total is None else total
     if specs[0].world_size == 1 or all(s.shard_numel == total for s in specs):
         return unpack_gathered(b, flat, specs, offsets, total)
-    out = b(copy_out.unpack_bucket._opoverload, flat, joined_shapes(specs), [len(s.full_shape) for s in specs],
-            specs[0].world_size, offsets, total)
+    out = b(copy_out.unpack_bucket._opoverload, flat, *_shapes(specs), specs[0].world_size, offsets, total)
     return [b(operator.getitem, out, i) for i in range(len(specs))]
 
 

@@ -42,7 +42,6 @@ from compiled_fsdp.core.layout import (
     ShardSpec,
     cast,
     joined_shapes,
-    pack_grads,
     reduce_input,
     split_reduced,
     split_specs,
@@ -50,7 +49,7 @@ from compiled_fsdp.core.layout import (
 )
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, ReduceNext, Regather, Unshard
 
-from ._emit import emit_all_reduce, emit_gather, emit_reduce, emit_unpack
+from ._emit import emit_all_reduce, emit_gather, emit_pack_grads, emit_reduce, emit_unpack
 from .graph import (
     ChainTag,
     MarkerArgs,
@@ -185,7 +184,7 @@ def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
             results = unpack_gathered(b, cast(b, a.grad, a.reduce_dtype), specs)
         else:
             kept = list(a.kept)
-            kept_flat = pack_grads(b, kept, specs) if any(k is not None for k in kept) else None
+            kept_flat = emit_pack_grads(b, kept, specs) if any(k is not None for k in kept) else None
             flat = reduce_input(b, a.grad, kept_flat, a.reduce_dtype)
             summed = emit_reduce(b, flat, a.world_size, a.group_name, a.reduce_by_all_to_all, live=a.live)
             if a.replicate_group_name is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
@@ -296,7 +295,7 @@ def _apply_grads(graph: fx.Graph, h: HandedIn) -> str | None:
             grads.append(g)
         specs = [parse_marker(by_index[i][0])[1].spec for i in indices]
         offsets = [parse_marker(by_index[i][0])[1].bucket_offset for i in indices]
-        packed = pack_grads(b, grads, specs, offsets, args.bucket_numel)
+        packed = emit_pack_grads(b, grads, specs, offsets, args.bucket_numel)
     root.replace_all_uses_with(packed)
     erase_nodes(graph, [*h.grads, *acc])
     return None

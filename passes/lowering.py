@@ -37,9 +37,9 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from compiled_fsdp.core.layout import pack_grads, reduce_input, split_reduced
+from compiled_fsdp.core.layout import reduce_input, split_reduced
 
-from ._emit import emit_all_reduce, emit_gather, emit_reduce, emit_unpack
+from ._emit import emit_all_reduce, emit_gather, emit_pack_grads, emit_reduce, emit_unpack
 from .bucketing import merge_small_buckets
 from .config import overlap
 from .graph import (
@@ -396,7 +396,7 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         grads = [reduce_input(b, _summed(b, s), s.kept, s.args.reduce_dtype) for s in plan.slots]
         if plan.kind == "keep":  # the full gradients, for the sinks
             return _replace_roots(graph, plan, grads)
-        summed = emit_reduce(b, pack_grads(b, grads, specs), plan.world_size, plan.group_name,
+        summed = emit_reduce(b, emit_pack_grads(b, grads, specs), plan.world_size, plan.group_name,
                              plan.by_all_to_all)
         replicate_group = plan.slots[0].args.replicate_group_name
         if replicate_group is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py

@@ -11,7 +11,12 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from compiled_fsdp.core.marker import MARKERS
 from compiled_fsdp.passes.graph import chain_tag
+
+# The markers' op names, as ``str(node.target)`` prints them (the lowering's own
+# ops live in the same namespace: compiled_fsdp/core/gated.py, copy_out.py).
+MARKER_OPS = frozenset(str(m.op().default) for m in MARKERS)
 
 AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 RS = torch.ops._c10d_functional.reduce_scatter_tensor.default

@@ -110,11 +110,12 @@ def test_handoff_lowering(reshard: bool) -> None:
         assert any(a in from_again for n in backward for a in n.all_input_nodes)
     else:  # the backward reads the handed-in gather, which is saved
         assert regathers == [] and wait.meta["recompute"] == CheckpointPolicy.MUST_SAVE
-    # The handed-in gather's gradient: one pack with the unread parameter's columns zero.
+    # The handed-in gather's gradient: one pack ([Note: One copy-out per bucket]) of the
+    # read parameters' gradients at their offsets; the unread parameter's columns stay zero.
     grad_of_gathered = outputs[2 + 4]
     assert _role(grad_of_gathered) == "handoff_grad"
-    zeros = [n for n in gm.graph.nodes if n.target is torch.ops.aten.zeros.default and _role(n) == "handoff_grad"]
-    assert [list(z.args[0]) for z in zeros] == [[N, SPECS[1].shard_numel]]
+    assert grad_of_gathered.target is torch.ops.compiled_fsdp.pack_bucket_grads.default
+    assert list(grad_of_gathered.args[4]) == [OFFSETS[0], OFFSETS[2]] and grad_of_gathered.args[5] == TOTAL
     # The next block's gradient: kept gradients packed and added, one reduce-scatter.
     (rs,) = _calls(gm, RS_IF)
     assert _role(rs) == "reduce_chain" and chain_tag(rs).module_key == NEXT_KEY

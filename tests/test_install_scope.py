@@ -10,6 +10,7 @@ import torch
 from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
+from _graphs import MARKER_OPS
 from _models import gpt_case
 
 
@@ -21,7 +22,7 @@ def _scope_rank(rank: int, world: int) -> dict:
 
     def user_pass(gm, inputs):  # noqa: ANN001, ANN202
         # ours ran first: no marker is left in the joint graph it sees
-        seen.append(not any("compiled_fsdp" in str(n.target) for n in gm.graph.nodes))
+        seen.append(not any(str(n.target) in MARKER_OPS for n in gm.graph.nodes))
         return gm
 
     functorch_config.joint_custom_pass = user_pass

@@ -137,10 +137,10 @@ def test_gather_output_shapes_and_layout() -> None:
     run_joint_passes(gm)
     gathers = _calls(gm, c10d.all_gather_into_tensor.default)
     assert [tuple(g.meta["val"].shape) for g in gathers] == [(30,), (20,)]
-    # module 0 input: cat of flattened shards in param_index order
-    cat = gathers[0].args[0]
-    assert cat.target is torch.ops.aten.cat.default
-    assert [tuple(a.meta["val"].shape) for a in cat.args[0]] == [(12,), (3,)]
+    # module 0 input: its shards packed in param_index order, one op ([Note: One copy-out per bucket])
+    pack = gathers[0].args[0]
+    assert pack.target is torch.ops.compiled_fsdp.pack_bucket.default
+    assert [a.meta["val"].numel() for a in pack.args[0]] == [12, 3]
     rs = _calls(gm, c10d.reduce_scatter_tensor.default)
     assert [r.args[1] for r in rs] == ["sum", "sum"]
     assert sorted(tuple(r.meta["val"].shape) for r in rs) == [(10,), (15,)]

@@ -1,4 +1,4 @@
-"""A gathered bucket's parameters copied out in one op.
+"""A bucket's parameters copied in and out, one op each.
 
 [Note: One copy-out per bucket]
 In an all-gather's output ``[N * T]`` a parameter's rows lie in column range
@@ -11,16 +11,24 @@ most of the difference these copies and their like, which FSDP2 makes
 eagerly outside its graph (benchmarks/RESULTS.md, "One graph for blocks
 compiled on their own"). The lowering emits this op instead: one opaque call
 per bucket, whose implementation is ``unpack_gathered`` itself (so the values
-are the eager runtime's, bitwise), every output a fresh tensor.
-Tested by tests/test_block_compile.py and tests/test_passes_fx.py.
+are the eager runtime's, bitwise), every output a fresh tensor. The same
+holds for the way in: the gather's input (``pack_shards``: each shard cast,
+padded, concatenated) and the reduce's (``pack_grads``) are one op each,
+``pack_bucket`` and ``pack_bucket_grads``. A block's graphs then compile as
+many kernels as FSDP2's (measured: benchmarks/RESULTS.md). What Inductor no
+longer does is fuse a cast into the copy; the ops run the eager runtime's
+code, a few ATen kernels per bucket. Tested by tests/test_block_compile.py
+and tests/test_passes_fx.py.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from compiled_fsdp.core.layout import EAGER, split_specs, unpack_gathered
+from compiled_fsdp.core.layout import EAGER, pack_grads, pack_shards, split_specs, unpack_gathered
 
-__all__ = ["unpack_bucket"]
+__all__ = ["pack_bucket", "pack_bucket_grads", "unpack_bucket"]
 
 
 def _specs(full_shapes: list[int], ndims: list[int], world_size: int) -> list:
@@ -34,11 +42,48 @@ def unpack_bucket(flat: torch.Tensor, full_shapes: list[int], ndims: list[int], 
     from the all-gather output ``flat``, at ``offsets`` in a bucket ``total``
     wide per rank: copies, none aliasing ``flat``."""
     out = unpack_gathered(EAGER, flat, _specs(full_shapes, ndims, world_size), offsets, total)
-    base = flat.untyped_storage().data_ptr()
-    return [t.clone() if t.untyped_storage().data_ptr() == base else t for t in out]
+    return [_fresh(t, [flat]) for t in out]
+
+
+def _fresh(t: torch.Tensor, inputs: list[Optional[torch.Tensor]]) -> torch.Tensor:
+    """``t``, or a copy where it shares storage with an input (an op's output must not)."""
+    ptr = t.untyped_storage().data_ptr()
+    shared = any(i is not None and i.untyped_storage().data_ptr() == ptr for i in inputs)
+    return t.clone() if shared else t
 
 
 @unpack_bucket.register_fake
 def _(flat: torch.Tensor, full_shapes: list[int], ndims: list[int], world_size: int,
       offsets: list[int], total: int) -> list[torch.Tensor]:
     return [flat.new_empty(list(s.full_shape)) for s in _specs(full_shapes, ndims, world_size)]
+
+
+@torch.library.custom_op("compiled_fsdp::pack_bucket", mutates_args=())
+def pack_bucket(shards: list[torch.Tensor], full_shapes: list[int], ndims: list[int], world_size: int,
+                dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """The all-gather input ``[T]`` of ``shards`` (``pack_shards``, each cast to ``dtype``)."""
+    specs = _specs(full_shapes, ndims, world_size)
+    return _fresh(pack_shards(EAGER, shards, specs, [dtype] * len(specs)), list(shards))
+
+
+@pack_bucket.register_fake
+def _(shards: list[torch.Tensor], full_shapes: list[int], ndims: list[int], world_size: int,
+      dtype: Optional[torch.dtype]) -> torch.Tensor:
+    total = sum(s.shard_numel for s in _specs(full_shapes, ndims, world_size))
+    return shards[0].new_empty([total], dtype=dtype or shards[0].dtype)
+
+
+@torch.library.custom_op("compiled_fsdp::pack_bucket_grads", mutates_args=())
+def pack_bucket_grads(grads: list[Optional[torch.Tensor]], full_shapes: list[int], ndims: list[int],
+                      world_size: int, offsets: list[int], total: int) -> torch.Tensor:
+    """The reduce-scatter input ``[N * T]`` of the full gradients ``grads``
+    (``pack_grads``; a None gradient's columns zero)."""
+    specs = _specs(full_shapes, ndims, world_size)
+    return _fresh(pack_grads(EAGER, grads, specs, offsets, total), list(grads))
+
+
+@pack_bucket_grads.register_fake
+def _(grads: list[Optional[torch.Tensor]], full_shapes: list[int], ndims: list[int], world_size: int,
+      offsets: list[int], total: int) -> torch.Tensor:
+    like = next(g for g in grads if g is not None)
+    return like.new_empty([world_size * total])
