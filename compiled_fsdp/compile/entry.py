@@ -110,6 +110,7 @@ class CompiledEntry:
         # module whose gather this module's graph issues, while it runs.
         self.handoff_in: Optional[torch.Tensor] = None
         self.handoff_next: Optional[CompiledEntry] = None
+        self.forward_handoff: Optional[CompiledEntry] = None  # the last forward's, for a recompute
         self.handoff_traced = False  # this forward's trace issued handoff_next's gather
         self._handed_eagerly: Optional[torch.Tensor] = None  # the handoff_in issued outside a graph
         self._handoff_read: Optional[torch.Tensor] = None  # the handoff_in this forward reads

@@ -217,16 +217,23 @@ class TorchCompilePath(CompiledPath):
         ctx = state.ctx
         state.set_path(Path.OWN_FRAME)
         ctx.forward_order.append(state)
+        entry = entry_of(state.param_group)
+        if torch._C._current_graph_task_id() != -1:
+            # A recompute in backward (activation checkpointing): the graph the
+            # forward ran, so that it saves what the forward's backward reads
+            # (a stand-in's ``live`` flag among them); nothing prefetched.
+            entry.begin(entry.forward_handoff)
+            return True
         handed = ctx.prefetch_next(state, in_graph=True)
         traces = _may_trace_handoff(state)
         if handed is not None and not traces:
             entry_of(handed).hand_over_eagerly()
             handed = None
-        entry = entry_of(state.param_group)
         if handed is not None:
-            entry.begin(entry_of(handed))
+            entry.forward_handoff = entry_of(handed)
         else:  # (the last: [Note: A stand-in for the last block's next] in core/gated.py)
-            entry.begin(entry.stand_in() if traces and state.param_group.hand_over_gathers else None)
+            entry.forward_handoff = entry.stand_in() if traces and state.param_group.hand_over_gathers else None
+        entry.begin(entry.forward_handoff)
         return True
 
     def hand_over(self, target: FSDPState, in_graph: bool) -> Optional[FSDPParamGroup]:

@@ -13,6 +13,13 @@ aliases of its own shards (same shapes, dtypes, placements and
 structure runs one graph. What differs is a tensor, not a guard: the
 handoff's ``live`` flag (a 0-d bool on the CPU), false for a stand-in.
 
+A forward recomputed in backward (activation checkpointing around a block
+compiled on its own) hands its gather to whom the forward did
+(``CompiledEntry.forward_handoff``): the recompute's saved tensors replace
+the forward's, a stand-in's ``live`` flag and shards among them, and a
+recompute that handed to another module made the backward reduce for the
+wrong one (tests/test_fsdp2_api.py::test_nested_modules_compiled_in_place).
+
 The handoff's collectives are lowered to the ops below, which take the
 arguments of the ``_c10d_functional`` op they stand for and ``live`` last
 (the passes read both kinds through ``passes/cost_model.py``'s
