@@ -115,8 +115,7 @@ class CompiledEntry:
         self._handed_eagerly: Optional[torch.Tensor] = None  # the handoff_in issued outside a graph
         self._handoff_read: Optional[torch.Tensor] = None  # the handoff_in this forward reads
         # Whether this module's handed-over gather communicates: false for a
-        # stand-in (``stand_in``); the graph reads the tensor, never the bool.
-        self.live = True
+        # stand-in (``stand_in``); the graph reads this tensor (``live``: as a bool, eagerly).
         self.live_flag = torch.ones((), dtype=torch.bool)
         self._stand_in: Optional[tuple[tuple, CompiledEntry]] = None
         self.full_shapes = tuple(joined_shapes(group.specs))
@@ -156,6 +155,10 @@ class CompiledEntry:
             divide_factor=group.specs[0].divide_factor, replicate_group_name=group.replicate_group_name,
             replicas=group.specs[0].replicas, live=self.live_flag)
 
+    @property
+    def live(self) -> bool:
+        return bool(self.live_flag)
+
     def stand_in(self) -> "CompiledEntry":
         """A module like this one for this module's graph to hand a gather to
         when no module follows: the same structure, communicating nothing.
@@ -168,7 +171,6 @@ class CompiledEntry:
             copied = copy.copy(group)
             copied.fsdp_params = [_stand_in_param(p, sync) for p in group.fsdp_params]
             entry = CompiledEntry(copied)
-            entry.live = False
             entry.live_flag = torch.zeros((), dtype=torch.bool)
             self._stand_in = (key, entry)
         return self._stand_in[1]

@@ -26,13 +26,10 @@ from typing import Optional
 
 import torch
 
+from compiled_fsdp.core.comm import unaliased
 from compiled_fsdp.core.layout import EAGER, pack_grads, pack_shards, split_specs, unpack_gathered
 
 __all__ = ["pack_bucket", "pack_bucket_grads", "unpack_bucket"]
-
-
-def _specs(full_shapes: list[int], ndims: list[int], world_size: int) -> list:
-    return split_specs(full_shapes, ndims, world_size)
 
 
 @torch.library.custom_op("compiled_fsdp::unpack_bucket", mutates_args=())
@@ -41,35 +38,36 @@ def unpack_bucket(flat: torch.Tensor, full_shapes: list[int], ndims: list[int], 
     """Each parameter's full value (``full_shapes`` joined, ``ndims`` each)
     from the all-gather output ``flat``, at ``offsets`` in a bucket ``total``
     wide per rank: copies, none aliasing ``flat``."""
-    out = unpack_gathered(EAGER, flat, _specs(full_shapes, ndims, world_size), offsets, total)
-    return [_fresh(t, [flat]) for t in out]
+    out = unpack_gathered(EAGER, flat, split_specs(full_shapes, ndims, world_size), offsets, total)
+    return [unaliased(t, flat) for t in out]
 
 
-def _fresh(t: torch.Tensor, inputs: list[Optional[torch.Tensor]]) -> torch.Tensor:
-    """``t``, or a copy where it shares storage with an input (an op's output must not)."""
-    ptr = t.untyped_storage().data_ptr()
-    shared = any(i is not None and i.untyped_storage().data_ptr() == ptr for i in inputs)
-    return t.clone() if shared else t
+def _unaliased_by_all(out: torch.Tensor, inputs: list[Optional[torch.Tensor]]) -> torch.Tensor:
+    """``out``, copied if it shares an input's storage (``comm.unaliased`` for each)."""
+    for inp in inputs:
+        if inp is not None:
+            out = unaliased(out, inp)
+    return out
 
 
 @unpack_bucket.register_fake
 def _(flat: torch.Tensor, full_shapes: list[int], ndims: list[int], world_size: int,
       offsets: list[int], total: int) -> list[torch.Tensor]:
-    return [flat.new_empty(list(s.full_shape)) for s in _specs(full_shapes, ndims, world_size)]
+    return [flat.new_empty(list(s.full_shape)) for s in split_specs(full_shapes, ndims, world_size)]
 
 
 @torch.library.custom_op("compiled_fsdp::pack_bucket", mutates_args=())
 def pack_bucket(shards: list[torch.Tensor], full_shapes: list[int], ndims: list[int], world_size: int,
                 dtype: Optional[torch.dtype]) -> torch.Tensor:
     """The all-gather input ``[T]`` of ``shards`` (``pack_shards``, each cast to ``dtype``)."""
-    specs = _specs(full_shapes, ndims, world_size)
-    return _fresh(pack_shards(EAGER, shards, specs, [dtype] * len(specs)), list(shards))
+    specs = split_specs(full_shapes, ndims, world_size)
+    return _unaliased_by_all(pack_shards(EAGER, shards, specs, [dtype] * len(specs)), list(shards))
 
 
 @pack_bucket.register_fake
 def _(shards: list[torch.Tensor], full_shapes: list[int], ndims: list[int], world_size: int,
       dtype: Optional[torch.dtype]) -> torch.Tensor:
-    total = sum(s.shard_numel for s in _specs(full_shapes, ndims, world_size))
+    total = sum(s.shard_numel for s in split_specs(full_shapes, ndims, world_size))
     return shards[0].new_empty([total], dtype=dtype or shards[0].dtype)
 
 
@@ -78,8 +76,8 @@ def pack_bucket_grads(grads: list[Optional[torch.Tensor]], full_shapes: list[int
                       world_size: int, offsets: list[int], total: int) -> torch.Tensor:
     """The reduce-scatter input ``[N * T]`` of the full gradients ``grads``
     (``pack_grads``; a None gradient's columns zero)."""
-    specs = _specs(full_shapes, ndims, world_size)
-    return _fresh(pack_grads(EAGER, grads, specs, offsets, total), list(grads))
+    specs = split_specs(full_shapes, ndims, world_size)
+    return _unaliased_by_all(pack_grads(EAGER, grads, specs, offsets, total), list(grads))
 
 
 @pack_bucket_grads.register_fake

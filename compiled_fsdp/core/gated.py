@@ -23,7 +23,7 @@ wrong one (tests/test_fsdp2_api.py::test_nested_modules_compiled_in_place).
 The handoff's collectives are lowered to the ops below, which take the
 arguments of the ``_c10d_functional`` op they stand for and ``live`` last
 (the passes read both kinds through ``passes/cost_model.py``'s
-``collective_args``).
+``collective_group`` and ``collective_world``).
 With ``live`` true each runs its collective, not waited; with it false it
 communicates nothing and returns an unspecified tensor of the right shape,
 which only the stand-in's own leaves receive (its gather is read by no
