@@ -45,12 +45,19 @@ def _shapes(specs: Sequence[ShardSpec]) -> tuple[list[int], list[int]]:
     return joined_shapes(specs), [len(s.full_shape) for s in specs]
 
 
+def _as_one_op(b: NodeBuilder, like: fx.Node) -> bool:
+    """Whether a bucket's copies on ``like``'s device are emitted as one op
+    ([Note: One copy-out per bucket] in compiled_fsdp/core/copy_out.py): on
+    the CPU, yes; on a GPU Inductor's fused copies are kept."""
+    return b.value(like).device.type == "cpu"
+
+
 def emit_pack_shards(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[ShardSpec],
                      dtypes: Sequence[torch.dtype | None]) -> fx.Node:
     """``pack_shards`` as one ``pack_bucket`` op ([Note: One copy-out per
     bucket] in compiled_fsdp/core/copy_out.py), or as aten ops where one
-    shard needs no copy or the dtypes differ."""
-    if len(specs) == 1 or len(set(dtypes)) > 1:
+    shard needs no copy, the dtypes differ, or the bucket is not on the CPU."""
+    if len(specs) == 1 or len(set(dtypes)) > 1 or not _as_one_op(b, shards[0]):
         return pack_shards(b, list(shards), list(specs), list(dtypes))
     return b(copy_out.pack_bucket._opoverload, list(shards), *_shapes(specs), specs[0].world_size, dtypes[0])
 
@@ -58,7 +65,8 @@ def emit_pack_shards(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[
 def emit_pack_grads(b: NodeBuilder, grads: Sequence[fx.Node | None], specs: Sequence[ShardSpec],
                     offsets: Sequence[int] | None = None, total: int | None = None) -> fx.Node:
     """``pack_grads`` as one ``pack_bucket_grads`` op (see ``emit_pack_shards``)."""
-    if specs[0].world_size == 1 or len(specs) == 1 and offsets is None:
+    like = next(g for g in grads if g is not None)
+    if specs[0].world_size == 1 or len(specs) == 1 and offsets is None or not _as_one_op(b, like):
         return pack_grads(b, list(grads), list(specs), offsets, total)
     offsets = bucket_offsets(specs) if offsets is None else list(offsets)
     total = sum(s.shard_numel for s in specs) if total is None else total
@@ -73,7 +81,7 @@ def emit_unpack(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec],
     compiled_fsdp/core/copy_out.py), views where the bucket is one parameter."""
     offsets = bucket_offsets(specs) if offsets is None else list(offsets)
     total = sum(s.shard_numel for s in specs) if total is None else total
-    if specs[0].world_size == 1 or all(s.shard_numel == total for s in specs):
+    if specs[0].world_size == 1 or all(s.shard_numel == total for s in specs) or not _as_one_op(b, flat):
         return unpack_gathered(b, flat, specs, offsets, total)
     out = b(copy_out.unpack_bucket._opoverload, flat, *_shapes(specs), specs[0].world_size, offsets, total)
     return [b(operator.getitem, out, i) for i in range(len(specs))]

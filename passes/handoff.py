@@ -37,6 +37,7 @@ from collections import defaultdict
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp.core.layout import (
     ShardSpec,
@@ -238,37 +239,51 @@ def _apply_reads(graph: fx.Graph, h: HandedIn, backward: set[fx.Node]) -> None:
 
 
 def _read_again_in_backward(graph: fx.Graph, again: dict[fx.Node, fx.Node], backward: set[fx.Node]) -> bool:
-    """Backward uses of the handed-in weights (the keys of ``again``), direct
-    or through values the forward computes from those weights alone (a
-    transpose, a cast), read copies of them computed from the re-gathered
-    weights instead. Left as they were, the partitioner would save those
-    values, views of the handed-in buffer, for the backward. Returns whether
-    the backward reads the weights at all."""
-    weight_only = set(again)
+    """Backward uses of the handed-in weights (the keys of ``again``) read
+    copies computed from the re-gathered weights instead; so do backward uses
+    of what the forward computed from them, either from the weights alone (a
+    transpose, a cast) or from weights and activations where activation
+    checkpointing recomputes the value in backward (``_recomputed``: a norm's
+    scaled output). Left as they were, the partitioner would save for the
+    backward views of the handed-in buffer, or the whole buffer to recompute
+    from (tests/test_block_compile.py::test_titan_pattern_saves_no_weight).
+    Returns whether the backward reads the weights at all."""
+    weight_only, derived = set(again), set(again)
     for n in graph.nodes:
-        if (n.op == "call_function" and n not in backward and n not in weight_only
-                and n.all_input_nodes and all(a in weight_only for a in n.all_input_nodes)):
+        if n.op != "call_function" or n in backward or n in derived or not n.all_input_nodes:
+            continue
+        if all(a in weight_only for a in n.all_input_nodes):
             weight_only.add(n)
+            derived.add(n)
+        elif _recomputed(n) and any(a in derived for a in n.all_input_nodes):
+            derived.add(n)
     order = node_order(graph)
     copies = dict(again)
 
     def copy_of(v: fx.Node, before: fx.Node) -> fx.Node:
         if v not in copies:
             for a in v.all_input_nodes:
-                copy_of(a, before)
+                if a in derived:
+                    copy_of(a, before)
             with graph.inserting_before(before):
-                copies[v] = graph.node_copy(v, lambda a: copies[a])
+                copies[v] = graph.node_copy(v, lambda a: copies.get(a, a))
         return copies[v]
 
     read = False
-    for v in sorted(weight_only, key=order.__getitem__):
-        users = sorted((u for u in v.users if u in backward), key=order.__getitem__)
+    for v in sorted(derived, key=order.__getitem__):
+        users = sorted((u for u in v.users if u in backward and u.op != "output"), key=order.__getitem__)
         if users:
             read = True
             c = copy_of(v, users[0])
             for u in users:
                 u.replace_input_with(v, c)
     return read
+
+
+def _recomputed(n: fx.Node) -> bool:
+    """Whether activation checkpointing recomputes ``n`` in backward (its
+    policy tag, as torch.utils.checkpoint's selective policy set it)."""
+    return n.meta.get("recompute") in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def _apply_grads(graph: fx.Graph, h: HandedIn) -> str | None:

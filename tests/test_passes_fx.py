@@ -46,7 +46,8 @@ def _shard_shape(full: list[int], n: int, rank: int = 0) -> list[int]:
     return [max(0, min(rows, full[0] - rank * rows)), *full[1:]]
 
 
-def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor], rank: int = 0) -> fx.GraphModule:
+def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor], rank: int = 0,
+           device: str = "cpu") -> fx.GraphModule:
     """make_fx of ``fn(*shards, *extra)`` followed by autograd.grad w.r.t. the
     shards, as rank ``rank`` traces it."""
 
@@ -56,11 +57,11 @@ def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor], rank:
         grads = torch.autograd.grad(out, shards, allow_unused=True)
         return (out, *grads)
 
-    shards = [torch.randn(_shard_shape(s, n, rank), requires_grad=True) for s in shapes]
-    return make_fx(joint, tracing_mode="fake")(*shards, *extra)
+    shards = [torch.randn(_shard_shape(s, n, rank), requires_grad=True, device=device) for s in shapes]
+    return make_fx(joint, tracing_mode="fake")(*shards, *[e.to(device) for e in extra])
 
 
-def _two_module_graph(n: int = 2, tied: bool = True, raf1: bool = False) -> fx.GraphModule:
+def _two_module_graph(n: int = 2, tied: bool = True, raf1: bool = False, device: str = "cpu") -> fx.GraphModule:
     """module 0: W (5, 4) + b (5), W read twice if tied; module 1: W2 (3, 5)."""
 
     def fn(s_w, s_b, s_w2, x):
@@ -73,7 +74,7 @@ def _two_module_graph(n: int = 2, tied: bool = True, raf1: bool = False) -> fx.G
             h = h + torch.nn.functional.linear(x, w_again).sum()
         return torch.nn.functional.linear(h, w2).sum()
 
-    return _joint(fn, [[5, 4], [5], [3, 5]], n, [torch.randn(7, 4)])
+    return _joint(fn, [[5, 4], [5], [3, 5]], n, [torch.randn(7, 4)], device=device)
 
 
 def _role(n: fx.Node) -> str | None:
@@ -146,6 +147,23 @@ def test_gather_output_shapes_and_layout() -> None:
     assert sorted(tuple(r.meta["val"].shape) for r in rs) == [(10,), (15,)]
     outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     assert [tuple(o.meta["val"].shape) for o in outputs[1:]] == [(3, 4), (3,), (2, 5)]
+
+
+def test_copies_are_aten_ops_off_the_cpu() -> None:
+    """[Note: One copy-out per bucket]: the one-op copies are for buckets on
+    the CPU; elsewhere (a GPU; here the meta device stands for one) the
+    bucket's pack, copy-out and gradient pack stay aten ops for Inductor to fuse."""
+    copy_ops = {torch.ops.compiled_fsdp.pack_bucket.default, torch.ops.compiled_fsdp.unpack_bucket.default,
+                torch.ops.compiled_fsdp.pack_bucket_grads.default}
+    on = {device: _two_module_graph(n=2, device=device) for device in ("cpu", "meta")}
+    for gm in on.values():
+        run_joint_passes(gm)
+    targets = {device: {n.target for n in gm.graph.nodes if n.op == "call_function"} for device, gm in on.items()}
+    assert targets["cpu"] >= copy_ops
+    assert not targets["meta"] & copy_ops
+    gathers = _calls(on["meta"], c10d.all_gather_into_tensor.default)
+    assert [g.args[0].target for g in gathers] == [torch.ops.aten.cat.default, torch.ops.aten.view.default]
+    assert [tuple(g.meta["val"].shape) for g in gathers] == [(30,), (20,)]
 
 
 def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:

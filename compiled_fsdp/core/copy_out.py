@@ -17,8 +17,16 @@ padded, concatenated) and the reduce's (``pack_grads``) are one op each,
 ``pack_bucket`` and ``pack_bucket_grads``. A block's graphs then compile as
 many kernels as FSDP2's (measured: benchmarks/RESULTS.md). What Inductor no
 longer does is fuse a cast into the copy; the ops run the eager runtime's
-code, a few ATen kernels per bucket. Tested by tests/test_block_compile.py
-and tests/test_passes_fx.py.
+code, a few ATen kernels per bucket.
+
+So the ops are emitted for buckets on the CPU only (``_as_one_op`` in
+passes/_emit.py). On a GPU Inductor compiles its Triton kernels in parallel
+and fuses each cast into its copy, and there the ops cost the step: on one
+H100, the whole 8-block Llama compiled at W=8 stepped in 0.260-0.267 s with
+them against 0.248 s without (paired, benchmarks/RESULTS.md, "The GPU after
+the stand-in and the copy ops"), and gained no first step. Tested by
+tests/test_block_compile.py and tests/test_passes_fx.py (a graph on the meta
+device keeps the aten copies).
 """
 from __future__ import annotations
 
