@@ -197,7 +197,7 @@ def _uneven(rank: int, world: int, mode: str, how: str) -> dict:
 
 
 @pytest.mark.parametrize("mode,how", [("eager", "batch"), ("aot_eager", "batch"), ("aot_eager", "recompile"),
-                                      ("inductor", "recompile"), ("blocks", "recompile")])
+                                      ("blocks", "recompile")])
 def test_no_false_alarm(mode: str, how: str) -> None:
     """Different per-rank batch sizes, and one rank recompiling for a new shape
     (its graph reads the same parameters in the same order: harmless), train
@@ -205,6 +205,6 @@ def test_no_false_alarm(mode: str, how: str) -> None:
     before each step (under aot_eager their markers run unlowered, each
     parameter's collective checked); so do blocks compiled on their own,
     whose graphs hand each other gathers, in training and in the no_grad
-    forwards."""
+    forwards. (Under Inductor the checks are the same: test_rank_skips_a_block[inductor].)"""
     for res in run_distributed(_uneven, 2, mode, how, timeout=400):
         assert max(res["param_diff"]) < 1e-5, res

@@ -139,6 +139,7 @@ def test_benchmark_runs_graph_trainer(tmp_path) -> None:  # noqa: ANN001
     import emulated
 
     results = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "8", "--links", "match",
+                             "--match-gbps", "0.05",
                              "--kinds", "graph_trainer", "fsdp2_eager", "--pattern", "titan_plain",
                              "--warmup", "1", "--steps", "2", "--out", str(tmp_path)])
     assert not [r for r in results if "error" in r], [r.get("error") for r in results]
