@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU figures the project lacks most, in one command that fits a lent
+# GPU's 15 minutes (about 5 minutes on one H100 with torch 2.11, cold kernel
+# caches): torchtitan's pattern beside FSDP2 under the emulated network at 8
+# and 64 GPUs (step, first step, peak memory, exposed communication), then
+# the whole model compiled at 8. Run from the repository root:
+#
+#     bash benchmarks/gpu_session.sh OUT_DIR
+#
+# Each table is printed and its JSON written to OUT_DIR. Record what it shows,
+# dated and with the GPU's name, in benchmarks/RESULTS.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: bash benchmarks/gpu_session.sh OUT_DIR}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+# (a checkout without `pip install -e .`: the passes are installed as compiled_fsdp.passes)
+[ -e compiled_fsdp/passes ] || ln -s ../passes compiled_fsdp/passes
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c 'import torch; print("torch", torch.__version__)'
+run() {  # name, then emulated.py's arguments
+    local name=$1 tmp
+    shift
+    tmp=$(mktemp -d)
+    python3 benchmarks/emulated.py --device cuda --layers 8 --links nccl --out "$tmp" "$@" 2>&1 \
+        | tee "$out/$name.log" | grep -v '^RESULT'
+    cp "$tmp/emulated.json" "$out/$name.json" 2>/dev/null
+    rm -rf "$tmp"
+}
+run titan_plain --pattern titan_plain --worlds 8 64 --kinds floor ours_blocks fsdp2_blocks --warmup 3 --steps 10
+run whole_model --pattern plain --worlds 8 --kinds ours --warmup 2 --steps 6
