@@ -146,7 +146,7 @@ class CompiledEntry:
         sink_params = [] if sync else [i for i, p in enumerate(params) if p.sharded.requires_grad]
         first = params[0]
         return GatherNext.call(
-            shards=[p.sharded.to_local() for p in params], kept=kept,
+            shards=[p.to_canonical(p.sharded.to_local()) for p in params], kept=kept,
             sinks=[params[i].grad_sink for i in sink_params], sink_params=sink_params,
             full_shapes=self.full_shapes, local_rows=self.local_rows, group_name=group.group_name,
             world_size=group.specs[0].world_size, module_key=module_key,
@@ -181,7 +181,7 @@ class CompiledEntry:
         (see [Note: Backward re-gathers prefetched across graphs] in
         core/registry.py). Returns whether it was issued."""
         group = self.group
-        shards = [p.sharded.to_local() for p in group.fsdp_params]
+        shards = [p.canonical_shard() for p in group.fsdp_params]
         key = ops.shards_key(shards)
         if not registry.CORE.backward_gathers.wanted(key):
             return False

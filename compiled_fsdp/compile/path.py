@@ -114,8 +114,8 @@ class TorchCompilePath(CompiledPath):
                 f"compiled_fsdp: {param.fqn!r} has gradient sync off but no gradient sink; "
                 "call the model through its root module (the sinks are made there)."
             )
-        full = Unshard.call(
-            shard=param.sharded.to_local(),
+        full = Unshard.call(  # (canonical: [Note: Shard dims] in runtime/param.py)
+            shard=param.to_canonical(param.sharded.to_local()),
             full_shape=list(param.spec.full_shape),
             group_name=group.group_name,
             world_size=param.spec.world_size,
@@ -145,7 +145,7 @@ class TorchCompilePath(CompiledPath):
             comptime(entry.record_handoff_trace)
             nxt = entry.handoff_next
             nxt.handoff_in = nxt.gather_next_op(NEXT_KEY)
-        return full
+        return full if param.shard_dim == 0 else param.from_canonical(full).contiguous()
 
     def untraced_read(self, param: FSDPParam) -> Optional[torch.Tensor]:
         """See [Note: Untraced root frames]."""

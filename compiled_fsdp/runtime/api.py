@@ -283,7 +283,7 @@ def fully_shard(
     ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``); default: full precision.
     ``offload_policy``: ``OffloadPolicy()`` (none) or, for parameters already on
     the CPU, ``CPUOffloadPolicy()``. ``shard_placement_fn``: each parameter's
-    ``Shard(0)`` or None (dim 0); other dims are refused. ``dp_mesh_dims``
+    ``Shard(dim)``, or None for dim 0 ([Note: Shard dims] in param.py). ``dp_mesh_dims``
     (torch 2.15's ``DataParallelMeshDims``): ``mesh`` is the full SPMD mesh and
     this names its data-parallel dims ([Note: dp_mesh_dims] in validation.py).
     torch's own policy classes are taken as ours. See README.md, "FSDP2's arguments and methods".
@@ -328,16 +328,18 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     error: Optional[tuple[str, str]] = None
     owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
     conflicts: list[str] = []
+    dims: dict[nn.Parameter, int] = {}
     mp = MixedPrecisionPolicy()
     bucket_bytes: Optional[int] = None
     try:
         mp = check_policy(options.mp_policy)
         bucket_bytes = _bucket_bytes(options.bucket_cap_mb)
-        owners, conflicts = validate(modules, ignored, mp, options.shard_placement_fn, options.api)
+        owners, conflicts, dims = validate(modules, ignored, mp, options.shard_placement_fn, options.api,
+                                           options.process_group.size())
         check_device_and_backend(label(modules), owners, options.process_group)
     except _AGREED_ERRORS as exc:
         error = (type(exc).__name__, str(exc))
-    fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype), str(mp.for_param(p).param_dtype))
+    fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype), str(mp.for_param(p).param_dtype), dims.get(p))
                    for p, places in owners.items()]
     for agreeing in (options.process_group, options.replicate_group):  # (HSDP: the replicas too)
         if agreeing is not None:
@@ -351,7 +353,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         fsdp_params = []
         for param, places in owners.items():
             fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank, mp,
-                           shard_size=shard_size)
+                           shard_size=shard_size, shard_dim=dims[param])
             RUNTIME.managed[param] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(

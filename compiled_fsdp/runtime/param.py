@@ -30,6 +30,24 @@ Rank-independent graphs]) and AOTAutograd wraps the local gradient into a
 DTensor ``.grad``. Tested by tests/test_dtensor_state.py.
 ``torch.nn.utils.parametrize`` is avoided because it renames state-dict keys.
 
+[Note: Shard dims]
+FSDP2's ``shard_placement_fn`` may shard a parameter on another dim than 0
+(``Shard(1)``: MoE experts, stacked on dim 0, on their largest dim). The
+registered DTensor is then ``Shard(d)``: its local tensor is this rank's
+``torch.chunk(param, N, dim=d)`` piece, contiguous in the parameter's own
+layout, as FSDP2 holds it. Everything below the parameter (the bucket
+layout, the collectives, the marker ops and the passes) sees the parameter
+with dim ``d`` moved first, its *canonical* form, where that piece is a
+dim-0 chunk ([Note: Shard layout] in core/layout.py): ``to_canonical`` is
+``movedim(d, 0)``, a view. So the layout and the passes know one dim, and a
+``Shard(d)`` parameter costs, beside a dim-0 one, the copy of its gathered
+value into its own layout (eager: the unsharded buffer is in the
+parameter's layout and the copy-out writes its canonical view; compiled:
+``from_canonical`` and a contiguous copy after the marker, which Inductor
+fuses with the copy-out) and of its gradient into the canonical layout. A
+dim smaller than the group is refused (``shard_dim`` in validation.py).
+Tested by tests/test_shard_dim.py.
+
 [Note: Meta-device init]
 ``fully_shard`` accepts parameters on ``meta``: each shard is a meta tensor of
 the local shape, so no rank ever holds a full parameter. ``module.to_empty(device=...)``
@@ -84,16 +102,19 @@ class FSDPParam:
         rank: int,
         mp_policy: MixedPrecisionPolicy,
         shard_size: Optional[int] = None,
+        shard_dim: int = 0,
     ) -> None:
         self.fqn = fqn
         self.owners = owners
         self.mesh = mesh
+        self.shard_dim = shard_dim  # see [Note: Shard dims]
+        self.full_shape = tuple(param.shape)
         # A 2-D mesh is HSDP's (replicate, shard): sharded over its last dim.
         # ``replicate``'s 1-D mesh holds the replicas of a group of one
         # (``shard_size`` 1): [Note: replicate] in replicate.py.
         shard_size = mesh.size(mesh.ndim - 1) if shard_size is None else shard_size
         replicas = mesh.size(0) if mesh.ndim == 2 else mesh.size() // shard_size
-        self.spec = ShardSpec(tuple(param.shape), shard_size, replicas=replicas)
+        self.spec = ShardSpec(tuple(self.to_canonical(param).shape), shard_size, replicas=replicas)
         self.local_rows = self.spec.local_dim0(rank)
         self.orig_dtype = param.dtype
         # See [Note: Mixed precision] in policy.py.
@@ -101,7 +122,7 @@ class FSDPParam:
         self.param_dtype = mp_policy.compute_dtype(param.dtype)
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         with torch.no_grad():
-            local = self.spec.local(param.detach(), rank)
+            local = self.local_of(param.detach(), rank)
         self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=param.requires_grad)
         self.unsharded: Optional[torch.Tensor] = None
         # FSDPModule.set_keep_unsharded_storage: reshard keeps the bytes.
@@ -116,12 +137,38 @@ class FSDPParam:
         for module, name in owners:
             module._parameters[name] = self.sharded
 
+    def to_canonical(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the parameter, its shard or a gradient, in the parameter's
+        layout) with the shard dim first: a view ([Note: Shard dims])."""
+        return t if self.shard_dim == 0 else t.movedim(self.shard_dim, 0)
+
+    def from_canonical(self, t: torch.Tensor) -> torch.Tensor:
+        """``to_canonical`` undone: a view."""
+        return t if self.shard_dim == 0 else t.movedim(0, self.shard_dim)
+
+    def local_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s piece of ``full`` (a tensor of the parameter's shape), as
+        its DTensor holds it: a new contiguous tensor."""
+        local = self.from_canonical(self.spec.local(self.to_canonical(full), rank))
+        return local.contiguous()
+
+    def canonical_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A gradient of the unsharded parameter in the canonical layout, contiguous."""
+        if grad is None or self.shard_dim == 0:
+            return grad
+        return self.to_canonical(grad).contiguous()
+
+    def canonical_shard(self) -> torch.Tensor:
+        """The local shard with the shard dim first: what is gathered."""
+        return self.to_canonical(self.sharded._local_tensor)
+
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """A ``Shard(0)`` DTensor over this rank's rows ``local`` (no copy, no
-        communication); on HSDP's 2-D mesh ``(Replicate(), Shard(0))``."""
-        full = self.spec.full_shape
-        placements = ((Replicate(), Shard(0)) if self.mesh.ndim == 2
-                      else (Replicate(),) if self.spec.world_size == 1 and self.spec.replicas > 1 else (Shard(0),))
+        """A ``Shard(d)`` DTensor over this rank's piece ``local`` (no copy, no
+        communication); on HSDP's 2-D mesh ``(Replicate(), Shard(d))``."""
+        full = self.full_shape
+        shard = Shard(self.shard_dim)
+        placements = ((Replicate(), shard) if self.mesh.ndim == 2
+                      else (Replicate(),) if self.spec.world_size == 1 and self.spec.replicas > 1 else (shard,))
         return DTensor.from_local(
             local, self.mesh, placements, run_check=False,
             shape=torch.Size(full), stride=_contiguous_strides(full),
@@ -133,8 +180,9 @@ class FSDPParam:
         return self.sharded._local_tensor
 
     def add_grad(self, grad: torch.Tensor) -> None:
-        """Accumulate a reduced gradient of the local rows into ``.grad`` (a
-        DTensor with the parameter's spec)."""
+        """Accumulate a reduced gradient of the local rows (canonical: [Note:
+        Shard dims]) into ``.grad`` (a DTensor with the parameter's spec)."""
+        grad = self.from_canonical(grad)
         if self.sharded.grad is None:
             self.sharded.grad = self.to_dtensor(grad.clone(memory_format=torch.contiguous_format))
         else:
@@ -227,7 +275,7 @@ class FSDPParam:
         if self.reads_shard:
             self.unsharded = self.local_shard().detach()
         elif self.unsharded is None:
-            self.unsharded = self.local_shard().new_empty(self.spec.full_shape, dtype=self.param_dtype)
+            self.unsharded = self.local_shard().new_empty(self.full_shape, dtype=self.param_dtype)
         else:
             storage = self.unsharded.untyped_storage()
             nbytes = self.unsharded.numel() * self.unsharded.element_size()

@@ -263,7 +263,7 @@ class FSDPParamGroup:
         if self.state is ShardedState.SHARDED:
             self._gather_check = self._issue_check("all-gather")
             self._pending_gather = all_gather_bucket(
-                [p.local_shard() for p in self.fsdp_params], self.specs, self.process_group,
+                [p.canonical_shard() for p in self.fsdp_params], self.specs, self.process_group,
                 [p.param_dtype for p in self.fsdp_params], streams=self._streams(),
             )
             self.state = ShardedState.GATHERING
@@ -282,7 +282,7 @@ class FSDPParamGroup:
         with contextlib.ExitStack() as stack:
             for d in dests:  # autograd's saved views must not see a version bump
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(d))
-            copy_out_all_gather(flat, self.specs, dests)
+            copy_out_all_gather(flat, self.specs, [p.to_canonical(d) for p, d in zip(self.fsdp_params, dests)])
         self.state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -357,6 +357,7 @@ class FSDPParamGroup:
             if self.reshard_after_backward:
                 self.reshard()
         bucket_params = [self.fsdp_params[i] for i in self.reduce_buckets[bucket]]
+        grads = tuple(p.canonical_grad(g) for p, g in zip(bucket_params, grads))  # ([Note: Shard dims])
         if not self.reduce_grads:  # see [Note: Gradient accumulation without sync]
             for p, g in zip(bucket_params, grads):
                 p.accumulate_unsharded_grad(g)

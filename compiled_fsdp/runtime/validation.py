@@ -70,12 +70,14 @@ def label(modules: Sequence[nn.Module]) -> str:
 def validate(
     modules: Sequence[nn.Module], ignored: set[nn.Parameter], mp: MixedPrecisionPolicy,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
-    api: str = "fully_shard",
-) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str, str]]], list[str]]:
+    api: str = "fully_shard", shard_size: int = 1,
+) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str, str]]], list[str], dict[nn.Parameter, int]]:
     """Local checks, raising FSDP2's exception types with what was wrong and
-    what to do: the owned parameters and the names of those another
-    application already owns (see ``shared_across_groups``). ``modules``:
-    one module, or the modules of FSDP2's list form (one group for all)."""
+    what to do: the owned parameters, the names of those another
+    application already owns (see ``shared_across_groups``) and each owned
+    parameter's shard dim (``shard_placement_fn``'s, on a group of
+    ``shard_size``). ``modules``: one module, or the modules of FSDP2's list
+    form (one group for all)."""
     for module in modules:
         state = get_fsdp_state(module)
         if state is not None and state.api != api:
@@ -103,8 +105,7 @@ def validate(
         for p, places in theirs.items():
             owners.setdefault(p, []).extend(places)
         conflicts += lost
-    for p, places in owners.items():
-        check_placement(places[0][2], p, shard_placement_fn)
+    dims = {p: shard_dim(places[0][2], p, shard_placement_fn, shard_size) for p, places in owners.items()}
     devices = sorted({str(p.device) for p in owners})
     if len(devices) > 1:
         raise ValueError(
@@ -121,7 +122,7 @@ def validate(
             "in FSDP2: convert them to one dtype, apply fully_shard to the odd ones' module "
             "separately, or pass them in ignored_params."
         )
-    return owners, conflicts
+    return owners, conflicts, dims
 
 
 def collect_owned(
@@ -173,24 +174,26 @@ def shared_across_groups(module_name: str, conflicts: list[str]) -> Optional[str
             "that uses it (children first, then parents), or pass it in ignored_params.")
 
 
-def check_placement(fqn: str, param: nn.Parameter,
-                     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]]) -> None:
-    """FSDP2's ``shard_placement_fn``: None or ``Shard(0)`` are dim 0, the only
-    layout the bucket ([Note: Bucket layout]) and the passes know."""
+def shard_dim(fqn: str, param: nn.Parameter,
+              shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]], shard_size: int) -> int:
+    """The dim FSDP2's ``shard_placement_fn`` shards ``param`` on (None:
+    dim 0), normalised; see [Note: Shard dims] in runtime/param.py."""
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
-        return
+        return 0
     if not isinstance(placement, Shard):
         raise TypeError(f"fully_shard: shard_placement_fn must return a Shard or None, got {placement!r} "
                         f"for {fqn!r}.")
     dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
     if not 0 <= dim < param.dim():
         raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {fqn!r}")
-    if dim != 0:
-        raise NotImplementedError(
-            f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for {fqn!r}; compiled_fsdp "
-            "shards every parameter on dim 0 (its bucket layout and passes know no other). Return None or "
-            "Shard(0).")
+    if dim != 0 and param.shape[dim] < shard_size:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for {fqn!r}, whose dim {dim} "
+            f"has {param.shape[dim]} elements for a shard group of {shard_size} ranks: some ranks would hold "
+            "nothing of it. Shard it on a dim of at least the group's size (the largest, for experts), or "
+            "return None for dim 0.")
+    return dim
 
 
 def modules_outside_nested(module: nn.Module) -> list[tuple[str, nn.Module]]:

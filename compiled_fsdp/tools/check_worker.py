@@ -20,17 +20,23 @@ from compiled_fsdp.runtime.api import fully_shard
 from compiled_fsdp.runtime.state import get_fsdp_state, iter_fsdp_states
 from compiled_fsdp.tools import models
 
-__all__ = ["CheckConfig", "ModelSpec", "load_model_spec", "local_tensor", "max_diff", "run_rank", "shard_specs"]
+__all__ = ["CheckConfig", "ModelSpec", "load_model_spec", "local_tensor", "managed_params", "max_diff", "run_rank",
+           "shard_specs"]
 
 
-def shard_specs(model: nn.Module) -> dict[int, Any]:
-    """id(shard parameter) -> its ShardSpec."""
+def managed_params(model: nn.Module) -> dict[int, Any]:
+    """id(shard parameter) -> its ``FSDPParam``."""
     return {
-        id(fp.sharded): fp.spec
+        id(fp.sharded): fp
         for st in iter_fsdp_states(getattr(model, "_orig_mod", model))
         if st.param_group is not None
         for fp in st.param_group.fsdp_params
     }
+
+
+def shard_specs(model: nn.Module) -> dict[int, Any]:
+    """id(shard parameter) -> its ShardSpec."""
+    return {k: fp.spec for k, fp in managed_params(model).items()}
 
 
 def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -159,15 +165,15 @@ def _run_variant(spec: ModelSpec, cfg: CheckConfig, variant: str, ref: list[dict
     torch.manual_seed(0)
     model = spec.build()
     spec.shard(model)
-    specs = shard_specs(model)
+    managed = managed_params(model)
     owner = _owner_fqns(model)
     runner = _wrap(model, variant)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     named = dict(model.named_parameters())
 
     def local(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        s = specs.get(id(named[name]))
-        return t if t is None or s is None else s.local(t, rank)
+        fp = managed.get(id(named[name]))
+        return t if t is None or fp is None else fp.local_of(t, rank)
 
     out, tensors = [], []
     for step in range(cfg.steps):
