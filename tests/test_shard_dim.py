@@ -216,3 +216,26 @@ def test_hsdp_from_meta() -> None:
     for res in run_distributed(_hsdp_meta_rank, 4, timeout=600):
         assert res["w1"] == "(Replicate(), Shard(dim=2))", res
         assert res["worst"] < 1e-6, res
+
+
+def _tp_rank(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    block = nn.Sequential(nn.Linear(8, 8))
+    parallelize_module(block, mesh["tp"], {"0": ColwiseParallel()})
+    try:
+        fully_shard(block, mesh=mesh["dp"])
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_tensor_parallel_parameters_are_refused_clearly() -> None:
+    """FSDP x TP is issue 48's: a TP DTensor parameter under ``fully_shard``
+    is refused on every rank with what it is, not as a weight another
+    application owns (which it said before)."""
+    for msg in run_distributed(_tp_rank, 2, timeout=120):
+        assert "'0.weight' is already a DTensor" in msg and "(FSDP x TP) is not supported" in msg, msg
+        assert "already managed by another fully_shard" not in msg, msg

@@ -141,6 +141,14 @@ def collect_owned(
             fqn = f"{path}.{name}" if path else name
             # (A shard is a DTensor; no registry holds it: a weak reference would stop
             # to_empty() from swapping it, see [Note: Meta-device init].)
+            ours = m.__dict__.get("_fsdp_params", {}).get(name)  # (a shard: [Note: Parameter property])
+            if isinstance(p, DTensor) and (ours is None or ours.sharded is not p):
+                raise NotImplementedError(
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already a DTensor, placed "
+                    f"{p.placements} on a mesh of shape {tuple(p.device_mesh.shape)} (tensor parallelism, e.g. "
+                    "parallelize_module, or distribute_tensor): FSDP over DTensor parameters (FSDP x TP) is "
+                    "not supported by compiled_fsdp yet (issue 48). Apply fully_shard to plain parameters, "
+                    "or use torch.distributed.fsdp.fully_shard for this model.")
             if p in RUNTIME.managed or isinstance(p, DTensor):
                 conflicts.append(fqn)
                 continue
