@@ -246,11 +246,14 @@ def _read_again_in_backward(graph: fx.Graph, again: dict[fx.Node, fx.Node], back
     checkpointing recomputes the value in backward (``_recomputed``: a norm's
     scaled output). Left as they were, the partitioner would save for the
     backward views of the handed-in buffer, or the whole buffer to recompute
-    from (tests/test_block_compile.py::test_titan_pattern_saves_no_weight).
+    from (tests/test_chunked_loss.py::test_torchtitan_chunked_loss[blocks+flag]).
+    A random or impure op is never copied (a copy would draw anew: dropout's
+    mask must be the forward's); the copies read its forward value.
     Returns whether the backward reads the weights at all."""
     weight_only, derived = set(again), set(again)
     for n in graph.nodes:
-        if n.op != "call_function" or n in backward or n in derived or not n.all_input_nodes:
+        if (n.op != "call_function" or n in backward or n in derived or not n.all_input_nodes
+                or not _replayable(n)):
             continue
         if all(a in weight_only for a in n.all_input_nodes):
             weight_only.add(n)
@@ -278,6 +281,11 @@ def _read_again_in_backward(graph: fx.Graph, again: dict[fx.Node, fx.Node], back
             for u in users:
                 u.replace_input_with(v, c)
     return read
+
+
+def _replayable(n: fx.Node) -> bool:
+    """Whether a copy of ``n`` computes what ``n`` did: neither impure nor random."""
+    return not n.is_impure() and torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ())
 
 
 def _recomputed(n: fx.Node) -> bool:

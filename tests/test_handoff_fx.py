@@ -196,3 +196,53 @@ def test_handoff_before_a_foreign_collective() -> None:
     assert report.collectives == 1
     order = [n.target for n in g.nodes if n.op == "call_function"]
     assert order == [AG, torch.ops.aten.mm.default, c10d.all_reduce.default, WAIT, torch.ops.aten.mm.default]
+
+
+def test_random_ops_are_not_copied_into_the_backward() -> None:
+    """Under selective AC (here every forward op tagged PREFER_RECOMPUTE) the
+    values computed from a handed-in weight that the backward reads are
+    copied there from the re-gathered weights, but a random op is not: its
+    copy would draw a new dropout mask (passes/handoff.py, ``_replayable``)."""
+
+    def fn(s_w, s_b, gathered, x, t_out):
+        kw = {"gathered": gathered, "bucket_numel": TOTAL}
+        w = torch.ops.compiled_fsdp.unshard(s_w, [5, 4], GROUP, N, ENTRY_KEY, 0, 3, True,
+                                            bucket_offset=OFFSETS[0], **kw)
+        b = torch.ops.compiled_fsdp.unshard(s_b, [5], GROUP, N, ENTRY_KEY, 2, 3, True,
+                                            bucket_offset=OFFSETS[2], **kw)
+        h = torch.nn.functional.dropout(x * b.sum(), p=0.5, training=True)
+        out = torch.nn.functional.linear(h, w)
+        grads = torch.autograd.grad([out], [s_w, s_b, gathered, x], [t_out], allow_unused=True)
+        return (out, *grads)
+
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    gm = make_fx(fn, tracing_mode="fake")(leaf(3, 4), leaf(3), leaf(N * TOTAL), leaf(7, 4), torch.randn(7, 5))
+    (tangent,) = gm.graph.find_nodes(op="placeholder")[-1:]
+    tangent.target = tangent.name = "tangents_1"
+    backward = tangent_dependents(gm.graph)
+    for n in gm.graph.nodes:  # (what torch.utils.checkpoint's selective policy tags)
+        if n.op == "call_function" and n not in backward:
+            n.meta["recompute"], n.meta["ac_graph_id"] = CheckpointPolicy.PREFER_RECOMPUTE, 1
+    lower_markers(gm)
+
+    def random_ops() -> list[fx.Node]:
+        return [n for n in gm.graph.nodes if n.op == "call_function"
+                and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+
+    assert len(random_ops()) == 1, random_ops()
+    # (the weight-only value the backward reads, b.sum(), is read from the re-gather)
+    (again,) = _calls(gm, REGATHER)
+    now = tangent_dependents(gm.graph)
+    read = [n for n in _calls(gm, torch.ops.aten.sum.default) if any(u in now for u in n.users)]
+    assert read and all(again in _ancestors(n) for n in read), read
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        cur = stack.pop()
+        seen.add(cur)
+        stack.extend(a for a in cur.all_input_nodes if a not in seen)
+    return seen

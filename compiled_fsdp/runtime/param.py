@@ -46,7 +46,10 @@ parameter's layout and the copy-out writes its canonical view; compiled:
 ``from_canonical`` and a contiguous copy after the marker, which Inductor
 fuses with the copy-out) and of its gradient into the canonical layout. A
 dim smaller than the group is refused (``shard_dim`` in validation.py).
-Tested by tests/test_shard_dim.py.
+Tested by tests/test_shard_dim.py. Known cost: a ``Shard(d)`` parameter read
+twice in one traced graph (a tied weight, a read in a loop) traces two
+``movedim`` views, which the lowering does not see as one shard, so its
+bucket falls back to a gather per parameter (correct, not bucketed).
 
 [Note: Meta-device init]
 ``fully_shard`` accepts parameters on ``meta``: each shard is a meta tensor of
@@ -124,6 +127,7 @@ class FSDPParam:
         with torch.no_grad():
             local = self.local_of(param.detach(), rank)
         self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=param.requires_grad)
+        RUNTIME.shards[id(self.sharded)] = self
         self.unsharded: Optional[torch.Tensor] = None
         # FSDPModule.set_keep_unsharded_storage: reshard keeps the bytes.
         self.keep_unsharded_storage = False
@@ -241,7 +245,7 @@ class FSDPParam:
         if tuple(local.shape) != tuple(mine.shape):
             raise ValueError(
                 f"compiled_fsdp: parameter {self.fqn!r} was replaced by a tensor of shape "
-                f"{tuple(current.shape)}; expected a DTensor shard of {self.spec.full_shape}."
+                f"{tuple(current.shape)}; expected a DTensor shard of {self.full_shape}."
             )
         with torch.no_grad():
             mine.copy_(local)

@@ -15,6 +15,10 @@ modules sharded over it, and what the hooks must find from a module alone:
   good (``divergence._abandon``).
 - ``managed``: original parameter -> its FSDPParam (by identity, weakly), to
   detect a parameter claimed twice.
+- ``shards``: id of a shard parameter ``fully_shard`` registered -> its
+  FSDPParam (weakly; not a weak reference to the shard, which would stop
+  ``to_empty()`` from swapping it), to tell our DTensors from a user's
+  (tensor parallelism).
 - ``subclasses``: the ``FSDP<Module>`` classes made by ``fully_shard``
   ([Note: Parameter property] in param.py), reused across modules.
 - ``path``: the compile layer's seam ([Note: The compiled path] in
@@ -62,6 +66,7 @@ class RuntimeRegistry:
         self.checkers: dict[tuple[int, ...], Any] = {}  # (divergence.Checker)
         self.abandoned: list[dist.ProcessGroup] = []
         self.managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.shards: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.subclasses: weakref.WeakValueDictionary[tuple, type] = weakref.WeakValueDictionary()
         self.path: Any = None  # (extension.CompiledPath; None: the eager-only default)
 

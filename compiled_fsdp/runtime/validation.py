@@ -141,7 +141,7 @@ def collect_owned(
             fqn = f"{path}.{name}" if path else name
             # (A shard is a DTensor; no registry holds it: a weak reference would stop
             # to_empty() from swapping it, see [Note: Meta-device init].)
-            ours = m.__dict__.get("_fsdp_params", {}).get(name)  # (a shard: [Note: Parameter property])
+            ours = RUNTIME.shards.get(id(p))
             if isinstance(p, DTensor) and (ours is None or ours.sharded is not p):
                 raise NotImplementedError(
                     f"fully_shard({type(module).__name__}): parameter {fqn!r} is already a DTensor, placed "
