@@ -50,9 +50,10 @@ Tested by tests/test_shard_dim.py. Known cost: a ``Shard(d)`` parameter read
 twice in one traced graph (a tied weight, a read in a loop) traces two
 ``movedim`` views, which the lowering does not see as one shard, so its
 bucket falls back to a gather per parameter (correct, not bucketed). Seeing
-through the permutation is not enough: a rank whose piece is empty traced
-its reads otherwise, and only it lowered the bucket per parameter (a
-divergence the checks caught, tried 2026-11-27).
+through the permutation was not enough (tried 2026-11-27): on 4 ranks with
+pieces of 2, 2, 2 and 0 columns, the rank with the empty piece still
+gathered that bucket per parameter while the others bucketed it, and the
+divergence checks stopped the step (cause not yet found).
 
 [Note: Meta-device init]
 ``fully_shard`` accepts parameters on ``meta``: each shard is a meta tensor of
