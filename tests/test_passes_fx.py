@@ -29,7 +29,7 @@ from compiled_fsdp.passes import (
     run_joint_passes,
     tag_recompute,
 )
-from compiled_fsdp.passes.graph import chain_tag
+from compiled_fsdp.passes.graph import chain_tag, through_identity_views
 
 
 def U(shard, full, group, n, key, index, reshard, **kw):  # noqa: N802 - the marker, as the property calls it
@@ -499,3 +499,18 @@ def test_pipeline_runs_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config.pipeline, "disabled", frozenset({"lowring"}))
     with pytest.raises(ValueError, match="names no pass: \\['lowring'\\]"):
         run_passes("joint", _two_module_graph())
+
+
+def test_an_empty_shard_views_like_the_others() -> None:
+    """A rank holding no piece of a parameter traces ``to_local()``'s view of
+    it with other strides than its input's (an empty tensor's strides mean
+    nothing): still an identity view, as on the ranks that hold a piece, so
+    every rank's lowering decides alike ([Note: Rank-independent graphs])."""
+    for local in (torch.empty_strided((8, 2), (2, 1)), torch.empty_strided((8, 0), (0, 1))):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        x.meta["val"] = local
+        v = g.call_function(torch.ops.aten.view.default, (x, list(local.shape)))
+        v.meta["val"] = local.view(list(local.shape)) if local.numel() else torch.empty_strided((8, 0), (1, 1))
+        g.output(v)
+        assert through_identity_views(v) is x

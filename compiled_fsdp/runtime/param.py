@@ -49,11 +49,12 @@ dim smaller than the group is refused (``shard_dim`` in validation.py).
 Tested by tests/test_shard_dim.py. Known cost: a ``Shard(d)`` parameter read
 twice in one traced graph (a tied weight, a read in a loop) traces two
 ``movedim`` views, which the lowering does not see as one shard, so its
-bucket falls back to a gather per parameter (correct, not bucketed). Seeing
-through the permutation was not enough (tried 2026-11-27): on 4 ranks with
-pieces of 2, 2, 2 and 0 columns, the rank with the empty piece still
-gathered that bucket per parameter while the others bucketed it, and the
-divergence checks stopped the step (cause not yet found).
+bucket falls back to a gather per parameter (correct, not bucketed). Tried
+2026-11-27: seeing through the permutation buckets the gathers, but the two
+reads' gradients meet through two permutes, outside the accumulation tree
+the reduce lowering knows, so the reduces stay per parameter. (That attempt
+also found a rank holding an empty piece tracing its reads' views with
+other strides: ``passes/graph.py`` now ignores an empty tensor's strides.)
 
 [Note: Meta-device init]
 ``fully_shard`` accepts parameters on ``meta``: each shard is a meta tensor of
