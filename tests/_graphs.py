@@ -138,3 +138,13 @@ def saved_gathered(fw: fx.GraphModule) -> list[str]:
             gathered.add(n)
     out = fw.graph.output_node()
     return [a.name for a in out.args[0] if isinstance(a, fx.Node) and a in gathered]
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it (transitively) reads."""
+    seen, stack = set(), [node]
+    while stack:
+        cur = stack.pop()
+        seen.add(cur)
+        stack.extend(i for i in cur.all_input_nodes if i not in seen)
+    return seen

@@ -20,6 +20,8 @@ from compiled_fsdp.passes.config import OverlapConfig
 from compiled_fsdp.passes.graph import ChainTag, chain_tag, has_markers, tangent_dependents
 from compiled_fsdp.passes.schedule import schedule_graph
 
+from _graphs import ancestors
+
 c10d = torch.ops._c10d_functional
 AG, RS, WAIT = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                 c10d.wait_tensor.default)
@@ -236,13 +238,4 @@ def test_random_ops_are_not_copied_into_the_backward() -> None:
     (again,) = _calls(gm, REGATHER)
     now = tangent_dependents(gm.graph)
     read = [n for n in _calls(gm, torch.ops.aten.sum.default) if any(u in now for u in n.users)]
-    assert read and all(again in _ancestors(n) for n in read), read
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        cur = stack.pop()
-        seen.add(cur)
-        stack.extend(a for a in cur.all_input_nodes if a not in seen)
-    return seen
+    assert read and all(again in ancestors(n) for n in read), read

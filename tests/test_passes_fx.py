@@ -31,6 +31,8 @@ from compiled_fsdp.passes import (
 )
 from compiled_fsdp.passes.graph import chain_tag, through_identity_views
 
+from _graphs import ancestors
+
 
 def U(shard, full, group, n, key, index, reshard, **kw):  # noqa: N802 - the marker, as the property calls it
     return torch.ops.compiled_fsdp.unshard(shard, full, group, n, key, index, shard.shape[0], reshard, **kw)
@@ -84,16 +86,6 @@ def _role(n: fx.Node) -> str | None:
 
 def _calls(gm: fx.GraphModule, target) -> list[fx.Node]:
     return [node for node in gm.graph.nodes if node.op == "call_function" and node.target is target]
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    """``node`` and every node it (transitively) reads."""
-    seen, stack = set(), [node]
-    while stack:
-        cur = stack.pop()
-        seen.add(cur)
-        stack.extend(i for i in cur.all_input_nodes if i not in seen)
-    return seen
 
 
 def _markers(gm: fx.GraphModule) -> list[fx.Node]:
@@ -178,7 +170,7 @@ def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:
     ]
     assert len(full_grad_adds) == 1
     assert len(_calls(gm, torch.ops.aten.add.Tensor)) == before  # one removed, one added
-    assert full_grad_adds[0] in _ancestors(rs0)  # that add feeds module 0's reduce-scatter
+    assert full_grad_adds[0] in ancestors(rs0)  # that add feeds module 0's reduce-scatter
 
 
 def test_recompute_tags() -> None:
@@ -454,7 +446,7 @@ def test_kept_gradients_without_sync() -> None:
     kept = [n for n in on.graph.nodes if n.op == "placeholder"][1]
     adds = [a for a in _calls(on, torch.ops.aten.add.Tensor) if a.args[0] is kept]
     assert len(adds) == 1 and adds[0].args[1].target is CAST
-    assert adds[0] in _ancestors(rs)
+    assert adds[0] in ancestors(rs)
 
 
 def test_mixed_precision_and_kept_lowering_matches_markers(single_rank_group: str) -> None:
