@@ -96,14 +96,15 @@ def _own_code(model: torch.nn.Module, tag: str) -> torch.nn.Module:
     return model
 
 
-def _build(kind: str, n_layers: int = 8, tag: str = "") -> tuple[torch.nn.Module, torch.nn.Module]:
+def _build(kind: str, n_layers: int = 8, tag: str = "", dim: int = 512,
+           caches: bool = False) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Returns (model whose parameters the optimizer steps, callable to run).
     A ``_bf16`` kind gathers and computes in bf16 and reduces in fp32 (both
     FSDPs' ``MixedPrecisionPolicy``); its compute floor runs a bf16 model. A
     ``_blocks`` kind compiles each block on its own (``block.compile()``, the
     root eager: torchtitan's pattern; see [Note: Blocks compiled on their own]);
     ``_blocks_nohandoff`` without the gathers handed from block to block."""
-    model = _own_code(bench(n_layers), tag or kind)
+    model = _own_code(bench(n_layers, dim), tag or kind)
     bf16 = kind.endswith("_bf16")
     mesh = None
     if kind.endswith("_hsdp"):  # 2 replicas, each sharded over half the ranks
@@ -116,9 +117,10 @@ def _build(kind: str, n_layers: int = 8, tag: str = "") -> tuple[torch.nn.Module
         kind = kind.removesuffix("_hsdp")
     # Every configuration compiles from scratch (the first step is the compile
     # time a user waits for), and for ours a cache hit would skip the passes,
-    # leaving the schedule report empty.
-    torch._functorch.config.enable_autograd_cache = False
-    torch._inductor.config.fx_graph_cache = False
+    # leaving the schedule report empty; ``caches`` keeps torch's defaults (on:
+    # the warm start of benchmarks/depth.py).
+    torch._functorch.config.enable_autograd_cache = caches
+    torch._inductor.config.fx_graph_cache = caches
     if kind.startswith("ours"):
         import compiled_fsdp
 
@@ -172,12 +174,13 @@ def _knobs(kind: str) -> Iterator[None]:
             setattr(comm_config.comm, field.name, getattr(saved_comm, field.name))
 
 
-def _train_step(kind: str, rank: int, n_layers: int = 8, tag: str = "") -> Callable[[], float]:
+def _train_step(kind: str, rank: int, n_layers: int = 8, tag: str = "", dim: int = 512,
+                caches: bool = False) -> Callable[[], float]:
     """Builds one training configuration; returns its timed step. Build and
     warm it up inside ``_knobs(kind)``: the knobs are read when the model is
     sharded and when it first compiles."""
     torch.manual_seed(0)
-    model, run = _build(kind, n_layers, tag or kind)
+    model, run = _build(kind, n_layers, tag or kind, dim, caches)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = batch(GPTConfig(), BATCH, seed=rank)
 
@@ -238,6 +241,45 @@ def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int, n_laye
     if kind.startswith("ours_compiled"):
         out["schedule"] = _schedule_summary()
     return out
+
+
+# Dynamo's timers that say where a compile goes (seconds summed over calls):
+# tracing bytecode, AOTAutograd's joint trace and partition, Inductor (forward
+# and backward graphs), and the whole of it (the forward frame's compile and
+# the backward's, compiled at its first run).
+COMPILE_PHASES = {"dynamo_trace": ("bytecode_tracing",), "aot_trace": ("aot_trace_joint_graph",),
+                  "partition": ("min_cut_rematerialization_partition",), "inductor": ("compile_fx_inner",),
+                  "total": ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")}
+
+
+def compile_rank(rank: int, world: int, kind: str, steps: int, n_layers: int, dim: int, caches: bool,
+                 cache_dir: str) -> dict:
+    """The first step of one configuration and where its compile went: Dynamo's
+    phases, the passes' own seconds and node counts, the graphs Dynamo made,
+    and the cache hits (``caches``: torch's caches on, for a warm start), with
+    Inductor's cache directory ``cache_dir``."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    from compiled_fsdp.compile.install import recording
+
+    # (Inductor reads the variable at each use; a forked rank starts with the server's)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+
+    with _knobs(kind), recording() as rec:
+        step = _train_step(kind, rank, n_layers, dim=dim, caches=caches)
+        first = step()
+    times = [step() for _ in range(steps)]
+    phases = {name: round(sum(sum(compilation_time_metrics.get(k, [])) for k in keys), 3)
+              for name, keys in COMPILE_PHASES.items()}
+    passes: dict[str, float] = {}
+    for p in rec.pipelines:
+        for name, secs in p.seconds.items():
+            passes[f"{p.stage}.{name}"] = round(passes.get(f"{p.stage}.{name}", 0.0) + secs, 3)
+    return {"first_step_s": first, "step_s": statistics.median(times), "phases_s": phases, "passes_s": passes,
+            "nodes": [(p.stage, *p.nodes) for p in rec.pipelines],
+            "graphs": counters["stats"]["unique_graphs"],
+            "cache": {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+                      if k.startswith(("fxgraph_cache", "autograd_cache"))}}
 
 
 def bucket_numels(world: int) -> tuple[list[int], list[int], list[int]]:

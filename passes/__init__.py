@@ -79,6 +79,7 @@ class JointPassReport:
     lowering: LoweringReport | None = None
     recompute: RecomputeReport | None = None
     ran: tuple[str, ...] = ()  # the passes that ran, in order
+    pipeline: Optional[PipelineReport] = None  # (their times and node counts)
 
     @property
     def changed(self) -> bool:
@@ -110,4 +111,4 @@ def run_joint_passes(gm: fx.GraphModule, observe: Optional[Observer] = None) -> 
         observe("before", gm, None)
     done = run_passes("joint", gm, observe)
     return JointPassReport(has_markers=True, lowering=done.reports.get("lowering"),
-                           recompute=done.reports.get("recompute"), ran=tuple(done.ran))
+                           recompute=done.reports.get("recompute"), ran=tuple(done.ran), pipeline=done)

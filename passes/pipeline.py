@@ -24,6 +24,7 @@ Tested by tests/test_passes_fx.py::test_pipeline_runs_by_name.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any, Literal, Optional
 
@@ -50,6 +51,10 @@ class PipelineReport:
     ran: list[str] = dataclasses.field(default_factory=list)
     disabled: list[str] = dataclasses.field(default_factory=list)
     reports: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Seconds each pass took, and the graph's node count before the first
+    # and after the last: the passes' share of a compile (benchmarks/depth.py).
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    nodes: tuple[int, int] = (0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +102,7 @@ def run_passes(stage: Stage, gm: fx.GraphModule, observe: Optional[Observer] = N
         raise ValueError(f"compiled_fsdp: config.pipeline.disabled names no pass: {unknown}; "
                          f"the passes are {[p.name for p in PASSES]}")
     done = PipelineReport(stage)
+    before = len(gm.graph.nodes)
     shown: list[tuple[str, Any]] = []  # (observed once the passes amending it ran)
 
     def show() -> None:
@@ -113,10 +119,13 @@ def run_passes(stage: Stage, gm: fx.GraphModule, observe: Optional[Observer] = N
             continue
         if not p.amends:
             show()
+        start = time.perf_counter()
         report = p.run(gm, done)
+        done.seconds[p.name] = time.perf_counter() - start
         done.ran.append(p.name)
         done.reports[p.name] = report
         if report is not None and not p.amends:
             shown.append((p.name, report))
     show()
+    done.nodes = (before, len(gm.graph.nodes))
     return done

@@ -77,34 +77,63 @@ def test_inductor_parity() -> None:
         assert res["counts"] == [{}] * 3
 
 
-def _cached_rank(rank: int, world: int, cache_dir: str) -> dict:
+def _cached_rank(rank: int, world: int, cache_dir: str, blocks: bool) -> dict:
     import os
+
+    from torch._dynamo.utils import counters
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     torch._functorch.config.enable_autograd_cache = True
     torch._inductor.config.fx_graph_cache = True
+    if blocks:  # each block compiled on its own, the root eager (torchtitan's pattern)
+        build, make_batch, loss = gpt_case(False)
 
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)  # 5 and 3 rows: ranks hold 3 and 2, 2 and 1
-        return torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        def compile_blocks(m: torch.nn.Module) -> torch.nn.Module:
+            for block in m.layers:
+                block.compile(fullgraph=True)
+            return m
 
-    def make_batch(step: int) -> tuple:
-        return (torch.randn(4, 8, generator=torch.Generator().manual_seed(step)),)
+        res = run_parity(rank, build, _shard(True), make_batch, loss, steps=2, wrap=compile_blocks)
+    else:
+        def build() -> torch.nn.Module:
+            torch.manual_seed(0)  # 5 and 3 rows: ranks hold 3 and 2, 2 and 1
+            return torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
 
-    return run_parity(
-        rank, build, fully_shard, make_batch, lambda out, x: out.square().mean(), steps=2,
-        wrap=lambda m: torch.compile(m, fullgraph=True),
-    )
+        def make_batch(step: int) -> tuple:
+            return (torch.randn(4, 8, generator=torch.Generator().manual_seed(step)),)
+
+        res = run_parity(
+            rank, build, fully_shard, make_batch, lambda out, x: out.square().mean(), steps=2,
+            wrap=lambda m: torch.compile(m, fullgraph=True),
+        )
+    res["cache"] = {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+                    if k.startswith(("fxgraph_cache_", "autograd_cache_")) and not k.endswith("_saved")}
+    return res
 
 
-def test_uneven_shards_share_no_cache_entry(tmp_path) -> None:
-    """Ranks holding different numbers of rows compile different graphs; a second
-    job on the same cache directory (as every job on a host shares one) must load
-    each rank's own. See [Note: Local rows in the marker]."""
-    for _ in range(2):  # the second run hits the cache written by the first
-        for res in run_distributed(_cached_rank, 2, str(tmp_path), timeout=600):
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+def test_a_second_job_hits_the_caches(tmp_path, blocks: bool) -> None:
+    """A job started again unchanged (Inductor's and AOTAutograd's caches on,
+    one cache directory, as every job on a host shares one) compiles nothing:
+    every graph is a hit, and it trains as the first did. Nothing in what the
+    passes emit (a name, an id, a dict order) may change the cache key from
+    one process to the next (see [Note: AOTAutograd cache]). ``whole``: ranks
+    holding different numbers of rows compile different graphs, and each
+    rank loads its own (see [Note: Local rows in the marker]). ``blocks``:
+    one block graph shared by every block and the stand-in's handoff
+    ([Note: A stand-in for the last block's next])."""
+    runs = [run_distributed(_cached_rank, 2, str(tmp_path), blocks, timeout=600) for _ in range(2)]
+    for results in runs:
+        for res in results:
             assert_close(res, 1e-5)
-            assert res["counts"] == [{}] * 2
+            # (blocks: the eager root's own gather and reduction each step)
+            assert res["counts"] == [{"all_gather": 2, "reduce_scatter": 2} if blocks else {}] * 2
+    for first, second in zip(*runs):
+        missed = first["cache"]
+        # (one training graph: a forward and a backward kernel module)
+        assert missed == {"autograd_cache_miss": 1, "fxgraph_cache_miss": 2}, missed
+        assert second["cache"] == {"autograd_cache_hit": 1, "fxgraph_cache_hit": 2}, second["cache"]
+        assert (first["loss"], first["param"]) == (second["loss"], second["param"])
 
 
 def _inference_rank(rank: int, world: int, backend: str, blocks: bool) -> dict:

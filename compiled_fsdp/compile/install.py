@@ -104,6 +104,9 @@ class Recording:
 
     joint: list = dataclasses.field(default_factory=list)  # passes.JointPassReport
     schedule: list = dataclasses.field(default_factory=list)  # passes.ScheduleReport
+    # passes.PipelineReport of every graph the passes ran on, joint and
+    # partitioned alike: their seconds and node counts (benchmarks/depth.py)
+    pipelines: list = dataclasses.field(default_factory=list)
 
 
 class _Reports:
@@ -134,6 +137,11 @@ class _Reports:
                 params = frozenset(i for u in mine for i in u.param_indices)
                 self.units.setdefault(key, {})[params] = tuple(u.describe() for u in mine)
 
+    def add_pipeline(self, report: Any) -> None:
+        with _lock:
+            for r in self.recordings:
+                r.pipelines.append(report)
+
     def add_schedule(self, report: Any) -> None:
         with _lock:
             self.schedule.append(report)
@@ -160,6 +168,7 @@ class _JointPass:
         report = run_joint_passes(gm, SESSION.reports.notify if SESSION.reports.observers else None)
         if report.has_markers:
             SESSION.reports.add_joint(report)
+            SESSION.reports.add_pipeline(report.pipeline)
         if self.inner is not None:
             gm = self.inner(gm, joint_inputs)
         return gm
@@ -196,6 +205,7 @@ class _SchedulePass(CustomGraphPass):
                 SESSION.reports.notify(stage, gm, report)
 
         done = run_passes("partitioned", gm, observe)
+        SESSION.reports.add_pipeline(done)
         lowering = done.reports.get("lowering")
         if lowering is not None:  # See [Note: Inference graphs].
             # (explain() describes the training graphs' units)

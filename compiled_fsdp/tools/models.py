@@ -111,7 +111,7 @@ def tiny_tied() -> GPT:
     return tiny(tie_head=True)
 
 
-def bench(n_layers: int = 8) -> GPT:
+def bench(n_layers: int = 8, dim: int = 512) -> GPT:
     """The benchmark model: ~30M parameters (d=512, 8 blocks, vocab 4096)."""
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layers=n_layers))
+    return GPT(GPTConfig(n_layers=n_layers, dim=dim))
