@@ -14,6 +14,8 @@ in fresh processes:
                         (torchtitan's pattern)
   ours_compiled         ours per block and root, ``torch.compile(model)``: one
                         graph per direction holding every block
+  ours_compiled_regions the same, each block a compile region
+                        (``config.comm.block_regions``): traced and compiled once
   ours_compiled_blocks  ours per block and root, ``block.compile()`` per block,
                         the root eager (see [Note: Blocks compiled on their own]),
                         each block's graph handing the next block its gather
@@ -55,8 +57,8 @@ from workloads import compile_rank  # noqa: E402
 
 from _dist import run_distributed  # noqa: E402
 
-KINDS = ["compute_compiled", "fsdp2_compiled", "fsdp2_compiled_blocks", "ours_compiled", "ours_compiled_blocks",
-         "ours_compiled_blocks_nohandoff"]
+KINDS = ["compute_compiled", "fsdp2_compiled", "fsdp2_compiled_blocks", "ours_compiled", "ours_compiled_regions",
+         "ours_compiled_blocks", "ours_compiled_blocks_nohandoff"]
 
 
 def measure(kind: str, depth: int, args: argparse.Namespace) -> dict:

@@ -165,6 +165,7 @@ def _knobs(kind: str) -> Iterator[None]:
     comm_config.comm.gloo_reduce_by_all_to_all = kind != "ours_compiled_gloors"
     comm_config.comm.check_collectives = not kind.endswith("_nocheck")
     comm_config.comm.hand_over_gathers = not kind.endswith("_nohandoff")
+    comm_config.comm.block_regions = kind.endswith("_regions")
     try:
         yield
     finally:

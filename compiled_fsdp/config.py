@@ -3,7 +3,7 @@
 ``compiled_fsdp.config.comm.<name> = ...``, before ``fully_shard``, which
 agrees on them across ranks and keeps them per module
 (``separate_reduce_group``, ``check_collectives``, ``hand_over_gathers``,
-``gloo_reduce_by_all_to_all``), or before the first step
+``gloo_reduce_by_all_to_all``, ``block_regions``), or before the first step
 (``check_timeout_s``). The compiled graphs see them through the markers'
 arguments ([Note: The marker contract] in core/marker.py), so they are part
 of every graph and its cache key. The overlap passes' own knobs are in
@@ -40,6 +40,12 @@ class CommConfig:
     # and reduces its own, exposed). See [Note: Gathers handed to the next
     # block's graph] in compile/entry.py.
     hand_over_gathers: bool = True
+    # Read by ``fully_shard`` (every rank must agree; experimental): under
+    # ``torch.compile(model)``, each module it shards is a
+    # ``torch.compiler.nested_compile_region``, so identical blocks are traced
+    # and compiled once. Their gathers are not yet handed across blocks. See
+    # [Note: Blocks as compile regions] in compile/regions.py.
+    block_regions: bool = False
 
 
 comm = CommConfig()

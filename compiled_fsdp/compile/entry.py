@@ -118,6 +118,11 @@ class CompiledEntry:
         # stand-in (``stand_in``); the graph reads this tensor (``live``: as a bool, eagerly).
         self.live_flag = torch.ones((), dtype=torch.bool)
         self._stand_in: Optional[tuple[tuple, CompiledEntry]] = None
+        # Whether the module is a compile region and, per parameter, the leaf
+        # aliasing its local shard that a read inside it takes ([Note: Blocks
+        # as compile regions] in regions.py).
+        self.in_region = False
+        self.region_shards: list[Optional[torch.Tensor]] = [None] * len(group.fsdp_params)
         self.full_shapes = tuple(joined_shapes(group.specs))
         self.local_rows = tuple(p.local_rows for p in group.fsdp_params)
         key, split_key = group.key, self.split_key

@@ -287,6 +287,10 @@ class CompileSession:
         self.dynamo_compiling = False
         self.dynamo_lock = threading.Lock()
         self._split_keys: dict[Hashable, set[int]] = {}  # split key -> the group keys recorded under it
+        # A sharded module class -> its region subclass ([Note: Blocks as
+        # compile regions] in regions.py). Kept by reset(): a class is stateless,
+        # and a second subclass would be a second region to compile.
+        self.region_classes: dict[type, type] = {}
         self._watched: dict[int, int] = {}  # key -> id of the owner whose death forgets it
 
     def record_trace(self, key: int, param_index: int, frame: int, split_key: Optional[Hashable]) -> None:

@@ -29,7 +29,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils._pytree import tree_flatten
 
-from compiled_fsdp.compile import frames, install
+from compiled_fsdp.compile import frames, install, regions
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of
 from compiled_fsdp.core import (
     compat,
@@ -83,12 +83,18 @@ class TorchCompilePath(CompiledPath):
         for hook in self.on_fully_shard_hooks:
             hook()
 
+    def make_region(self, module: torch.nn.Module, group: FSDPParamGroup) -> None:
+        regions.make_region(module)
+        entry_of(group).in_region = True
+
     def on_step(self, ctx: RootContext) -> None:
         frames.arm()  # (again after a torch._dynamo.reset())
         install.close_backward_windows()
         _root(ctx).backward_checked = False
         for g in ctx.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             entry_of(g).reset()
+            if entry_of(g).in_region:
+                regions.refresh(g, entry_of(g).region_shards)
 
     def on_backward(self, ctx: RootContext) -> None:
         install.open_backward_window()
@@ -99,6 +105,8 @@ class TorchCompilePath(CompiledPath):
         entry: CompiledEntry = group.compiled
         comptime(_ensure_window)  # see [Note: Passes installed while compiling] in install.py
         own = entry.active  # see [Note: Blocks compiled on their own] in entry.py
+        if entry.in_region and not own:  # see [Note: Blocks as compile regions] in regions.py
+            return regions.region_read(param, entry.region_shards[param.index])
         # At trace time; see [Note: Fallback decision rule] in frames.py.
         comptime(entry.record_entry_trace[param.index] if own else entry.record_trace[param.index])
         # See [Note: Gathers handed to the next block's graph] in entry.py
@@ -263,7 +271,9 @@ class TorchCompilePath(CompiledPath):
         return True
 
     def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
-        _watch_compiled_backward(ctx, output, ctx.groups())
+        shards = [(g, entry_of(g).region_shards) for g in ctx.groups() if entry_of(g).in_region]
+        _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, shards)
+                                 if shards else None)
 
     def end_forward(self, ctx: RootContext) -> None:
         _drop_unread_handoffs(ctx)
@@ -361,6 +371,11 @@ def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
         group = target.param_group
         if group is not None and entry_of(group).issue_backward_gather() and target is not state:
             ctx.prefetched.append(("backward", group.fqn))
+
+
+def _move_region_grads_later(shards: list) -> None:
+    """When the backward ends ([Note: Blocks as compile regions] in regions.py)."""
+    torch.autograd.Variable._execution_engine.queue_callback(partial(regions.move_region_grads, shards))
 
 
 def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPParamGroup],

@@ -55,7 +55,7 @@ global spec only. Ranks sharing a cache directory (every rank of a host does)
 would then load each other's compiled graphs, built for a different local
 shape. With the row count in the graph, ranks holding different rows get
 different keys, and ranks holding the same rows still share one compile.
-Tested by tests/test_compile_parity.py::test_uneven_shards_share_no_cache_entry.
+Tested by tests/test_compile_parity.py::test_a_second_job_hits_the_caches[whole].
 """
 from __future__ import annotations
 

@@ -101,6 +101,8 @@ class ShardingOptions:
     # compile/entry.py and [Note: Reduce-scatter on gloo] in core/comm.py.
     hand_over_gathers: bool = True
     gloo_reduce_by_all_to_all: bool = True
+    # ``config.comm.block_regions``: see [Note: Blocks as compile regions] in compile/regions.py.
+    block_regions: bool = False
     # FSDP2's per-parameter placement hook (checked in validation.py).
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None
     # HSDP: the replicas' group (the mesh's dim 0), or None. See [Note: HSDP].
@@ -192,7 +194,7 @@ def _reshard_rule(reshard_after_forward: Union[bool, int], shard_size: int) -> b
 # collectives run: every rank must have the same (see [Note: Agreeing at
 # fully_shard]).
 _AGREED_SETTINGS = ("separate_reduce_group", "check_collectives", "gloo_reduce_by_all_to_all",
-                    "hand_over_gathers")
+                    "hand_over_gathers", "block_regions")
 
 
 def _comm_settings() -> tuple[bool, ...]:
@@ -204,7 +206,7 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
     group = options.process_group
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
     return replace(options, reduce_group=reduce_group, checker=checker_for(group, _mesh_ranks(options)),
-                   hand_over_gathers=comm.hand_over_gathers,
+                   hand_over_gathers=comm.hand_over_gathers, block_regions=comm.block_regions,
                    gloo_reduce_by_all_to_all=comm.gloo_reduce_by_all_to_all)
 
 
@@ -361,6 +363,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
             options.reshard_after_forward, label(modules), options.checker,
             reduce_by_all_to_all=uses_all_to_all(options.reduce_group, options.gloo_reduce_by_all_to_all),
             hand_over_gathers=options.hand_over_gathers, replicate_group=options.replicate_group,
+            block_regions=options.block_regions,
         )
         if bucket_bytes is not None:
             group.set_reduce_buckets(bucket_bytes)
@@ -382,6 +385,10 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     state.deferred_error = shared_across_groups(label(modules), conflicts)
     for module in modules:
         install_class(module, mixin=FSDPModule)
+        # (a module holding other sharded modules, a root, stays outside: its
+        # forward runs once a step, and the regions are its blocks)
+        if group is not None and group.block_regions and len(iter_fsdp_states(module)) == 1:
+            compiled_path().make_region(module, group)
     compiled_path().on_fully_shard(group)
 
 

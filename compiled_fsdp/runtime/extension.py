@@ -35,6 +35,10 @@ class CompiledPath:
     def on_fully_shard(self, group: Optional["FSDPParamGroup"]) -> None:
         """``fully_shard`` made ``group`` (None: the module owns no parameter)."""
 
+    def make_region(self, module: "torch.nn.Module", group: "FSDPParamGroup") -> None:
+        """``fully_shard`` made ``module`` (its class already the sharded one,
+        its parameters ``group``) a compile region: see ``config.comm.block_regions``."""
+
     def on_step(self, ctx: "RootContext") -> None:
         """A root's forward starts a step (eager or compiled), before anything is traced."""
 

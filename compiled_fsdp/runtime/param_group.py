@@ -115,6 +115,7 @@ class FSDPParamGroup:
         reduce_by_all_to_all: bool,
         hand_over_gathers: bool,
         replicate_group: Optional[dist.ProcessGroup] = None,
+        block_regions: bool = False,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
@@ -146,6 +147,10 @@ class FSDPParamGroup:
         # Whether blocks compiled on their own may hand this module its gather
         # (config.comm.hand_over_gathers, agreed at fully_shard).
         self.hand_over_gathers = hand_over_gathers
+        # Whether its module is a compile region under a whole-model compile
+        # (config.comm.block_regions, agreed at fully_shard): see [Note:
+        # Blocks as compile regions] in compile/regions.py.
+        self.block_regions = block_regions
         self.specs = [p.spec for p in fsdp_params]
         # Per parameter: where it lies in the group's gathered bucket ([Note: Bucket layout]).
         self.bucket_numel = sum(s.shard_numel for s in self.specs)

@@ -1,0 +1,136 @@
+"""Blocks as compile regions: ``torch.compile(model)`` traces and compiles
+each distinct block once (``config.comm.block_regions``; experimental).
+
+[Note: Blocks as compile regions]
+``torch.compiler.nested_compile_region`` makes Dynamo trace a function once
+and call the one subgraph (``invoke_subgraph``) wherever it is called again
+with inputs its guards accept; AOTAutograd partitions that subgraph once and
+Inductor compiles it once. ``make_region`` gives a sharded module a subclass
+of its class whose ``forward`` is such a region (identical blocks share the
+subclass, so the region: Dynamo keys it on the code and checks its guards
+against each block's own parameters). The module's hooks stay outside the
+region, in the outer graph. Three things make a sharded block's trace fit
+every block (each found by trying: RESULTS, "Blocks as compile regions: a
+prototype"):
+
+1. A read inside a region (``region_read``) emits a marker keyed
+   ``ENTRY_KEY``, with no per-block ``comptime`` record: keyed by its group,
+   the next block failed the guard on ``group.key``, each block got its own
+   subgraph, and Dynamo inlined every single-use subgraph (today's one graph).
+   The region's graph is then the same for every block, as a block compiled
+   on its own ([Note: Blocks compiled on their own] in entry.py).
+2. The marker reads a plain leaf aliasing the local shard (the entry's
+   ``region_shards``), not the ``DTensor``: AOTAutograd flattens a DTensor
+   input of ``invoke_subgraph`` while the subgraph still calls
+   ``to_local()`` on it (an error on 2.13 and 2.15). The alias's gradient,
+   the reduced shard, moves into the ``DTensor``'s ``.grad`` when the
+   backward ends (``move_region_grads``), adding to what is there, as
+   autograd would. An alias is made again whenever the local shard's storage
+   changed (``refresh``, each step before tracing: DCP, ``to_empty``).
+3. ``joint_custom_pass`` sees only the outer joint graph, where the regions
+   are already partitioned: the region's own partitioner (``_partition``)
+   runs the joint passes on its joint graph, then the min-cut partitioner.
+   Passing it needs Dynamo's ``enable_invoke_subgraph_regional_compile``
+   ("for testing only"), set only while the region is made.
+
+Not yet: the gathers handed from block to block (each region gathers at its
+start and waits for it), the eager fallback of a block that breaks the graph
+inside its region, and ``explain()`` naming the path.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from compiled_fsdp.compile import install
+from compiled_fsdp.core.marker import ENTRY_KEY, Unshard
+from compiled_fsdp.runtime.param import FSDPParam
+from compiled_fsdp.runtime.param_group import FSDPParamGroup
+
+__all__ = ["make_region", "move_region_grads", "refresh", "region_read"]
+
+
+def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+    """A region's joint graph: the joint passes, then the min-cut partitioner (3)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from compiled_fsdp.passes import run_joint_passes
+
+    reports = install.SESSION.reports
+    report = run_joint_passes(joint, reports.notify if reports.observers else None)
+    if report.has_markers:
+        reports.add_joint(report, units_for_explain=False)
+        reports.add_pipeline(report.pipeline)
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _region_of(forward: Callable) -> Callable:
+    from torch._higher_order_ops.invoke_subgraph import NestedCompileRegionOptions
+
+    def body(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return forward(module, *args, **kwargs)
+
+    with torch._dynamo.config.patch(enable_invoke_subgraph_regional_compile=True):
+        return torch.compiler.nested_compile_region(body, options=NestedCompileRegionOptions(partitioner=_partition))
+
+
+def make_region(module: nn.Module) -> None:
+    """Gives ``module`` its class's region subclass (made once per class)."""
+    cls = type(module)
+    if getattr(cls, "_fsdp_region", False):
+        return
+    region_cls = install.SESSION.region_classes.get(cls)
+    if region_cls is None:
+        region = _region_of(cls.forward)
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return region(self, *args, **kwargs)
+
+        region_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region": True,
+                                                  "__module__": cls.__module__})
+        install.SESSION.region_classes[cls] = region_cls
+    module.__class__ = region_cls
+
+
+def refresh(group: FSDPParamGroup, shards: list[torch.Tensor | None]) -> None:
+    """Makes each parameter's alias again where its local shard's storage changed (2)."""
+    for p in group.fsdp_params:
+        local = p.sharded.to_local()
+        alias = shards[p.index]
+        if alias is None or alias.data_ptr() != local.data_ptr() or alias.shape != local.shape \
+                or alias.dtype != local.dtype:
+            shards[p.index] = local.detach().requires_grad_(p.sharded.requires_grad)
+
+
+def region_read(param: FSDPParam, shard: torch.Tensor) -> torch.Tensor:
+    """What a read inside a region traces (1): the project's marker on the alias ``shard``."""
+    group = param.group
+    sync = group.reduce_grads or not param.sharded.requires_grad
+    kept = param.kept_grad() if sync else param.grad_sink
+    full = Unshard.call(
+        shard=param.to_canonical(shard), full_shape=list(param.spec.full_shape), group_name=group.group_name,
+        world_size=param.spec.world_size, module_key=ENTRY_KEY, param_index=param.index,
+        local_rows=param.local_rows, reshard_after_forward=group.reshard_after_forward,
+        reduce_group_name=group.reduce_group_name, param_dtype=param.param_dtype, reduce_dtype=param.reduce_dtype,
+        kept=kept, sync=sync, outermost=group.outermost, gathered=None, bucket_offset=0, bucket_numel=0,
+        reduce_by_all_to_all=group.reduce_by_all_to_all, replicate_group_name=group.replicate_group_name,
+        replicas=param.spec.replicas, divide_factor=param.spec.divide_factor,
+    )
+    return full if param.shard_dim == 0 else param.from_canonical(full).contiguous()
+
+
+def move_region_grads(groups: list[tuple[FSDPParamGroup, list[torch.Tensor | None]]]) -> None:
+    """The aliases' gradients into their ``DTensor``s' (2); run when a backward ends."""
+    for group, shards in groups:
+        for p in group.fsdp_params:
+            alias = shards[p.index]
+            if alias is None or alias.grad is None:
+                continue
+            grad, alias.grad = alias.grad, None
+            sharded = p.sharded
+            new = DTensor.from_local(grad, sharded.device_mesh, sharded.placements, run_check=False,
+                                     shape=sharded.shape, stride=sharded.stride())
+            sharded.grad = new if sharded.grad is None else sharded.grad + new
