@@ -66,11 +66,19 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
             compiled_refs[0] = torch.compile(ref, backend=backend, fullgraph=True)
         return compiled_refs[0](*inputs)
 
+    model_of: list[GPT] = []
+
+    def wrap(model: GPT) -> Any:
+        model_of.append(model)
+        return torch.compile(model, backend=backend_fn, fullgraph=True)
+
     with recording() as rec:
         res = run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn,
-                         wrap=lambda m: torch.compile(m, backend=backend_fn, fullgraph=True),
+                         wrap=wrap,
                          ref_forward=ref_forward)
     res["graphs"] = graphs
+    res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
+                      for r in compiled_fsdp.explain(model_of[0])]
     res["joint"] = sorted((r.lowering.count("gather"), r.lowering.count("reduce")) for r in rec.joint)
     return res
 
@@ -91,3 +99,32 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         assert res["graphs"] == [{"subgraphs": ["subgraph_0"], "calls": BLOCKS}]
         # (the region's joint graph: its block's bucket; the outer one: the root's units)
         assert (1, 1) in res["joint"] and len(res["joint"]) == 2, res["joint"]
+        assert res["explain"][0][:2] == ("", "compiled")  # (the root: the outer graph's units)
+        assert res["explain"][1:] == [(f"layers.{i}", "compiled", "a compile region") for i in range(BLOCKS)]
+
+
+def _break_rank(rank: int, world: int) -> str:
+    from _models import break_case
+
+    compiled_fsdp.config.comm.block_regions = True
+    build, make_batch, _ = break_case("block")  # layers.1, a block of another class, breaks inside
+    model = build()
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    try:
+        torch.compile(model, backend="aot_eager")(*make_batch(0))
+    except Exception as exc:  # noqa: BLE001 (the message is the result)
+        return "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+    return "no error"
+
+
+def test_a_region_that_breaks_the_graph_is_a_clear_error() -> None:
+    """A region must be traced whole: a block that breaks the graph inside
+    its region is Dynamo's error, on every rank, with a note that says which
+    setting made it a region and what to do (the eager fallback of such a
+    block is not built yet: [Note: Blocks as compile regions])."""
+    for message in run_distributed(_break_rank, 2, timeout=900):
+        assert "UncapturedHigherOrderOp" in message or "higher order operator" in message, message
+        assert "config.comm.block_regions made the sharded modules of class ['Block', 'BreakBlock']" in message
+        assert "block_regions = False" in message

@@ -87,6 +87,9 @@ class TorchCompilePath(CompiledPath):
         regions.make_region(module)
         entry_of(group).in_region = True
 
+    def annotate_failed_forward(self, module: torch.nn.Module, exc: BaseException) -> None:
+        regions.annotate_break(module, exc)
+
     def on_step(self, ctx: RootContext) -> None:
         frames.arm()  # (again after a torch._dynamo.reset())
         install.close_backward_windows()

@@ -33,9 +33,12 @@ prototype"):
    Passing it needs Dynamo's ``enable_invoke_subgraph_regional_compile``
    ("for testing only"), set only while the region is made.
 
-Not yet: the gathers handed from block to block (each region gathers at its
-start and waits for it), the eager fallback of a block that breaks the graph
-inside its region, and ``explain()`` naming the path.
+A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
+at a graph break inside one (no fallback to inlining on 2.13 or 2.15), to
+which ``annotate_break`` adds what to do. Not yet: the gathers handed from
+block to block (each region gathers at its start and waits for it), and the
+eager fallback of a block that breaks the graph inside its region.
+Tested by tests/test_block_regions.py.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ from compiled_fsdp.core.marker import ENTRY_KEY, Unshard
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["make_region", "move_region_grads", "refresh", "region_read"]
+__all__ = ["annotate_break", "make_region", "move_region_grads", "refresh", "region_read"]
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -75,6 +78,22 @@ def _region_of(forward: Callable) -> Callable:
 
     with torch._dynamo.config.patch(enable_invoke_subgraph_regional_compile=True):
         return torch.compiler.nested_compile_region(body, options=NestedCompileRegionOptions(partitioner=_partition))
+
+
+def annotate_break(module: nn.Module, exc: BaseException) -> None:
+    """A forward that raised: Dynamo's error at a graph break inside a region
+    gets a note naming the setting (added once, on the outermost module)."""
+    from torch._dynamo.exc import UncapturedHigherOrderOpError
+
+    regions = sorted({getattr(type(m), "_fsdp_base_class", type(m)).__name__ for m in module.modules()
+                      if getattr(type(m), "_fsdp_region", False)})
+    if not isinstance(exc, UncapturedHigherOrderOpError) or not regions or getattr(exc, "_fsdp_region_note", False):
+        return
+    exc._fsdp_region_note = True  # type: ignore[attr-defined]
+    exc.add_note(f"compiled_fsdp: config.comm.block_regions made the sharded modules of class {regions} "
+                 "compile regions, and a region must be traced whole: Dynamo broke the graph inside one. "
+                 "Remove the graph break, or set compiled_fsdp.config.comm.block_regions = False before "
+                 "fully_shard (a block that breaks the graph then falls back to the eager runtime).")
 
 
 def make_region(module: nn.Module) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from compiled_fsdp.compile import frames, install
+from compiled_fsdp.compile.entry import entry_of
 from compiled_fsdp.core.marker import ENTRY_KEY
 from compiled_fsdp.runtime.state import FSDPState, Path, iter_fsdp_states, module_fqns
 
@@ -52,6 +53,9 @@ def explain(model: nn.Module) -> list[ModuleReport]:
     reports = []
     for state in iter_fsdp_states(model):
         path = _last_path(state)
+        group = state.param_group
+        if path == "not run" and group is not None and entry_of(group).in_region and state.ctx is not None:
+            path = _last_path(state.ctx.root)  # (a region's reads leave no record: its root's graph ran it)
         reason = None
         last = state.last_path()
         if path == "fallback":
@@ -68,7 +72,9 @@ def explain(model: nn.Module) -> list[ModuleReport]:
         # on their own] in compile/entry.py.
         key = ENTRY_KEY if last is Path.OWN_FRAME else getattr(group, "key", None)
         graphs = install.units_of(key) if key is not None else {}
-        if path == "compiled" and graphs:
+        if path == "compiled" and group is not None and entry_of(group).in_region:
+            units = _REGION_UNIT
+        elif path == "compiled" and graphs:
             units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params]
                           if key != ENTRY_KEY or max(params) < len(group.fsdp_params))
         else:
@@ -78,6 +84,11 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             fqns.get(state.module, "?"),
             getattr(state.module, "_fsdp_base_class", type(state.module)).__name__, path, reason, units))
     return reports
+
+
+_REGION_UNIT = ("a compile region (config.comm.block_regions): one subgraph, traced and compiled once for "
+                "every identical block, gathers the whole module and reduces its gradients in one bucket; see "
+                "[Note: Blocks as compile regions] in compile/regions.py",)
 
 
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
