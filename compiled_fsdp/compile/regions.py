@@ -36,8 +36,10 @@ prototype"):
 A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
 at a graph break inside one (no fallback to inlining on 2.13 or 2.15), to
 which ``annotate_break`` adds what to do. Not yet: the gathers handed from
-block to block (each region gathers at its start and waits for it), and the
-eager fallback of a block that breaks the graph inside its region.
+block to block (each region gathers at its start and waits for it), the
+eager fallback of a block that breaks the graph inside its region, and tests
+under mixed precision, no-sync, HSDP and other shard dims (each read goes
+through the same marker as outside a region).
 Tested by tests/test_block_regions.py.
 """
 from __future__ import annotations
