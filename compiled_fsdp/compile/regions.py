@@ -33,7 +33,9 @@ prototype"):
    Passing it needs Dynamo's ``enable_invoke_subgraph_regional_compile``
    ("for testing only"), set only while the region is made.
 
-A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
+Regions are for ``torch.compile(model)``: a block compiled on its own
+(``block.compile()``) already compiles once, and its handoff, a side effect,
+is refused inside a region. A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
 at a graph break inside one (no fallback to inlining on 2.13 or 2.15), to
 which ``annotate_break`` adds what to do. Not yet: the gathers handed from
 block to block (each region gathers at its start and waits for it), the
@@ -117,12 +119,13 @@ def make_region(module: nn.Module) -> None:
 
 
 def refresh(group: FSDPParamGroup, shards: list[torch.Tensor | None]) -> None:
-    """Makes each parameter's alias again where its local shard's storage changed (2)."""
+    """Makes each parameter's alias again where its local shard's storage
+    changed, or whether it requires grad (2)."""
     for p in group.fsdp_params:
         local = p.sharded.to_local()
         alias = shards[p.index]
         if alias is None or alias.data_ptr() != local.data_ptr() or alias.shape != local.shape \
-                or alias.dtype != local.dtype:
+                or alias.dtype != local.dtype or alias.requires_grad != p.sharded.requires_grad:
             shards[p.index] = local.detach().requires_grad_(p.sharded.requires_grad)
 
 
