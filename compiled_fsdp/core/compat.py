@@ -182,6 +182,18 @@ def to_local_keeps_none_grads() -> bool:
 
 # --- Dynamo -----------------------------------------------------------------
 
+def aot_cache_takes_to_local() -> bool:
+    """Whether AOTAutograd's cache stores a graph that calls ``DTensor.to_local``
+    (every graph reading a sharded parameter). Torch 2.11's Dynamo traces the
+    call as a function it makes on the fly (``prim_to_local``), which the cache
+    refuses ("Unsupported call_function target"): the job bypasses it and
+    only Inductor's FX-graph cache is hit. Later releases trace it without one.
+    Tested by tests/test_compile_parity.py::test_a_second_job_hits_the_caches."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    return not hasattr(TensorVariable, "method_to_local")
+
+
 _PENDING = "_CompilationCallbackHandler__pending_callbacks_counter"
 
 
