@@ -108,10 +108,11 @@ class TorchCompilePath(CompiledPath):
         entry: CompiledEntry = group.compiled
         comptime(_ensure_window)  # see [Note: Passes installed while compiling] in install.py
         own = entry.active  # see [Note: Blocks compiled on their own] in entry.py
-        if entry.in_region and not own:  # see [Note: Blocks as compile regions] in regions.py
-            return regions.region_read(param, entry.region_shards[param.index])
-        # At trace time; see [Note: Fallback decision rule] in frames.py.
-        comptime(entry.record_entry_trace[param.index] if own else entry.record_trace[param.index])
+        # Inside a compile region: no per-block record, ENTRY_KEY, the alias
+        # of the local shard (see [Note: Blocks as compile regions] in regions.py).
+        in_region = entry.in_region and not own
+        if not in_region:  # At trace time; see [Note: Fallback decision rule] in frames.py.
+            comptime(entry.record_entry_trace[param.index] if own else entry.record_trace[param.index])
         # See [Note: Gathers handed to the next block's graph] in entry.py
         # (read before handing over: a module called again next reads the new one).
         gathered = entry.handoff_in if own else None
@@ -125,12 +126,13 @@ class TorchCompilePath(CompiledPath):
                 f"compiled_fsdp: {param.fqn!r} has gradient sync off but no gradient sink; "
                 "call the model through its root module (the sinks are made there)."
             )
+        local = entry.region_shards[param.index] if in_region else param.sharded.to_local()
         full = Unshard.call(  # (canonical: [Note: Shard dims] in runtime/param.py)
-            shard=param.to_canonical(param.sharded.to_local()),
+            shard=param.to_canonical(local),
             full_shape=list(param.spec.full_shape),
             group_name=group.group_name,
             world_size=param.spec.world_size,
-            module_key=ENTRY_KEY if own else group.key,
+            module_key=ENTRY_KEY if own or in_region else group.key,
             param_index=param.index,
             local_rows=param.local_rows,
             # The user's policy; the passes apply [Note: The reshard rule] per unit.

@@ -13,7 +13,7 @@ region, in the outer graph. Three things make a sharded block's trace fit
 every block (each found by trying: RESULTS, "Blocks as compile regions: a
 prototype"):
 
-1. A read inside a region (``region_read``) emits a marker keyed
+1. A read inside a region (``traced_read`` in path.py) emits a marker keyed
    ``ENTRY_KEY``, with no per-block ``comptime`` record: keyed by its group,
    the next block failed the guard on ``group.key``, each block got its own
    subgraph, and Dynamo inlined every single-use subgraph (today's one graph).
@@ -53,11 +53,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from compiled_fsdp.compile import install
-from compiled_fsdp.core.marker import ENTRY_KEY, Unshard
-from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["annotate_break", "make_region", "move_region_grads", "refresh", "region_read"]
+__all__ = ["annotate_break", "make_region", "move_region_grads", "refresh"]
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -127,23 +125,6 @@ def refresh(group: FSDPParamGroup, shards: list[torch.Tensor | None]) -> None:
         if alias is None or alias.data_ptr() != local.data_ptr() or alias.shape != local.shape \
                 or alias.dtype != local.dtype or alias.requires_grad != p.sharded.requires_grad:
             shards[p.index] = local.detach().requires_grad_(p.sharded.requires_grad)
-
-
-def region_read(param: FSDPParam, shard: torch.Tensor) -> torch.Tensor:
-    """What a read inside a region traces (1): the project's marker on the alias ``shard``."""
-    group = param.group
-    sync = group.reduce_grads or not param.sharded.requires_grad
-    kept = param.kept_grad() if sync else param.grad_sink
-    full = Unshard.call(
-        shard=param.to_canonical(shard), full_shape=list(param.spec.full_shape), group_name=group.group_name,
-        world_size=param.spec.world_size, module_key=ENTRY_KEY, param_index=param.index,
-        local_rows=param.local_rows, reshard_after_forward=group.reshard_after_forward,
-        reduce_group_name=group.reduce_group_name, param_dtype=param.param_dtype, reduce_dtype=param.reduce_dtype,
-        kept=kept, sync=sync, outermost=group.outermost, gathered=None, bucket_offset=0, bucket_numel=0,
-        reduce_by_all_to_all=group.reduce_by_all_to_all, replicate_group_name=group.replicate_group_name,
-        replicas=param.spec.replicas, divide_factor=param.spec.divide_factor,
-    )
-    return full if param.shard_dim == 0 else param.from_canonical(full).contiguous()
 
 
 def move_region_grads(groups: list[tuple[FSDPParamGroup, list[torch.Tensor | None]]]) -> None:
