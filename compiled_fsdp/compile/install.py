@@ -178,13 +178,16 @@ class _JointPass:
 
 
 def _source_files() -> tuple[str, ...]:
-    """What the graphs we emit depend on: the passes, the core they emit from, this file."""
+    """What the graphs we emit depend on: the passes, the core they emit from,
+    this file, and regions.py (a region's partitioner runs the passes: [Note:
+    Blocks as compile regions])."""
     import compiled_fsdp.core as core
     import compiled_fsdp.passes as passes_mod
 
     dirs = [os.path.dirname(os.path.abspath(m.__file__)) for m in (passes_mod, core)]
     files = [os.path.join(d, f) for d in dirs for f in sorted(os.listdir(d)) if f.endswith(".py")]
-    return (os.path.abspath(__file__), *files)
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (os.path.abspath(__file__), os.path.join(here, "regions.py"), *files)
 
 
 class _SchedulePass(CustomGraphPass):
