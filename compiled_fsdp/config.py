@@ -43,8 +43,8 @@ class CommConfig:
     # Read by ``fully_shard`` (every rank must agree; experimental): under
     # ``torch.compile(model)``, each module it shards is a
     # ``torch.compiler.nested_compile_region``, so identical blocks are traced
-    # and compiled once. Their gathers are not yet handed across blocks; for
-    # blocks compiled on their own (``block.compile()``) leave it off. See
+    # and compiled once. Their gathers are not yet handed across blocks. A
+    # block compiled on its own (``block.compile()``) is unaffected. See
     # [Note: Blocks as compile regions] in compile/regions.py.
     block_regions: bool = False
 

@@ -128,3 +128,32 @@ def test_a_region_that_breaks_the_graph_is_a_clear_error() -> None:
         assert "UncapturedHigherOrderOp" in message or "higher order operator" in message, message
         assert "config.comm.block_regions made the sharded modules of class ['Block', 'BreakBlock']" in message
         assert "block_regions = False" in message
+
+
+def _own_frames_rank(rank: int, world: int) -> dict:
+    from compiled_fsdp.tools.models import batch, loss_fn
+
+    compiled_fsdp.config.comm.block_regions = True
+    cfg = _build().cfg
+
+    def shard(model: GPT) -> None:
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+
+    def compile_blocks(model: GPT) -> GPT:
+        for block in model.layers:
+            block.compile(backend="aot_eager", fullgraph=True)
+        return model
+
+    return run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=compile_blocks)
+
+
+def test_blocks_compiled_on_their_own_run_their_plain_forward() -> None:
+    """With the setting on, blocks compiled on their own (torchtitan's
+    pattern, each block one frame already) run their plain forward, not the
+    region: they hand gathers along as always and train bitwise equal to the
+    reference (a region there read the DTensor inside the subgraph:
+    ``'FakeTensor' object has no attribute 'to_local'``)."""
+    for res in run_distributed(_own_frames_rank, 2, timeout=900):
+        assert_close(res, 0.0)

@@ -84,7 +84,7 @@ class TorchCompilePath(CompiledPath):
             hook()
 
     def make_region(self, module: torch.nn.Module, group: FSDPParamGroup) -> None:
-        regions.make_region(module)
+        regions.make_region(module, entry_of(group))
         entry_of(group).in_region = True
 
     def annotate_failed_forward(self, module: torch.nn.Module, exc: BaseException) -> None:

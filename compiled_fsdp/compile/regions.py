@@ -34,8 +34,8 @@ prototype"):
    ("for testing only"), set only while the region is made.
 
 Regions are for ``torch.compile(model)``: a block compiled on its own
-(``block.compile()``) already compiles once, and its handoff, a side effect,
-is refused inside a region. A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
+(``block.compile()``) compiles once already, and runs its plain forward
+(its reads are not a region's). A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
 at a graph break inside one (no fallback to inlining on 2.13 or 2.15), to
 which ``annotate_break`` adds what to do. Not yet: the gathers handed from
 block to block (each region gathers at its start and waits for it), the
@@ -98,16 +98,22 @@ def annotate_break(module: nn.Module, exc: BaseException) -> None:
                  "fully_shard (a block that breaks the graph then falls back to the eager runtime).")
 
 
-def make_region(module: nn.Module) -> None:
-    """Gives ``module`` its class's region subclass (made once per class)."""
+def make_region(module: nn.Module, entry: Any) -> None:
+    """Gives ``module`` its class's region subclass (made once per class);
+    ``entry`` is its group's ``CompiledEntry``: a module compiled on its own
+    (``entry.active``, set by its pre-forward hook) runs its plain forward."""
+    module.__dict__["_fsdp_region_entry"] = entry
     cls = type(module)
     if getattr(cls, "_fsdp_region", False):
         return
     region_cls = install.SESSION.region_classes.get(cls)
     if region_cls is None:
-        region = _region_of(cls.forward)
+        plain = cls.forward
+        region = _region_of(plain)
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if self.__dict__["_fsdp_region_entry"].active:  # (block.compile(): one frame per block already)
+                return plain(self, *args, **kwargs)
             return region(self, *args, **kwargs)
 
         region_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region": True,
