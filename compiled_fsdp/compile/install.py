@@ -155,6 +155,17 @@ class _Reports:
 
 
 
+def run_joint(gm: fx.GraphModule, units_for_explain: bool = True) -> None:
+    """The joint graph's passes on ``gm``, shown to the observers and reported
+    (``units_for_explain``: its units are what ``explain()`` lists)."""
+    from compiled_fsdp.passes import run_joint_passes
+
+    report = run_joint_passes(gm, SESSION.reports.notify if SESSION.reports.observers else None)
+    if report.has_markers:
+        SESSION.reports.add_joint(report, units_for_explain)
+        SESSION.reports.add_pipeline(report.pipeline)
+
+
 class _JointPass:
     """The callable set as ``joint_custom_pass`` while a window is open; runs
     the pass that was there before after ours."""
@@ -163,12 +174,7 @@ class _JointPass:
         self.inner = inner
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
-        from compiled_fsdp.passes import run_joint_passes
-
-        report = run_joint_passes(gm, SESSION.reports.notify if SESSION.reports.observers else None)
-        if report.has_markers:
-            SESSION.reports.add_joint(report)
-            SESSION.reports.add_pipeline(report.pipeline)
+        run_joint(gm)
         if self.inner is not None:
             gm = self.inner(gm, joint_inputs)
         return gm

@@ -84,8 +84,7 @@ class TorchCompilePath(CompiledPath):
             hook()
 
     def make_region(self, module: torch.nn.Module, group: FSDPParamGroup) -> None:
-        regions.make_region(module, entry_of(group))
-        entry_of(group).in_region = True
+        regions.make_region(module, group)
 
     def annotate_failed_forward(self, module: torch.nn.Module, exc: BaseException) -> None:
         regions.annotate_break(module, exc)
@@ -97,7 +96,7 @@ class TorchCompilePath(CompiledPath):
         for g in ctx.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             entry_of(g).reset()
             if entry_of(g).in_region:
-                regions.refresh(g, entry_of(g).region_shards)
+                regions.refresh(g)
 
     def on_backward(self, ctx: RootContext) -> None:
         install.open_backward_window()
@@ -276,9 +275,9 @@ class TorchCompilePath(CompiledPath):
         return True
 
     def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
-        shards = [(g, entry_of(g).region_shards) for g in ctx.groups() if entry_of(g).in_region]
-        _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, shards)
-                                 if shards else None)
+        in_regions = [g for g in ctx.groups() if entry_of(g).in_region]
+        _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, in_regions)
+                                 if in_regions else None)
 
     def end_forward(self, ctx: RootContext) -> None:
         _drop_unread_handoffs(ctx)
@@ -378,9 +377,9 @@ def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
             ctx.prefetched.append(("backward", group.fqn))
 
 
-def _move_region_grads_later(shards: list) -> None:
+def _move_region_grads_later(groups: list[FSDPParamGroup]) -> None:
     """When the backward ends ([Note: Blocks as compile regions] in regions.py)."""
-    torch.autograd.Variable._execution_engine.queue_callback(partial(regions.move_region_grads, shards))
+    torch.autograd.Variable._execution_engine.queue_callback(partial(regions.move_region_grads, groups))
 
 
 def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPParamGroup],

@@ -50,9 +50,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from compiled_fsdp.compile import install
+from compiled_fsdp.compile.entry import entry_of
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
 __all__ = ["annotate_break", "make_region", "move_region_grads", "refresh"]
@@ -62,13 +62,7 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
     """A region's joint graph: the joint passes, then the min-cut partitioner (3)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from compiled_fsdp.passes import run_joint_passes
-
-    reports = install.SESSION.reports
-    report = run_joint_passes(joint, reports.notify if reports.observers else None)
-    if report.has_markers:
-        reports.add_joint(report, units_for_explain=False)
-        reports.add_pipeline(report.pipeline)
+    install.run_joint(joint, units_for_explain=False)
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
@@ -98,10 +92,12 @@ def annotate_break(module: nn.Module, exc: BaseException) -> None:
                  "fully_shard (a block that breaks the graph then falls back to the eager runtime).")
 
 
-def make_region(module: nn.Module, entry: Any) -> None:
-    """Gives ``module`` its class's region subclass (made once per class);
-    ``entry`` is its group's ``CompiledEntry``: a module compiled on its own
-    (``entry.active``, set by its pre-forward hook) runs its plain forward."""
+def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
+    """Gives ``module`` (its parameters ``group``) its class's region subclass
+    (made once per class). A module compiled on its own (its entry's
+    ``active``, set by its pre-forward hook) runs its plain forward."""
+    entry = entry_of(group)
+    entry.in_region = True
     module.__dict__["_fsdp_region_entry"] = entry
     cls = type(module)
     if getattr(cls, "_fsdp_region", False):
@@ -122,26 +118,25 @@ def make_region(module: nn.Module, entry: Any) -> None:
     module.__class__ = region_cls
 
 
-def refresh(group: FSDPParamGroup, shards: list[torch.Tensor | None]) -> None:
+def refresh(group: FSDPParamGroup) -> None:
     """Makes each parameter's alias again where its local shard's storage
     changed, or whether it requires grad (2)."""
+    shards = entry_of(group).region_shards
     for p in group.fsdp_params:
-        local = p.sharded.to_local()
+        local = p.local_shard()
         alias = shards[p.index]
         if alias is None or alias.data_ptr() != local.data_ptr() or alias.shape != local.shape \
                 or alias.dtype != local.dtype or alias.requires_grad != p.sharded.requires_grad:
             shards[p.index] = local.detach().requires_grad_(p.sharded.requires_grad)
 
 
-def move_region_grads(groups: list[tuple[FSDPParamGroup, list[torch.Tensor | None]]]) -> None:
+def move_region_grads(groups: list[FSDPParamGroup]) -> None:
     """The aliases' gradients into their ``DTensor``s' (2); run when a backward ends."""
-    for group, shards in groups:
+    for group in groups:
+        shards = entry_of(group).region_shards
         for p in group.fsdp_params:
             alias = shards[p.index]
             if alias is None or alias.grad is None:
                 continue
             grad, alias.grad = alias.grad, None
-            sharded = p.sharded
-            new = DTensor.from_local(grad, sharded.device_mesh, sharded.placements, run_check=False,
-                                     shape=sharded.shape, stride=sharded.stride())
-            sharded.grad = new if sharded.grad is None else sharded.grad + new
+            p.add_grad(p.to_canonical(grad))

@@ -59,7 +59,6 @@ def explain(model: nn.Module) -> list[ModuleReport]:
         reason = None
         last = state.last_path()
         if path == "fallback":
-            group = state.param_group
             if last is Path.UNTRACED:
                 reason = _UNTRACED
             elif state.is_root and group is not None and frames.is_split(group.key):
@@ -67,7 +66,6 @@ def explain(model: nn.Module) -> list[ModuleReport]:
                 reason = _SPLIT + (f"; the break: {brk}" if brk else "")
             else:
                 reason = _break_reason(state.module)
-        group = state.param_group
         # A block compiled on its own shares its graph: see [Note: Blocks compiled
         # on their own] in compile/entry.py.
         key = ENTRY_KEY if last is Path.OWN_FRAME else getattr(group, "key", None)
