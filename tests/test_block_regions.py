@@ -146,7 +146,9 @@ def _own_frames_rank(rank: int, world: int) -> dict:
             block.compile(backend="aot_eager", fullgraph=True)
         return model
 
-    return run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=compile_blocks)
+    return run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=compile_blocks,
+                      after_step=lambda m: [any("compile region" in u for u in r.units)
+                                            for r in compiled_fsdp.explain(m)])
 
 
 def test_blocks_compiled_on_their_own_run_their_plain_forward() -> None:
@@ -157,3 +159,4 @@ def test_blocks_compiled_on_their_own_run_their_plain_forward() -> None:
     ``'FakeTensor' object has no attribute 'to_local'``)."""
     for res in run_distributed(_own_frames_rank, 2, timeout=900):
         assert_close(res, 0.0)
+        assert not any(any(step) for step in res["after"]), res["after"]  # (explain(): no region)

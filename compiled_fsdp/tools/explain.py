@@ -70,7 +70,7 @@ def explain(model: nn.Module) -> list[ModuleReport]:
         # on their own] in compile/entry.py.
         key = ENTRY_KEY if last is Path.OWN_FRAME else getattr(group, "key", None)
         graphs = install.units_of(key) if key is not None else {}
-        if path == "compiled" and group is not None and entry_of(group).in_region:
+        if path == "compiled" and group is not None and entry_of(group).in_region and last is not Path.OWN_FRAME:
             units = _REGION_UNIT
         elif path == "compiled" and graphs:
             units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params]
