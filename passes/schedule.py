@@ -30,9 +30,14 @@ collectives of two groups may pass each other (a backward all-gather passes the
 previous module's reduce-scatter: see [Note: A second group for reduce-scatters]
 in compiled_fsdp/runtime/api.py) -- each as soon as:
   * their inputs exist (a reduce-scatter right after its last gradient);
-  * no collective the passes do not own lies before them in the original order
-    and is still unemitted (a foreign collective is a barrier: everything issued
-    before it is also waited before it, nothing issued after it moves above);
+  * no barrier lies before them in the original order and is still unemitted
+    (everything issued before a barrier is also waited before it, nothing
+    issued after it moves above). A barrier is a collective the passes do not
+    own on one of their own process groups, or on a group it cannot name (an
+    in-place ``c10d`` op, a leftover marker). A foreign collective on another
+    group (tensor parallelism's, traced into the same graph) is compute: it
+    keeps its place among the compute nodes, so its own group's order is the
+    user's, and ours pass it both ways (see [Note: Foreign collectives]);
   * for a gather, the estimated compute left before its first use is no longer
     more than ``cover`` times its estimated duration (no earlier than useful);
   * the in-flight bytes (issued, not yet waited) stay within the budget; a
@@ -80,6 +85,7 @@ collective of the backward was waited right after its issue
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Literal
 
 import torch
@@ -163,8 +169,50 @@ class ScheduleReport:
         return dataclasses.asdict(self)
 
 
+# [Note: Foreign collectives]
+# Under FSDP x TP, Dynamo traces tensor parallelism's collectives (DTensor's
+# redistributes: an all-gather before the column-wise matmuls, a
+# reduce-scatter after the row-wise ones, with sequence parallelism) into the
+# graph beside ours, on the ``tp`` group. As barriers they pinned every
+# prefetch to the block it was for: a gather could not be issued above the
+# previous block's last TP collective. They are ordered within their group
+# (they stay in the compute order, which the schedule never permutes) and
+# independent of ours (another group; every rank's graph has the same order,
+# so no two ranks issue two groups' collectives in opposite orders), so only
+# one on one of our groups, or on a group the plan cannot name, stays a
+# barrier. Tested by tests/test_schedule_fx.py::test_tp_collectives_do_not_pin_the_gathers
+# and tests/test_tensor_parallel.py.
+_GROUPLESS = ("c10d", "compiled_fsdp")
+
+
+def _group_of(n: fx.Node) -> str | None:
+    """The process group a functional collective, or the wait of one, runs on
+    (its ``group_name``: the last string argument); None where it names none."""
+    while n.target is WAIT or n.target is operator.getitem:
+        if not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
+    name = n.kwargs.get("group_name")
+    if name is None:
+        names = [a for a in n.args if isinstance(a, str)]
+        name = names[-1] if names else None
+    return name
+
+
+def _is_barrier(n: fx.Node, ours: frozenset[str]) -> bool:
+    """See [Note: Foreign collectives]."""
+    if not _is_foreign_collective(n):
+        return False
+    group = None if n.target.namespace in _GROUPLESS else _group_of(n)
+    return group is None or group in ours
+
+
 def _is_foreign_collective(n: fx.Node) -> bool:
-    if n.op != "call_function" or chain_tag(n) is not None:
+    return chain_tag(n) is None and _is_collective_op(n)
+
+
+def _is_collective_op(n: fx.Node) -> bool:
+    if n.op != "call_function":
         return False
     target = n.target
     if not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -266,7 +314,11 @@ class _Scheduler:
                 self.lazy_of[n] = c
         self.compute = [n for n in nodes if n not in self.issue_of and n not in self.lazy_of]
         self.graph_pos = {n: i for i, n in enumerate(nodes)}
-        self.barriers = [i for i, n in enumerate(self.compute) if _is_foreign_collective(n)]
+        # Every group a chain of ours runs on (HSDP's replicas' all-reduce rides in a tail).
+        ours = frozenset(g for n in graph.nodes if chain_tag(n) is not None and _is_collective_op(n)
+                         and (g := _group_of(n)) is not None) | {c.group for c in colls}
+        self.is_barrier = {i: _is_barrier(n, ours) for i, n in enumerate(self.compute)}
+        self.barriers = [i for i, b in self.is_barrier.items() if b]
         self._place(cover, cost)
         self.order: list[fx.Node] = []
         self.emitted: set[fx.Node] = set(n for n in graph.nodes if n.op == "placeholder")
@@ -367,7 +419,7 @@ class _Scheduler:
     def run(self) -> list[fx.Node]:
         done_barriers = 0
         for i, n in enumerate(self.compute):
-            if _is_foreign_collective(n):
+            if self.is_barrier[i]:
                 for c in self.colls:
                     if self.graph_pos[c.node] < self.graph_pos[n]:
                         self.issue_through(c)

@@ -24,7 +24,8 @@ D = 64
 
 def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = None,
            interleaved: bool = False, reduce_group: str = GROUP, all_to_all: bool = False,
-           first_reduce_factor: int = 1, replicas_group: str | None = None) -> fx.Graph:
+           first_reduce_factor: int = 1, replicas_group: str | None = None,
+           foreign_group: str = GROUP) -> fx.Graph:
     """x -> [gather_i, x = x @ w_i] for each module, then optional reduce-scatters
     of ``x``-derived grads; a foreign all_reduce before module ``foreign_at``.
     ``interleaved``: each module's reduce-scatter right after its compute, as in
@@ -32,7 +33,8 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
     ``all_to_all``: reduce as the lowering does on gloo (a bucket made by
     a copy, all-to-all, then a local sum over ranks). ``first_reduce_factor``:
     module 0's gradient is that many times larger (the output layer's).
-    ``replicas_group``: HSDP, each reduced shard then all-reduced on that group."""
+    ``replicas_group``: HSDP, each reduced shard then all-reduced on that group.
+    ``foreign_group``: the foreign all_reduce's group (another: tensor parallelism's)."""
     mode = FakeTensorMode()
     g = fx.Graph()
     vals: dict[fx.Node, torch.Tensor] = {}
@@ -75,7 +77,7 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
     outs = []
     for i, s in enumerate(shards):
         if foreign_at == i:
-            ar = node(c10d.all_reduce.default, x, "sum", GROUP)
+            ar = node(c10d.all_reduce.default, x, "sum", foreign_group)
             x = node(WAIT, ar)
         meta = ChainTag("gather_chain", i, 0, ((i, 0),), True)
         ag = node(AG, s, 2, GROUP, meta=meta)
@@ -270,6 +272,22 @@ def test_foreign_collective_is_a_barrier() -> None:
                 assert pos[wait] < pos[ar]
             else:  # nothing from after it moves above it
                 assert pos[n] > pos[ar]
+
+
+def test_tp_collectives_do_not_pin_the_gathers() -> None:
+    """[Note: Foreign collectives]: an all_reduce on another group (tensor
+    parallelism's) is compute: module 2's gather is prefetched above it, and
+    it keeps its place among the compute nodes. On one of our groups it
+    stays a barrier (the test above)."""
+    g = _build(n_modules=4, foreign_at=2, foreign_group="tp")
+    compute_before = [n.name for n in g.nodes if chain_tag(n) is None]
+    schedule_graph(g, OverlapConfig(cover=1e9))
+    _check_invariants(g)
+    assert [n.name for n in g.nodes if chain_tag(n) is None] == compute_before
+    pos = _pos(g)
+    (ar,) = [n for n in g.nodes if n.target is c10d.all_reduce.default]
+    (gather2,) = [n for n in g.nodes if n.target is AG and chain_tag(n).module_key == 2]
+    assert pos[gather2] < pos[ar]
 
 
 def test_noop_without_collectives_and_when_disabled() -> None:

@@ -157,7 +157,8 @@ class TorchCompilePath(CompiledPath):
             comptime(entry.record_handoff_trace)
             nxt = entry.handoff_next
             nxt.handoff_in = nxt.gather_next_op(NEXT_KEY)
-        return full if param.shard_dim == 0 else param.from_canonical(full).contiguous()
+        full = full if param.shard_dim == 0 else param.from_canonical(full).contiguous()
+        return param.to_compute(full)  # ([Note: FSDP over DTensor parameters] in runtime/param.py)
 
     def untraced_read(self, param: FSDPParam) -> Optional[torch.Tensor]:
         """See [Note: Untraced root frames]."""

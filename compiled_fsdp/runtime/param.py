@@ -56,6 +56,36 @@ the reduce lowering knows, so the reduces stay per parameter. (That attempt
 also found a rank holding an empty piece tracing its reads' views with
 other strides: ``passes/graph.py`` now ignores an empty tensor's strides.)
 
+[Note: FSDP over DTensor parameters]
+Tensor parallelism first (torch's ``parallelize_module`` on the ``tp`` dim
+of a ``(dp, tp)`` mesh), then ``fully_shard(block, mesh=mesh["dp"])``, as
+torchtitan applies them. A parameter that arrives as a DTensor is sharded
+as FSDP2 shards it: FSDP shards, gathers and reduces its *local* tensor
+over ``dp`` (``full_shape`` is that tensor's shape; ``global_shape`` the
+DTensor's), and the registered DTensor lives on the two meshes
+concatenated, placed ``(Shard(d), <its own placement>)`` (HSDP:
+``Replicate()`` in front), with ``_StridedShard(d, split_factor)`` where
+its own placement already splits dim ``d`` (column-wise weights), so DCP,
+``clip_grad_norm_`` and the state-dict API see what FSDP2 makes, and
+checkpoints load across the two. What the module's code reads is
+``to_compute``: the gathered local tensor wrapped back into a DTensor with
+the parameter's own placements (``from_local``, differentiable), in eager
+and in graphs alike; its gradient comes back as the local tensor's,
+redistributed to those placements first (a sequence-parallel norm's
+partial gradient is summed over ``tp`` there), and is reduced over ``dp``
+as any other. Under compile, Dynamo traces tensor parallelism's
+collectives into the same graph as ours: [Note: Foreign collectives] in
+passes/schedule.py says how they are scheduled. One parallel dim only (FSDP2
+on most releases; 2-D EP x TP is refused); the two meshes must be named
+dims of one parent (else a ValueError that says how to build them).
+Tested by tests/test_tensor_parallel.py. Found there, in torch itself and
+without FSDP: a model whose embedding is ``RowwiseParallel`` (torchtitan's
+plan) with its blocks compiled on their own fails in backward (``'Tensor'
+object has no attribute '_local_tensor'`` in DTensor's redistribute, on
+2.13 and 2.15), and FSDP2 trains the same model 0.03 away from the
+reference; whole-model compile and eager are right, so the per-block test
+puts TP on the blocks' matmuls only.
+
 [Note: Meta-device init]
 ``fully_shard`` accepts parameters on ``meta``: each shard is a meta tensor of
 the local shape, so no rank ever holds a full parameter. ``module.to_empty(device=...)``
@@ -75,6 +105,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
@@ -116,6 +148,13 @@ class FSDPParam:
         self.owners = owners
         self.mesh = mesh
         self.shard_dim = shard_dim  # see [Note: Shard dims]
+        # See [Note: FSDP over DTensor parameters]: FSDP shards, gathers and
+        # reduces the DTensor's local tensor; ``full_shape`` is that tensor's.
+        self.dtensor_spec: Optional[DTensorSpec] = param._spec if isinstance(param, DTensor) else None
+        self.global_shape = tuple(param.shape)
+        requires_grad = param.requires_grad
+        if isinstance(param, DTensor):
+            param = param._local_tensor
         self.full_shape = tuple(param.shape)
         # A 2-D mesh is HSDP's (replicate, shard): sharded over its last dim.
         # ``replicate``'s 1-D mesh holds the replicas of a group of one
@@ -129,9 +168,10 @@ class FSDPParam:
         mp_policy = mp_policy.for_param(param)
         self.param_dtype = mp_policy.compute_dtype(param.dtype)
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
+        self.spmd_mesh, self.spmd_placements = self._spmd_layout(fqn)
         with torch.no_grad():
             local = self.local_of(param.detach(), rank)
-        self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=param.requires_grad)
+        self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
         RUNTIME.shards[id(self.sharded)] = self
         self.unsharded: Optional[torch.Tensor] = None
         # FSDPModule.set_keep_unsharded_storage: reshard keeps the bytes.
@@ -171,17 +211,66 @@ class FSDPParam:
         """The local shard with the shard dim first: what is gathered."""
         return self.to_canonical(self.sharded._local_tensor)
 
+    def _spmd_layout(self, fqn: str) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """The registered DTensor's mesh and placements: ``Shard(d)`` on the
+        module's mesh; on HSDP's 2-D mesh ``(Replicate(), Shard(d))``; for a
+        DTensor parameter, those followed by its own placements, on the two
+        meshes concatenated ([Note: FSDP over DTensor parameters])."""
+        shard: Placement = Shard(self.shard_dim)
+        if self.mesh.ndim == 1 and self.spec.world_size == 1 and self.spec.replicas > 1:
+            shard = Replicate()  # (``replicate``: a group of one over the replicas)
+        placements: tuple[Placement, ...] = (Replicate(), shard) if self.mesh.ndim == 2 else (shard,)
+        spec = self.dtensor_spec
+        if spec is None:
+            return self.mesh, placements
+        if len(spec.placements) != 1:
+            raise NotImplementedError(
+                f"fully_shard: parameter {fqn!r} is a DTensor placed {spec.placements} on a {spec.mesh.ndim}-D "
+                "mesh; FSDP over DTensor parameters supports one parallel dim (1-D tensor or expert "
+                "parallelism), as FSDP2 on most releases.")
+        names = (self.mesh.mesh_dim_names, spec.mesh.mesh_dim_names)
+        if None in names:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is a DTensor on the mesh {spec.mesh} (tensor parallelism); "
+                "FSDP over it needs both meshes named sub-meshes of one parent: mesh = init_device_mesh("
+                "device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(block, mesh['tp'], plan); "
+                "fully_shard(block, mesh=mesh['dp']).")
+        try:
+            outer = DeviceMesh._concatenate([self.mesh, spec.mesh])  # (private; on every supported release)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is a DTensor on the mesh {spec.mesh}, which is not another "
+                f"dim of the parent of fully_shard's mesh {self.mesh} ({exc}). Take both from one mesh: "
+                "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); mesh['dp'] for "
+                "fully_shard, mesh['tp'] for parallelize_module.") from None
+        if shard.is_shard():
+            # The parallel dim already splits the shard dim: FSDP's rows of
+            # the local tensor interleave, as FSDP2 places them.
+            split = spec.num_shards_map[self.shard_dim]
+            if split > 1:
+                placements = (*placements[:-1], _StridedShard(self.shard_dim, split_factor=split))
+        return outer, (*placements, *spec.placements)
+
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """A ``Shard(d)`` DTensor over this rank's piece ``local`` (no copy, no
-        communication); on HSDP's 2-D mesh ``(Replicate(), Shard(d))``."""
-        full = self.full_shape
-        shard = Shard(self.shard_dim)
-        placements = ((Replicate(), shard) if self.mesh.ndim == 2
-                      else (Replicate(),) if self.spec.world_size == 1 and self.spec.replicas > 1 else (shard,))
+        """The registered DTensor over this rank's piece ``local`` (no copy, no
+        communication), placed as ``_spmd_layout`` says."""
+        full = self.global_shape
         return DTensor.from_local(
-            local, self.mesh, placements, run_check=False,
+            local, self.spmd_mesh, self.spmd_placements, run_check=False,
             shape=torch.Size(full), stride=_contiguous_strides(full),
         )
+
+    def to_compute(self, unsharded: torch.Tensor) -> torch.Tensor:
+        """What the module's code reads: the unsharded tensor, or for a
+        DTensor parameter a DTensor over it with the parameter's own
+        placements (differentiable: its gradient comes back as the local
+        tensor's, redistributed to those placements)."""
+        spec = self.dtensor_spec
+        if spec is None:
+            return unsharded
+        full = self.global_shape
+        return DTensor.from_local(unsharded, spec.mesh, spec.placements, run_check=False,
+                                  shape=torch.Size(full), stride=_contiguous_strides(full))
 
     def local_shard(self) -> torch.Tensor:
         """This rank's rows: the tensor the registered DTensor holds, which the

@@ -314,7 +314,7 @@ class FSDPParamGroup:
                         self._apply_bucket(b)
                 self.needs_grad_sync = True
             else:
-                self._iter_views = tuple(p.unsharded.view_as(p.unsharded) for p in self.fsdp_params)
+                self._iter_views = tuple(p.to_compute(p.unsharded.view_as(p.unsharded)) for p in self.fsdp_params)
         self.exposed_views = self._iter_views
 
     def view_of(self, index: int) -> torch.Tensor:
@@ -336,7 +336,7 @@ class FSDPParamGroup:
         if any(s.requires_grad for s in shards):
             self._applied_buckets.add(bucket)
         for i, out in zip(indices, outs):
-            self._iter_views[i] = out
+            self._iter_views[i] = self.fsdp_params[i].to_compute(out)
 
     def post_forward(self, reshard: bool) -> None:
         self.exposed_views = None

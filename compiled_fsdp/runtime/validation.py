@@ -141,24 +141,19 @@ def collect_owned(
             fqn = f"{path}.{name}" if path else name
             # (A shard is a DTensor; no registry holds it: a weak reference would stop
             # to_empty() from swapping it, see [Note: Meta-device init].)
-            ours = RUNTIME.shards.get(id(p))
-            if isinstance(p, DTensor) and (ours is None or ours.sharded is not p):
-                raise NotImplementedError(
-                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already a DTensor, placed "
-                    f"{p.placements} on a mesh of shape {tuple(p.device_mesh.shape)} (tensor parallelism, e.g. "
-                    "parallelize_module, or distribute_tensor): FSDP over DTensor parameters (FSDP x TP) is "
-                    "not supported by compiled_fsdp yet (issue 48). Apply fully_shard to plain parameters, "
-                    "or use torch.distributed.fsdp.fully_shard for this model.")
-            if p in RUNTIME.managed or isinstance(p, DTensor):
+            # (A DTensor that is not our shard was placed by the user's own
+            # parallelism: [Note: FSDP over DTensor parameters] in param.py.)
+            if p in RUNTIME.managed or _is_our_shard(p):
                 conflicts.append(fqn)
                 continue
+            local = p._local_tensor if isinstance(p, DTensor) else p
             if p.dim() == 0:
                 raise ValueError(
                     f"fully_shard({type(module).__name__}): parameter {fqn!r} is a scalar (0-dim); a "
                     f"sharded parameter is a DTensor sharded on dim 0, which a scalar has not. Change {fqn} "
                     "to a 1D tensor with numel equal to 1 (e.g. nn.Parameter(torch.tensor([1.5])))."
                 )
-            if not p.is_contiguous():
+            if not local.is_contiguous():
                 raise NotImplementedError(
                     f"FSDP does not support non-contiguous parameters yet: fully_shard({type(module).__name__}) "
                     f"got {fqn!r} with shape {tuple(p.shape)} and stride {p.stride()} (e.g. channels_last). "
@@ -166,6 +161,11 @@ def collect_owned(
                 )
             owned.setdefault(p, []).append((m, name, fqn))
     return owned, conflicts
+
+
+def _is_our_shard(p: nn.Parameter) -> bool:
+    ours = RUNTIME.shards.get(id(p))
+    return ours is not None and ours.sharded is p
 
 
 def shared_across_groups(module_name: str, conflicts: list[str]) -> Optional[str]:
@@ -195,10 +195,11 @@ def shard_dim(fqn: str, param: nn.Parameter,
     dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
     if not 0 <= dim < param.dim():
         raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {fqn!r}")
-    if dim != 0 and param.shape[dim] < shard_size:
+    shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape  # (what FSDP shards)
+    if dim != 0 and shape[dim] < shard_size:
         raise ValueError(
             f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for {fqn!r}, whose dim {dim} "
-            f"has {param.shape[dim]} elements for a shard group of {shard_size} ranks: some ranks would hold "
+            f"has {shape[dim]} elements for a shard group of {shard_size} ranks: some ranks would hold "
             "nothing of it. Shard it on a dim of at least the group's size (the largest, for experts), or "
             "return None for dim 0.")
     return dim
