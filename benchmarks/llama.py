@@ -66,9 +66,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         c = self.cfg
-        q = self.wq(x).view(b, t, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        # (-1 heads: under tensor parallelism a rank holds some of them)
+        q = self.wq(x).view(b, t, -1, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
