@@ -226,11 +226,9 @@ def _tp_rank(rank: int, world: int) -> tuple[str, str]:
     block = nn.Sequential(nn.Linear(8, 8))
     parallelize_module(block, mesh["tp"], {"0": ColwiseParallel()})
     msgs = []
-    try:
-        fully_shard(block, mesh=mesh["dp"])
-        msgs.append("no error")
-    except NotImplementedError as exc:
-        msgs.append(str(exc))
+    fully_shard(block, mesh=mesh["dp"])  # (taken: [Note: FSDP over DTensor parameters])
+    block(torch.ones(2, 8)).sum().backward()
+    msgs.append(str(block[0].weight.placements))
     # One of our shards tied onto another module after fully_shard: another application's weight.
     embed, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
     fully_shard(embed)
@@ -244,12 +242,11 @@ def _tp_rank(rank: int, world: int) -> tuple[str, str]:
     return msgs[0], msgs[1]
 
 
-def test_tensor_parallel_parameters_are_refused_clearly() -> None:
-    """FSDP x TP is issue 48's: a TP DTensor parameter under ``fully_shard``
-    is refused on every rank with what it is, not as a weight another
-    application owns (which it said before); one of our own shards tied onto
-    another module still is that."""
+def test_tensor_parallel_parameters_are_not_another_applications() -> None:
+    """A TP DTensor parameter under ``fully_shard`` is taken (FSDP over TP,
+    tests/test_tensor_parallel.py), not seen as a weight another application
+    owns (which it was once); one of our own shards tied onto another module
+    still is that."""
     for tp, tied in run_distributed(_tp_rank, 2, timeout=120):
-        assert "'0.weight' is already a DTensor" in tp and "(FSDP x TP) is not supported" in tp, tp
-        assert "already managed by another fully_shard" not in tp, tp
+        assert tp == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", tp
         assert "already managed by another fully_shard" in tied, tied

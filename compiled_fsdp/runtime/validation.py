@@ -251,7 +251,9 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
     if others:
         raise NotImplementedError(
             f"fully_shard: the mesh's dims {others} are not data parallel and have size > 1: tensor "
-            "parallelism with compiled_fsdp is not supported yet (issue 48).")
+            "parallelism through dp_mesh_dims is not supported yet. Pass the data-parallel sub-mesh "
+            "instead (fully_shard(block, mesh=mesh['dp']) after parallelize_module(block, mesh['tp'], ...)), "
+            "as FSDP2 takes it on every release.")
     sub = mesh[shard[0]] if len(shard) == 1 else mesh[shard]._flatten("_".join(shard))
     if replicate:
         if len(shard) > 1 or len(replicate) > 1:
