@@ -172,20 +172,21 @@ print("{}")
 
 
 def test_benchmark_cpu_path(tmp_path) -> None:
-    """``benchmarks/emulated.py`` on the CPU with a tiny Llama at W = 8: every
-    configuration runs; ours and FSDP2 eager send the same bytes in the same
-    number of collectives; exposed time is within the step's communication; the
-    schedule's prediction prices exactly the collectives the run issued."""
+    """``benchmarks/emulated.py`` on the CPU with a tiny Llama at W = 8: ours
+    compiled and eager and FSDP2 eager run; ours and FSDP2 eager send the same
+    bytes in the same number of collectives; exposed time is within the step's
+    communication; the schedule's prediction prices exactly the collectives the
+    run issued. (Not the floor: ~45 s of CI for an unsharded ``torch.compile``;
+    the GPU check's quick test runs its floor.)"""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import emulated
 
     results = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "8", "--links", "match",
-                             "--kinds", "floor", "ours", "ours_eager", "fsdp2_eager", "--warmup", "1",
+                             "--kinds", "ours", "ours_eager", "fsdp2_eager", "--warmup", "1",
                              "--steps", "2", "--out", str(tmp_path)])
     by_kind = {r["kind"]: r for r in results}
     assert not [r for r in results if "error" in r], [r["error"] for r in results if "error" in r]
-    assert set(by_kind) == {"floor", "ours", "ours_eager", "fsdp2_eager"}
-    assert by_kind["floor"]["comm_s"] == 0 and by_kind["floor"]["collectives"] == {}
+    assert set(by_kind) == {"ours", "ours_eager", "fsdp2_eager"}
     assert by_kind["ours_eager"]["collectives"] == by_kind["fsdp2_eager"]["collectives"]
     assert abs(by_kind["ours_eager"]["comm_s"] - by_kind["fsdp2_eager"]["comm_s"]) < 1e-9
     for kind in ("ours", "ours_eager", "fsdp2_eager"):
@@ -194,4 +195,4 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     assert abs(by_kind["ours"]["predicted_comm_s"] - by_kind["ours"]["comm_s"]) < 1e-9
     with open(tmp_path / "emulated.json") as f:
         table = json.load(f)["table"].splitlines()
-    assert len(table) == 1 + 4 and "x bound" in table[0]
+    assert len(table) == 1 + 3 and "x bound" in table[0]

@@ -21,25 +21,26 @@ def test_driver_options_are_not_passed_to_workers() -> None:
 
 
 def test_quick_run_table_json_and_trace(tmp_path) -> None:
+    # (Not ours_eager and sim_fsdp2: each a process of its own, ~15 s of CI;
+    # the paths they take are ours_compiled's and sim_ours's workers.)
     out = gpu_check.main(["--quick", "--device", "cpu", "--backend", "aot_eager", "--warmup", "1",
-                          "--steps", "2", "--out", str(tmp_path), "--worker-timeout", "600"])
+                          "--steps", "2", "--out", str(tmp_path), "--worker-timeout", "600",
+                          "--kinds", "floor", "ours_compiled", "fsdp2_blocks", "sim_ours", "block_times"])
     res = out["results"]
-    assert set(res) == {"floor", "ours_compiled", "ours_eager", "fsdp2_blocks", "sim_ours", "sim_fsdp2",
-                        "block_times"}
+    assert set(res) == {"floor", "ours_compiled", "fsdp2_blocks", "sim_ours", "block_times"}
     assert not [k for k, r in res.items() if "error" in r], {k: r["error"] for k, r in res.items() if "error" in r}
     with open(tmp_path / "gpu_check.json") as f:
         assert json.load(f)["table"] == out["table"]
-    for kind in ("floor", "ours_compiled", "ours_eager", "fsdp2_blocks"):
+    for kind in ("floor", "ours_compiled", "fsdp2_blocks"):
         r = res[kind]
         assert r["world"] == 1 and r["params_local"] == r["params_full"] and len(r["losses"]) == 3
         # the same model, data and mixed precision: losses agree with the floor's (bf16 compute)
         assert max(abs(a - b) for a, b in zip(r["losses"], res["floor"]["losses"])) < 2e-2
-    for kind in ("sim_ours", "sim_fsdp2"):  # each rank holds about 1/8 of the parameters
-        r = res[kind]
-        assert r["world"] == 8 and r["params_local"] <= r["params_full"] / 8 * 1.3
+    r = res["sim_ours"]  # each rank holds about 1/8 of the parameters
+    assert r["world"] == 8 and r["params_local"] <= r["params_full"] / 8 * 1.3
     assert [p["world"] for p in out["predictions"]] == [8, 64]
     lines = out["table"].splitlines()
-    assert len(lines) == 1 + 6 + 2 and "x floor" in lines[2] and "x FSDP2" in lines[5]
+    assert len(lines) == 1 + 4 + 2 and "x floor" in lines[2] and "x floor" in lines[3], lines
     with gzip.open(res["ours_compiled"]["trace"]) as f:  # a Perfetto-readable trace of one step
         assert json.load(f)["traceEvents"]
 
