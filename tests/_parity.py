@@ -12,6 +12,19 @@ import compiled_fsdp
 from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 
 
+def reference_grads(ref: nn.Module, loss_of: Callable[[int], torch.Tensor], ranks: int) -> None:
+    """The reference's gradients as the sharded job reduces them: each
+    rank's batch apart (``loss_of(rank)``), summed in rank order, averaged."""
+    summed = None
+    for r in range(ranks):
+        loss_of(r).backward()
+        grads = [p.grad for p in ref.parameters()]
+        summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+        ref.zero_grad(set_to_none=True)
+    for p, g in zip(ref.parameters(), summed):
+        p.grad = g / ranks
+
+
 def run_parity(
     rank: int,
     build: Callable[[], nn.Module],

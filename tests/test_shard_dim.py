@@ -19,6 +19,7 @@ import compiled_fsdp
 from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
+from _parity import reference_grads
 
 D, H, E = 8, 12, 4
 
@@ -79,14 +80,7 @@ def _train(rank: int, world: int, model: nn.Module, ref: nn.Module, run: Any) ->
         compiled_fsdp.reset_collective_counts()
         run(_batch(step, rank)).backward()
         counts.append(compiled_fsdp.collective_counts())
-        summed = None  # each rank's gradients apart, summed in rank order, averaged: as the reduction
-        for r in range(world):
-            ref(_batch(step, r)).backward()
-            grads = [p.grad for p in ref.parameters()]
-            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
-            ref.zero_grad(set_to_none=True)
-        for p, g in zip(ref.parameters(), summed):
-            p.grad = g / world
+        reference_grads(ref, lambda r: ref(_batch(step, r)), world)
         for opt in opts:
             opt.step()
             opt.zero_grad()

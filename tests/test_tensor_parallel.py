@@ -19,6 +19,7 @@ import compiled_fsdp
 from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
+from _parity import reference_grads
 
 V, D, HEADS, T, B = 32, 16, 4, 8, 2
 
@@ -141,14 +142,7 @@ def _train(model: nn.Module, run: Any, ref: nn.Module, dp_rank: int, dp: int, st
         losses.append(loss.item())
         counts.append(compiled_fsdp.collective_counts())
         graphs.append(counters["stats"]["unique_graphs"])
-        summed = None
-        for r in range(dp):
-            _loss(ref, _batch(step, r)).backward()
-            grads = [p.grad for p in ref.parameters()]
-            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
-            ref.zero_grad(set_to_none=True)
-        for p, g in zip(ref.parameters(), summed):
-            p.grad = g / dp
+        reference_grads(ref, lambda r: _loss(ref, _batch(step, r)), dp)
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -166,23 +160,23 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
     # (Blocks compiled on their own: the blocks' matmuls only; torch itself
     # fails there after a row-wise embedding: [Note: FSDP over DTensor parameters].)
     sp = mode != "blocks"
-    model = Llama()
-    parallelize(model, mesh["tp"], sp)
-    _shard(model, fully_shard, mesh["dp"])
-    if mode == "blocks":
-        for block in model.layers:
-            block.compile(backend="aot_eager", fullgraph=True)
+
+    def build(shard: Any) -> Llama:
+        model = Llama()
+        parallelize(model, mesh["tp"], sp)
+        _shard(model, shard, mesh["dp"])
+        if mode == "blocks":
+            for block in model.layers:
+                block.compile(backend="aot_eager", fullgraph=True)
+        return model
+
+    model = build(fully_shard)
     run = model if mode in ("eager", "blocks") else torch.compile(model, backend=mode, fullgraph=True)
     out = _train(model, run, Llama(), dp_rank, 2)
     wq = model.layers[0].attention.wq.weight
     out["wq"] = (str(wq.placements), tuple(wq.to_local().shape), tuple(wq.device_mesh.mesh_dim_names))
     out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
-    theirs = Llama()
-    parallelize(theirs, mesh["tp"], sp)
-    _shard(theirs, fsdp2_shard, mesh["dp"])
-    if mode == "blocks":
-        for block in theirs.layers:
-            block.compile(backend="aot_eager", fullgraph=True)
+    theirs = build(fsdp2_shard)
     fsdp2 = _train(theirs, theirs, Llama(), dp_rank, 2)
     out["fsdp2_worst"], out["fsdp2_losses"] = fsdp2["worst"], fsdp2["losses"]
     out["same_placements"] = [str(p.placements) for p in model.parameters()] == \
