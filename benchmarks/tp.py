@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from importlib.metadata import version  # (the release, read as the other benchmarks read it)
 from typing import Callable
 
 import torch
@@ -126,7 +127,7 @@ def main() -> None:
     # A step's time is the slowest rank's.
     times = {k: [max(r["times_s"][k][i] for r in ranks) for i in range(args.steps)] for k in args.kinds}
     base = "fsdp2_blocks" if "fsdp2_blocks" in args.kinds else args.kinds[0]
-    out = {"config": vars(args), "torch": torch.__version__, "times_s": times,
+    out = {"config": vars(args), "torch": version("torch"), "times_s": times,
            "first_step_s": {k: max(r["first_step_s"][k] for r in ranks) for k in args.kinds},
            "median_s": {k: statistics.median(v) for k, v in times.items()},
            "paired_ratio_to_" + base: {k: statistics.median(a / b for a, b in zip(times[k], times[base]))
