@@ -115,6 +115,12 @@ from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
 
 
+def sharded_tensor(param: torch.Tensor) -> torch.Tensor:
+    """What FSDP shards of a parameter: the parameter, or a DTensor
+    parameter's local tensor ([Note: FSDP over DTensor parameters])."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
 class ParamOwner(Protocol):
     """What a parameter asks of its group (``param_group.FSDPParamGroup``),
     named here so that this module never imports the group's."""
@@ -153,8 +159,7 @@ class FSDPParam:
         self.dtensor_spec: Optional[DTensorSpec] = param._spec if isinstance(param, DTensor) else None
         self.global_shape = tuple(param.shape)
         requires_grad = param.requires_grad
-        if isinstance(param, DTensor):
-            param = param._local_tensor
+        param = sharded_tensor(param)
         self.full_shape = tuple(param.shape)
         # A 2-D mesh is HSDP's (replicate, shard): sharded over its last dim.
         # ``replicate``'s 1-D mesh holds the replicas of a group of one

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from compiled_fsdp.runtime.param import sharded_tensor
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
 from compiled_fsdp.runtime.state import get_fsdp_state
@@ -139,14 +140,12 @@ def collect_owned(
             if p is None or p in ignored:
                 continue
             fqn = f"{path}.{name}" if path else name
-            # (A shard is a DTensor; no registry holds it: a weak reference would stop
-            # to_empty() from swapping it, see [Note: Meta-device init].)
             # (A DTensor that is not our shard was placed by the user's own
             # parallelism: [Note: FSDP over DTensor parameters] in param.py.)
             if p in RUNTIME.managed or _is_our_shard(p):
                 conflicts.append(fqn)
                 continue
-            local = p._local_tensor if isinstance(p, DTensor) else p
+            local = sharded_tensor(p)
             if p.dim() == 0:
                 raise ValueError(
                     f"fully_shard({type(module).__name__}): parameter {fqn!r} is a scalar (0-dim); a "
@@ -164,6 +163,8 @@ def collect_owned(
 
 
 def _is_our_shard(p: nn.Parameter) -> bool:
+    # (No registry holds our shard itself: a weak reference would stop
+    # to_empty() from swapping it, see [Note: Meta-device init].)
     ours = RUNTIME.shards.get(id(p))
     return ours is not None and ours.sharded is p
 
@@ -195,7 +196,7 @@ def shard_dim(fqn: str, param: nn.Parameter,
     dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
     if not 0 <= dim < param.dim():
         raise AssertionError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {fqn!r}")
-    shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape  # (what FSDP shards)
+    shape = sharded_tensor(param).shape
     if dim != 0 and shape[dim] < shard_size:
         raise ValueError(
             f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for {fqn!r}, whose dim {dim} "
