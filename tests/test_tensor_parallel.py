@@ -160,9 +160,10 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
     # (Blocks compiled on their own: the blocks' matmuls only; torch itself
     # fails there after a row-wise embedding: [Note: FSDP over DTensor parameters].)
     sp = mode != "blocks"
+    layers = 1 if mode == "inductor" else 2  # (Inductor's compile is the cost: one block, ~40 s of CI less)
 
     def build(shard: Any) -> Llama:
-        model = Llama()
+        model = Llama(layers)
         parallelize(model, mesh["tp"], sp)
         _shard(model, shard, mesh["dp"])
         if mode == "blocks":
@@ -172,12 +173,12 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
 
     model = build(fully_shard)
     run = model if mode in ("eager", "blocks") else torch.compile(model, backend=mode, fullgraph=True)
-    out = _train(model, run, Llama(), dp_rank, 2)
+    out = _train(model, run, Llama(layers), dp_rank, 2)
     wq = model.layers[0].attention.wq.weight
     out["wq"] = (str(wq.placements), tuple(wq.to_local().shape), tuple(wq.device_mesh.mesh_dim_names))
     out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
     theirs = build(fsdp2_shard)
-    fsdp2 = _train(theirs, theirs, Llama(), dp_rank, 2)
+    fsdp2 = _train(theirs, theirs, Llama(layers), dp_rank, 2)
     out["fsdp2_worst"], out["fsdp2_losses"] = fsdp2["worst"], fsdp2["losses"]
     out["same_placements"] = [str(p.placements) for p in model.parameters()] == \
         [str(p.placements) for p in theirs.parameters()]
@@ -213,7 +214,7 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "blocks", "inductor"])
 def test_fsdp_over_tensor_parallel(mode: str, tmp_path: Any) -> None:
-    """A 2-block Llama, torchtitan's TP plan (sequence parallel) on ``tp``,
+    """A 2-block Llama (1 block under Inductor), torchtitan's TP plan (sequence parallel) on ``tp``,
     FSDP on ``dp`` of a 2x2 mesh. Parameters placed as FSDP2 places them
     (``_StridedShard`` where TP splits the shard dim); within 1e-5 of the
     single-process reference after 3 AdamW steps (tensor parallel matmuls
