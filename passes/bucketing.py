@@ -70,6 +70,7 @@ def _compatible(a, b) -> bool:  # noqa: ANN001
         and a.world_size == b.world_size
         and a.by_all_to_all == b.by_all_to_all
         and a.reshard_after_forward == b.reshard_after_forward
+        and a.post_forward == b.post_forward
         and a.comm_dtype == b.comm_dtype
         and a.after_reduce == b.after_reduce
     )

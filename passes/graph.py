@@ -103,7 +103,8 @@ def parse_marker(node: fx.Node) -> tuple[fx.Node, MarkerArgs]:
     return inp, args
 
 
-Role = Literal["gather_chain", "reduce_chain", "keep_chain", "handoff_issue", "handoff_chain", "handoff_grad"]
+Role = Literal["gather_chain", "reduce_chain", "keep_chain", "handoff_issue", "handoff_chain", "handoff_grad",
+               "post_forward_part", "post_forward_chain"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,9 @@ class ChainTag:
     # "gather_chain" | "reduce_chain" | "keep_chain", and around a handed-over
     # gather: "handoff_issue" (issued for the next block, not waited here),
     # "handoff_chain" (the wait and unpack of this block's), "handoff_grad"
-    # (this block's gradient, packed for the issuer).
+    # (this block's gradient, packed for the issuer); "post_forward_part": what
+    # an int reshard_after_forward keeps of a forward gather, "post_forward_chain":
+    # its backward's gather of those parts (passes/post_forward.py).
     role: Role
     # The bucket's smallest (module_key, unit): its name. module_key is the n-th
     # ``fully_shard`` call, unit its index in forward use order (see units.py).

@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
+from compiled_fsdp.core import copy_out
 from compiled_fsdp.core.layout import reduce_input, split_reduced
 
 from ._emit import emit_all_reduce, emit_gather, emit_pack_grads, emit_reduce, emit_unpack
@@ -50,6 +51,7 @@ from .graph import (
     chain_meta,
     erase_nodes,
     is_reduce_grad,
+    is_tangent,
     is_unshard,
     marker_kept,
     node_order,
@@ -58,6 +60,7 @@ from .graph import (
     through_identity_views,
 )
 from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_marker, plan_handoff
+from .post_forward import backward_reads, gather_again
 from .units import Unit, choose_units, slot_uses
 
 aten = torch.ops.aten
@@ -97,6 +100,10 @@ class BucketPlan:
     # Every (module_key, unit) in the bucket; more than one after bucketing
     # merged small ones.
     units: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # gathers of an int reshard_after_forward: (group, size, rank) kept after
+    # forward ([Note: Resharding to a smaller group in graphs] in
+    # post_forward.py); None otherwise.
+    post_forward: tuple[str, int, int] | None = None
 
     @property
     def after_reduce(self) -> tuple:
@@ -232,7 +239,7 @@ def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> B
     for m, (inp, a) in zip(markers, parsed):
         if a.bucket_signature() != first.bucket_signature():
             raise _Skip(f"mixed groups {a.bucket_signature()} vs {first.bucket_signature()}")
-        if a.reshard_after_forward != first.reshard_after_forward:
+        if (a.reshard_after_forward, _post_forward(a)) != (first.reshard_after_forward, _post_forward(first)):
             raise _Skip("inconsistent reshard_after_forward")
         slot = slots.get(a.param_index)
         if slot is None:
@@ -266,7 +273,13 @@ def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> B
         slots=ordered,
         by_all_to_all=first.reduce_by_all_to_all,
         units=[(module_key, 0)],
+        post_forward=_post_forward(first),
     )
+
+
+def _post_forward(a: MarkerArgs) -> tuple[str, int, int] | None:
+    """A gather marker's post-forward group (reduce markers carry none)."""
+    return getattr(a, "post_forward", None)
 
 
 def _combine(group: list[BucketPlan]) -> BucketPlan:
@@ -357,9 +370,9 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
     return LoweringPlan(buckets=buckets, skipped=skipped, units=units, handoff=handoff)
 
 
-def _copied_meta(src: fx.Node, plan: BucketPlan) -> dict:
+def _copied_meta(src: fx.Node, plan: BucketPlan, role: str | None = None) -> dict:
     return chain_meta(src, ChainTag(
-        role=f"{plan.kind}_chain", module_key=plan.module_key, unit=plan.unit,
+        role=role or f"{plan.kind}_chain", module_key=plan.module_key, unit=plan.unit,
         units=tuple(plan.units), reshard_after_forward=plan.reshard_after_forward,
     ))
 
@@ -371,14 +384,24 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
     # The shard each slot's reads alias (a graph input), defined before any marker.
     sources = [through_identity_views(s.inputs[0]) for s in plan.slots]
     b = NodeBuilder(graph, _copied_meta(first_marker, plan))
+    again = None
     with graph.inserting_before(first_marker):
         gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
                                plan.world_size, plan.group_name)
-        fulls = emit_unpack(b, b(c10d.wait_tensor.default, gathered), specs)
+        waited = b(c10d.wait_tensor.default, gathered)
+        fulls = emit_unpack(b, waited, specs)
+        if plan.post_forward is not None and plan.reshard_after_forward and any(map(is_tangent, graph.nodes)):
+            name, size, rank = plan.post_forward
+            part = NodeBuilder(graph, _copied_meta(first_marker, plan, "post_forward_part"))(
+                copy_out.keep_part._opoverload, waited, size, rank)
+            again_b = NodeBuilder(graph, _copied_meta(first_marker, plan, "post_forward_chain"))
+            again = gather_again(again_b, part, size, name, specs)
     for s, full in zip(plan.slots, fulls):
         for m in s.markers:
             m.replace_all_uses_with(full)
     erase_nodes(graph, [m for s in plan.slots for m in s.markers])
+    if again is not None:
+        backward_reads(graph, fulls, again, again_b.extra_meta)
     # The reads' own views of the shard are dead now.
     for s, source in zip(plan.slots, sources):
         for inp in s.inputs:

@@ -44,6 +44,9 @@ from .graph import chain_tag, is_unshard, parse_marker
 
 FSDP_AC_GRAPH_ID = 2**31 - 1
 
+# An int reshard_after_forward's second gather runs in backward only.
+_PARTITIONER_TAGS = {"post_forward_chain": "must_be_in_backward"}
+
 
 @dataclasses.dataclass
 class TagPlan:
@@ -69,6 +72,12 @@ def _chain_info(node: fx.Node) -> tuple[str, bool] | None:
     tag = chain_tag(node)
     if tag is not None and tag.role == "gather_chain":
         return tag.bucket, bool(tag.reshard_after_forward)
+    if tag is not None and tag.role == "post_forward_chain":
+        return tag.bucket, True
+    if tag is not None and tag.role == "post_forward_part":
+        # What backward gathers again over the smaller group: saved (see
+        # [Note: Resharding to a smaller group in graphs] in lowering.py).
+        return tag.bucket, False
     if tag is not None and tag.role == "handoff_chain" and not tag.reshard_after_forward:
         # A gather handed to a block that keeps its parameters: its backward reads
         # it. (One that reshards reads it in forward only: see passes/handoff.py.)
@@ -101,6 +110,10 @@ def apply_recompute_tags(gm: fx.GraphModule, plan: TagPlan) -> RecomputeReport:
     for n, policy in plan.tags:
         n.meta["recompute"] = policy
         n.meta["ac_graph_id"] = FSDP_AC_GRAPH_ID
+        tag = chain_tag(n)
+        if tag is not None and tag.role in _PARTITIONER_TAGS:
+            # See [Note: Resharding to a smaller group in graphs] in post_forward.py.
+            n.meta["partitioner_tag"] = _PARTITIONER_TAGS[tag.role]
         info = _chain_info(n)
         assert info is not None
         if policy == CheckpointPolicy.MUST_RECOMPUTE:

@@ -127,13 +127,14 @@ def _bad_input_rank(rank: int, world: int) -> list[str]:
 
     with pytest.raises(ValueError, match="reshard_after_forward"):
         fully_shard(nn.Linear(2, 2), reshard_after_forward="yes")
-    # FSDP2's int form: 1 is False, the group's size is True, a size between is refused.
+    # FSDP2's int form: 1 is False, the group's size is True, a size that does
+    # not divide it is refused (a factor between: tests/test_reshard_int.py).
     with pytest.warns(UserWarning, match="reshard_after_forward=1"):
         one = fully_shard(nn.Linear(2, 2), reshard_after_forward=1)
     assert one._get_fsdp_state().param_group.reshard_after_forward is False
     whole = fully_shard(nn.Linear(2, 2), reshard_after_forward=world)
     assert whole._get_fsdp_state().param_group.reshard_after_forward is True
-    with pytest.raises(NotImplementedError, match="reshard_after_forward=3"):
+    with pytest.raises(ValueError, match="reshard_after_forward=3 .* must be a factor"):
         fully_shard(nn.Linear(2, 2), reshard_after_forward=3)
 
     # A parent reading a separately sharded child's parameter in its forward.

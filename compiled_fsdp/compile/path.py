@@ -149,6 +149,7 @@ class TorchCompilePath(CompiledPath):
             replicate_group_name=group.replicate_group_name,
             replicas=param.spec.replicas,
             divide_factor=param.spec.divide_factor,
+            **_post_forward(group),
         )
         if own and entry.handoff_next is not None and not entry.handoff_traced:
             # After this module's own first read, so that its own gather
@@ -291,6 +292,15 @@ class TorchCompilePath(CompiledPath):
             p.sharded.grad = None
             p.drop_kept_grad()
         root.regrad_none = []
+
+
+def _post_forward(group: FSDPParamGroup) -> dict[str, Any]:
+    """The marker's arguments of an int ``reshard_after_forward`` ([Note:
+    Resharding to a smaller group] in runtime/param_group.py); none otherwise."""
+    if group.post_forward_args is None:
+        return {}
+    name, size, rank = group.post_forward_args
+    return {"post_forward_group_name": name, "post_forward_size": size, "post_forward_rank": rank}
 
 
 def _ensure_window(ctx: Any) -> None:

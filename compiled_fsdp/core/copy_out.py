@@ -35,9 +35,9 @@ from typing import Optional
 import torch
 
 from compiled_fsdp.core.comm import unaliased
-from compiled_fsdp.core.layout import EAGER, pack_grads, pack_shards, split_specs, unpack_gathered
+from compiled_fsdp.core.layout import EAGER, pack_grads, pack_shards, post_forward_part, split_specs, unpack_gathered
 
-__all__ = ["pack_bucket", "pack_bucket_grads", "unpack_bucket"]
+__all__ = ["keep_part", "pack_bucket", "pack_bucket_grads", "unpack_bucket"]
 
 
 @torch.library.custom_op("compiled_fsdp::unpack_bucket", mutates_args=())
@@ -93,3 +93,23 @@ def _(grads: list[Optional[torch.Tensor]], full_shapes: list[int], ndims: list[i
       offsets: list[int], total: int) -> torch.Tensor:
     like = next(g for g in grads if g is not None)
     return like.new_empty([world_size * total])
+
+
+@torch.library.custom_op("compiled_fsdp::keep_part", mutates_args=())
+def keep_part(gathered: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """``layout.post_forward_part`` as one op, which the lowering emits in a
+    joint graph on every device: [Note: Resharding to a smaller group in
+    graphs] in passes/post_forward.py. It is registered as having a side
+    effect so that the partitioner counts it as forward work although no
+    forward output reads it; only then does it save the part rather than
+    recompute it, and the forward's whole gather with it, in backward."""
+    return post_forward_part(EAGER, gathered, size, rank)
+
+
+@keep_part.register_fake
+def _(gathered: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    return gathered.new_empty([gathered.numel() // size])
+
+
+torch.fx.node.has_side_effect(keep_part._opoverload)
+

@@ -213,6 +213,16 @@ def unpack_gathered(
     return fulls
 
 
+def post_forward_part(op: Emit, gathered: Any, size: int, rank: int) -> Any:
+    """What a rank keeps of an all-gather output ``[N * T]`` after forward when
+    it reshards to groups of ``size`` consecutive ranks ([Note: Resharding to
+    a smaller group] in runtime/param_group.py): its group rank's ``1/size``,
+    copied out. An all-gather of the parts over that group is the output again.
+    (The lowering emits it as one op, ``copy_out.keep_part``.)"""
+    numel = op.value(gathered).numel() // size
+    return op(aten.clone.default, op(aten.slice.Tensor, gathered, 0, rank * numel, (rank + 1) * numel))
+
+
 def reduce_input(op: Emit, grad: Any, kept: Any, dtype: Optional[torch.dtype]) -> Any:
     """The full gradient to reduce: ``grad`` in the reduce dtype, added to the
     gradient ``kept`` from micro-batches without sync (None: nothing kept)."""

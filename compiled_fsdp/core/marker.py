@@ -202,13 +202,16 @@ class _ParamMarker(Marker):
     divide_factor: Optional[float] = _arg("float?", None)
 
 
+# The static ints of every parameter marker.
+_PARAM_INTS = ("full_shape", "world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Unshard(_ParamMarker, _OneParameter):
     """One parameter read: the local shard in, the full parameter out."""
 
     NAME: ClassVar[str] = "unshard"
-    STATIC_INTS: ClassVar[tuple[str, ...]] = (
-        "full_shape", "world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel")
+    STATIC_INTS: ClassVar[tuple[str, ...]] = _PARAM_INTS + ("post_forward_size", "post_forward_rank")
 
     shard: Any = _arg("Tensor")
     # The user's policy; the passes apply the reshard rule (core/rules.py) per unit.
@@ -222,6 +225,19 @@ class Unshard(_ParamMarker, _OneParameter):
     # The gather handed over by the graph before (``bucket_offset`` and
     # ``bucket_numel`` place this parameter in it).
     gathered: Any = _arg("Tensor?", None)
+    # An int reshard_after_forward: the group kept after forward, its size and
+    # this rank's rank in it ([Note: Resharding to a smaller group] in
+    # runtime/param_group.py); None, 0, 0 otherwise.
+    post_forward_group_name: Optional[str] = _arg("str?", None)
+    post_forward_size: int = _arg("int", 0)
+    post_forward_rank: int = _arg("int", 0)
+
+    @property
+    def post_forward(self) -> Optional[tuple[str, int, int]]:
+        """(group, size, rank) of an int reshard_after_forward, or None."""
+        if self.post_forward_group_name is None:
+            return None
+        return (self.post_forward_group_name, self.post_forward_size, self.post_forward_rank)
 
     @property
     def reduce_group(self) -> str:
@@ -239,7 +255,7 @@ class ReduceGrad(_ParamMarker, _OneParameter):
     handed-over read, the gradient packed in the gather's layout)."""
 
     NAME: ClassVar[str] = "reduce_grad"
-    STATIC_INTS: ClassVar[tuple[str, ...]] = Unshard.STATIC_INTS
+    STATIC_INTS: ClassVar[tuple[str, ...]] = _PARAM_INTS
 
     grad: Any = _arg("Tensor")
     # The dtype of the reduced shard gradient (the parameter's).

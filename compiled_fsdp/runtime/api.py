@@ -107,6 +107,11 @@ class ShardingOptions:
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None
     # HSDP: the replicas' group (the mesh's dim 0), or None. See [Note: HSDP].
     replicate_group: Optional[dist.ProcessGroup] = None
+    # An int ``reshard_after_forward`` between 1 and the shard group's size:
+    # that size, and (made by ``_with_groups``) this rank's group of it; 0 and
+    # None otherwise. See [Note: Resharding to a smaller group] in param_group.py.
+    post_forward_size: int = 0
+    post_forward_group: Optional[dist.ProcessGroup] = None
     # Which composable API applies it: "fully_shard" or "replicate" (see
     # [Note: replicate] in replicate.py).
     api: str = "fully_shard"
@@ -143,9 +148,10 @@ def _resolve_options(
         check_mesh(mesh)
     group = mesh_group("fully_shard", mesh)
     hsdp = isinstance(mesh, DeviceMesh) and mesh.ndim == 2
-    return ShardingOptions(group, _reshard_rule(reshard_after_forward, group.size()), None,
-                           mesh if isinstance(mesh, DeviceMesh) else None, mp_policy,
-                           replicate_group=mesh.get_group(0) if hsdp else None)
+    reshard, post_forward_size = _reshard_rule(reshard_after_forward, group.size())
+    return ShardingOptions(group, reshard, None, mesh if isinstance(mesh, DeviceMesh) else None, mp_policy,
+                           replicate_group=mesh.get_group(0) if hsdp else None,
+                           post_forward_size=post_forward_size)
 
 
 def mesh_group(api: str, mesh: Union[DeviceMesh, dist.ProcessGroup, None]) -> dist.ProcessGroup:
@@ -170,24 +176,25 @@ def check_initialized(api: str) -> None:
         )
 
 
-def _reshard_rule(reshard_after_forward: Union[bool, int], shard_size: int) -> bool:
-    """FSDP2's int form names the group size the parameters stay gathered over
-    after forward: 1 is ``False`` (FSDP2 warns and does the same), the shard
-    group's size is ``True``; a size between would keep a partial gather, which
-    the bucket layout and the passes do not model, so it is refused."""
+def _reshard_rule(reshard_after_forward: Union[bool, int], shard_size: int) -> tuple[bool, int]:
+    """FSDP2's int form names the size of the groups the parameters stay
+    sharded over after forward ([Note: Resharding to a smaller group] in
+    param_group.py): 1 is ``False`` (FSDP2 warns and does the same), the shard
+    group's size is ``True``, a factor between reshards after forward and keeps
+    that size (the second value; 0: the whole shard group)."""
     if isinstance(reshard_after_forward, bool):
-        return reshard_after_forward
-    if reshard_after_forward == 1:
+        return reshard_after_forward, 0
+    size = reshard_after_forward
+    if size < 1 or size > shard_size or shard_size % size:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={size} (an int: the size of the groups the parameters stay "
+            f"sharded over after forward) must be a factor of the shard group's size, {shard_size}: one of "
+            f"{[d for d in range(1, shard_size + 1) if shard_size % d == 0]}; or pass True or False.")
+    if size == 1:
         warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
                       "reshard_after_forward=False (bool): treated as False.", stacklevel=4)
-        return False
-    if reshard_after_forward == shard_size:
-        return True
-    raise NotImplementedError(
-        f"fully_shard: reshard_after_forward={reshard_after_forward} (reshard to groups of that size after "
-        f"forward) is not supported: pass True (reshard over all {shard_size} ranks, the same as "
-        f"{shard_size}), False or 1 (keep the parameters gathered)."
-    )
+        return False, 0
+    return True, 0 if size == shard_size else size
 
 
 # The ``config.comm`` settings that decide which groups exist and which
@@ -205,7 +212,9 @@ def _with_groups(options: ShardingOptions) -> ShardingOptions:
     """``options`` with its reduce group and checker, created collectively."""
     group = options.process_group
     reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
+    post_forward = _post_forward_group_for(group, options.post_forward_size) if options.post_forward_size else None
     return replace(options, reduce_group=reduce_group, checker=checker_for(group, _mesh_ranks(options)),
+                   post_forward_group=post_forward,
                    hand_over_gathers=comm.hand_over_gathers, block_regions=comm.block_regions,
                    gloo_reduce_by_all_to_all=comm.gloo_reduce_by_all_to_all)
 
@@ -251,6 +260,26 @@ def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
         assert reduce_group is not None
         RUNTIME.reduce_groups[group] = reduce_group
     return reduce_group
+
+
+def _post_forward_group_for(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks of ``group`` (FSDP2's
+    ``mesh.view(-1, size)``: on a cluster, ranks of one node), which an int
+    ``reshard_after_forward`` keeps the parameters sharded over after forward.
+    Only its members create it (``use_local_synchronization``), once per
+    shard group and size."""
+    by_size = RUNTIME.post_forward_groups.setdefault(group, {})
+    pf_group = by_size.get(size)
+    if pf_group is None or pf_group not in dist.distributed_c10d._world.pg_map:
+        ranks = dist.get_process_group_ranks(group)
+        first = group.rank() // size * size
+        pf_group = dist.new_group(
+            ranks[first:first + size], backend=dist.get_backend(group), use_local_synchronization=True,
+            group_desc=f"compiled_fsdp_post_forward_{group.group_name}_{size}",
+        )
+        assert pf_group is not None
+        by_size[size] = pf_group
+    return pf_group
 
 
 def _policy_matches(policy: Policy) -> Callable[[nn.Module], bool]:
@@ -341,8 +370,8 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         check_device_and_backend(label(modules), owners, options.process_group)
     except _AGREED_ERRORS as exc:
         error = (type(exc).__name__, str(exc))
-    fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype), str(mp.for_param(p).param_dtype), dims.get(p))
-                   for p, places in owners.items()]
+    fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype), str(mp.for_param(p).param_dtype), dims.get(p),
+                    options.reshard_after_forward, options.post_forward_size) for p, places in owners.items()]
     for agreeing in (options.process_group, options.replicate_group):  # (HSDP: the replicas too)
         if agreeing is not None:
             _agree(agreeing, label(modules), error, (fingerprint, mp.agreed(), bucket_bytes), _comm_settings())
@@ -362,8 +391,10 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
             fsdp_params, options.process_group, options.reduce_group, _next_key(),
             options.reshard_after_forward, label(modules), options.checker,
             reduce_by_all_to_all=uses_all_to_all(options.reduce_group, options.gloo_reduce_by_all_to_all),
-            hand_over_gathers=options.hand_over_gathers, replicate_group=options.replicate_group,
-            block_regions=options.block_regions,
+            # (a handed-over gather is not cut for a smaller group: [Note: Resharding to a smaller group])
+            hand_over_gathers=options.hand_over_gathers and not options.post_forward_size,
+            replicate_group=options.replicate_group,
+            block_regions=options.block_regions, post_forward_group=options.post_forward_group,
         )
         if bucket_bytes is not None:
             group.set_reduce_buckets(bucket_bytes)

@@ -16,7 +16,7 @@ from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, ShardSpec, pack_grads, pack_shards, unpack_gathered
 from compiled_fsdp.runtime.streams import CommStreams
 
-__all__ = ["all_gather_bucket", "copy_out_all_gather", "reduce_bucket"]
+__all__ = ["all_gather_bucket", "all_gather_part", "copy_out_all_gather", "reduce_bucket"]
 
 
 def all_gather_bucket(
@@ -35,6 +35,17 @@ def all_gather_bucket(
         if group.size() > 1:  # (a group of one communicates nothing)
             comm.count("all_gather", flat_in.numel() * flat_in.element_size())
         return comm.all_gather_flat(flat_in, group, async_op)
+
+
+def all_gather_part(
+    part: torch.Tensor, group: dist.ProcessGroup, streams: Optional[CommStreams] = None
+) -> PendingCollective:
+    """The all-gather over ``group`` of what each rank kept after forward
+    (``layout.post_forward_part``): the bucket's ``[N * T]`` output again
+    ([Note: Resharding to a smaller group] in param_group.py)."""
+    with streams.on_gather() if streams is not None else contextlib.nullcontext():
+        comm.count("all_gather", part.numel() * part.element_size())
+        return comm.all_gather_flat(part, group, async_op=True)
 
 
 def copy_out_all_gather(

@@ -17,6 +17,26 @@ bucket the group reshards. The outputs are views of the unsharded buffers, so
 freeing a buffer's storage after forward (reshard) and refilling it before
 backward is seen by autograd's saved tensors; the refill preserves the version
 counter, as FSDP2 does.
+
+[Note: Resharding to a smaller group]
+FSDP2's int ``reshard_after_forward=N`` (a factor of the shard group's size
+``W``) frees the unsharded parameters after forward but keeps ``1/N`` of them:
+the backward gathers them again over ``N`` ranks only (on a cluster, within a
+node, over the fast links) instead of all ``W``. The groups are ``N``
+consecutive ranks of the shard group, FSDP2's ``mesh.view(-1, N)``
+(``api._post_forward_group_for``). In the bucket layout ([Note: Bucket layout]
+in core/layout.py) the all-gather output ``[W * T]`` is ``W`` shards in rank
+order, so cutting it into ``N`` equal parts gives each rank of a post-forward
+group a contiguous part, ``W / N`` shards long, and an all-gather of the parts
+over that group is the output again, bitwise: the copy-out is unchanged. Both
+paths cut it with ``layout.post_forward_part``: the eager runtime keeps the part
+when its forward waits for the gather (state ``SHARDED_POST_FORWARD`` after
+``post_forward``), the lowering saves it from the forward's gather for the
+backward's (passes/lowering.py). A root forward drops a part left from an
+earlier iteration (an evaluation forward has no backward to use it, and an
+optimizer step may have changed the shards since). Memory between forward and
+backward: ``T * W / N`` per rank instead of ``T``; gathered bytes in backward:
+the same output from ``N - 1`` peers instead of ``W - 1``.
 """
 from __future__ import annotations
 
@@ -31,8 +51,8 @@ import torch.distributed as dist
 
 from compiled_fsdp.core import registry, rules
 from compiled_fsdp.core.comm import PendingCollective
-from compiled_fsdp.core.layout import EAGER, bucket_offsets, split_reduced
-from compiled_fsdp.runtime.collectives import all_gather_bucket, copy_out_all_gather, reduce_bucket
+from compiled_fsdp.core.layout import EAGER, bucket_offsets, post_forward_part, split_reduced
+from compiled_fsdp.runtime.collectives import all_gather_bucket, all_gather_part, copy_out_all_gather, reduce_bucket
 from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from compiled_fsdp.runtime.param import FSDPParam
 
@@ -52,6 +72,8 @@ class ShardedState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"  # all-gather issued, not awaited (a prefetch)
     UNSHARDED = "unsharded"
+    # after forward, with an int reshard_after_forward: [Note: Resharding to a smaller group]
+    SHARDED_POST_FORWARD = "sharded post forward"
 
 
 
@@ -116,6 +138,7 @@ class FSDPParamGroup:
         hand_over_gathers: bool,
         replicate_group: Optional[dist.ProcessGroup] = None,
         block_regions: bool = False,
+        post_forward_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
@@ -133,6 +156,12 @@ class FSDPParamGroup:
         self.name = name
         self.fqn = name  # the module's name under its root, set at the root's lazy init
         self.reshard_after_forward = reshard_after_forward
+        # An int reshard_after_forward's group, or None: [Note: Resharding to a smaller group].
+        self.post_forward_group = post_forward_group
+        # ... its name, size and this rank's rank in it, for the markers.
+        self.post_forward_args: Optional[tuple[str, int, int]] = None if post_forward_group is None else (
+            post_forward_group.group_name, post_forward_group.size(), post_forward_group.rank())
+        self._post_forward_part: Optional[torch.Tensor] = None
         # See [Note: Gradient accumulation without sync] in module.py.
         self.reduce_grads = True
         self.reshard_after_backward = True
@@ -265,6 +294,12 @@ class FSDPParamGroup:
             for p in self.fsdp_params:  # see [Note: A group of one reads its shards] in param.py
                 p.alloc_unsharded()
             self.state = ShardedState.UNSHARDED
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            part, self._post_forward_part = self._post_forward_part, None
+            assert part is not None and self.post_forward_group is not None
+            self._gather_check = self._issue_check("post-forward all-gather")
+            self._pending_gather = all_gather_part(part, self.post_forward_group, streams=self._streams())
+            self.state = ShardedState.GATHERING
         if self.state is ShardedState.SHARDED:
             self._gather_check = self._issue_check("all-gather")
             self._pending_gather = all_gather_bucket(
@@ -283,6 +318,9 @@ class FSDPParamGroup:
             check.wait()
         flat = self._pending_gather.wait()
         self._pending_gather = None
+        if self.post_forward_group is not None and self.forward_active() and self.reshards_after_forward:
+            pf = self.post_forward_group
+            self._post_forward_part = post_forward_part(EAGER, flat, pf.size(), pf.rank())
         dests = [p.alloc_unsharded() for p in self.fsdp_params]
         with contextlib.ExitStack() as stack:
             for d in dests:  # autograd's saved views must not see a version bump
@@ -295,6 +333,7 @@ class FSDPParamGroup:
             self.wait_for_unshard()  # the collective was issued on every rank: finish it
         for p in self.fsdp_params:
             p.free_unsharded()
+        self._post_forward_part = None
         self.state = ShardedState.SHARDED
 
     # -- forward -------------------------------------------------------------
@@ -338,10 +377,13 @@ class FSDPParamGroup:
         for i, out in zip(indices, outs):
             self._iter_views[i] = self.fsdp_params[i].to_compute(out)
 
-    def post_forward(self, reshard: bool) -> None:
+    def post_forward(self, reshard: bool, backward_follows: bool = True) -> None:
         self.exposed_views = None
         if reshard:
+            part = self._post_forward_part
             self.reshard()
+            if part is not None and backward_follows:  # see [Note: Resharding to a smaller group]
+                self._post_forward_part, self.state = part, ShardedState.SHARDED_POST_FORWARD
 
     # -- backward ------------------------------------------------------------
     def pre_backward(self) -> None:
@@ -434,6 +476,8 @@ class FSDPParamGroup:
     def begin_iteration(self) -> None:
         """A root forward begins a new iteration: this group's autograd views
         and gradient bookkeeping start afresh."""
+        if self.state is ShardedState.SHARDED_POST_FORWARD:  # ([Note: Resharding to a smaller group])
+            self.reshard()
         self._iter_views = None
         self._applied_buckets = set()
         self.needs_grad_sync = False

@@ -5,8 +5,9 @@ modules sharded over it, and what the hooks must find from a module alone:
 
 - ``keys``: world group -> the counter that numbers ``fully_shard`` calls
   (a group's key: the same on every rank, so markers and buckets agree).
-- ``meshes``, ``reduce_groups``, ``alone_groups``: the 1-D mesh over a data
-  group (per device type), its reduce group, and this rank's group of one,
+- ``meshes``, ``reduce_groups``, ``alone_groups``, ``post_forward_groups``:
+  the 1-D mesh over a data group (per device type), its reduce group, this
+  rank's group of one, and its post-forward groups (per size),
   made once per data group object (per rank: [Note: Helper groups] in
   divergence.py); weakly, see [Note: Process groups at exit] in
   tools/launch.py.
@@ -63,6 +64,9 @@ class RuntimeRegistry:
             weakref.WeakKeyDictionary())
         self.alone_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
             weakref.WeakKeyDictionary())
+        # shard group -> {size: this rank's post-forward group of that size}
+        self.post_forward_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, dist.ProcessGroup]] = (
+            weakref.WeakKeyDictionary())
         self.checkers: dict[tuple[int, ...], Any] = {}  # (divergence.Checker)
         self.abandoned: list[dist.ProcessGroup] = []
         self.managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -84,6 +88,7 @@ class RuntimeRegistry:
         self.meshes.clear()
         self.reduce_groups.clear()
         self.alone_groups.clear()
+        self.post_forward_groups.clear()
         self.checkers.clear()
         self.subclasses.clear()
 

@@ -299,7 +299,7 @@ class RootContext:
         if target is None or target.param_group is None:
             return
         group = target.param_group
-        if group.state is ShardedState.SHARDED:
+        if group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
             group.unshard(async_op=True)
             self.prefetched.append((phase, group.fqn))
 
@@ -556,7 +556,7 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
         if self.param_group is not None:
             reshard = not backward_follows or self.param_group.reshards_after_forward
-            self.param_group.post_forward(reshard)
+            self.param_group.post_forward(reshard, backward_follows)
         if backward_follows:
             register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
             for st in partial:  # (gathered again before its backward, e.g. a second backward of a retained graph)
