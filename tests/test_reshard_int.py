@@ -96,6 +96,11 @@ def _rank(rank: int, world: int, mode: str) -> dict:
             opt.zero_grad()
         out["vs_fsdp2"] = max((a - b.to_local()).abs().max().item()
                               for a, b in zip(out[N]["shards"], theirs.parameters()))
+        # FSDP2's setter takes a bool: True is the whole shard group again.
+        mine = tiny()
+        _shard(mine, fully_shard, N)
+        mine.layers[0].set_reshard_after_forward(True)
+        out["after_setter"] = fully_shard.state(mine.layers[0]).param_group.post_forward_group
         try:
             fully_shard(tiny(), reshard_after_forward=3)
             out["three"] = "no error"
@@ -115,7 +120,8 @@ def test_reshard_to_groups_of_two(mode: str) -> None:
     of FSDP2. Compiled whole: no eager collective; the backward graph gathers
     each block over 2 ranks where resharding over 4 gathers it over 4, and the
     forward graph saves the blocks' parts, nothing else of their gathers.
-    ``reshard_after_forward=3`` on 4 ranks is refused, naming the factors."""
+    ``reshard_after_forward=3`` on 4 ranks is refused, naming the factors;
+    ``set_reshard_after_forward(True)`` reshards over the whole group again."""
     for rank, res in enumerate(run_distributed(_rank, W, mode, timeout=600)):
         two, full = res[N], res[True]
         tol = 1e-4 if mode == "inductor" else 1e-6  # (Inductor's kernels round otherwise than eager's)
@@ -130,6 +136,7 @@ def test_reshard_to_groups_of_two(mode: str) -> None:
             extra = [a["all_gather"] - b["all_gather"] for a, b in zip(two["sent"], full["sent"])]
             assert extra == [2 * (W // N - 1) * t * 4] * 3, extra  # fp32: 4 bytes
             assert "must be a factor of the shard group's size, 4: one of [1, 2, 4]" in res["three"], res["three"]
+            assert res["after_setter"] is None
         else:
             assert two["counts"] == full["counts"] == [{}] * 3, (two["counts"], full["counts"])
         if mode == "aot_eager":

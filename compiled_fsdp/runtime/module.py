@@ -112,9 +112,12 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the gathered parameters are freed after forward (and gathered
         again in backward). A compiled graph keeps the choice it was traced with:
-        set it before the first compiled step."""
+        set it before the first compiled step. As FSDP2's, it takes a bool:
+        an int ``reshard_after_forward`` given to ``fully_shard`` becomes True
+        (over the whole shard group) or False."""
         for group in _groups(self, "set_reshard_after_forward", reshard_after_forward, recurse):
             group.reshard_after_forward = reshard_after_forward
+            group.set_post_forward_group(None)
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Gather ``modules``' parameters when this module's forward starts, in

@@ -156,11 +156,6 @@ class FSDPParamGroup:
         self.name = name
         self.fqn = name  # the module's name under its root, set at the root's lazy init
         self.reshard_after_forward = reshard_after_forward
-        # An int reshard_after_forward's group, or None: [Note: Resharding to a smaller group].
-        self.post_forward_group = post_forward_group
-        # ... its name, size and this rank's rank in it, for the markers.
-        self.post_forward_args: Optional[tuple[str, int, int]] = None if post_forward_group is None else (
-            post_forward_group.group_name, post_forward_group.size(), post_forward_group.rank())
         self._post_forward_part: Optional[torch.Tensor] = None
         # See [Note: Gradient accumulation without sync] in module.py.
         self.reduce_grads = True
@@ -186,6 +181,7 @@ class FSDPParamGroup:
         for i, (p, offset) in enumerate(zip(fsdp_params, bucket_offsets(self.specs))):
             p.group, p.index, p.bucket_offset = self, i, offset
         self.state = ShardedState.SHARDED
+        self.set_post_forward_group(post_forward_group)
         # See [Note: Agreeing on collectives] in divergence.py.
         self.checker = checker
         self.check_number = checker.register() if checker is not None else -1
@@ -212,6 +208,16 @@ class FSDPParamGroup:
         self.ctx: Optional[GroupContext] = None
         # The compile layer's state for this group (see [Note: The compiled path]).
         self.compiled: Any = None
+
+    def set_post_forward_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """An int reshard_after_forward's group, or None ([Note: Resharding to
+        a smaller group]); ``post_forward_args``: its name, size and this
+        rank's rank in it, for the markers."""
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            self.reshard()
+        self.post_forward_group = group
+        self.post_forward_args: Optional[tuple[str, int, int]] = None if group is None else (
+            group.group_name, group.size(), group.rank())
 
     def set_divide_factor(self, factor: float) -> None:
         """See ``FSDPModule.set_gradient_divide_factor``: the factor is part
