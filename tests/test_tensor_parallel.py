@@ -254,18 +254,27 @@ def _bad_rank(rank: int, world: int) -> dict:
             out[case] = "no error"
         except ValueError as exc:
             out[case] = str(exc)
+    model = Llama()  # TP after fully_shard: torch's parallelize_module refuses FSDP's DTensors (as FSDP2's)
+    _shard(model, fully_shard, mesh["dp"])
+    try:
+        parallelize(model, mesh["tp"])
+        out["tp_after"] = "no error"
+    except ValueError as exc:
+        out["tp_after"] = str(exc)
     return out
 
 
 def test_meshes_that_do_not_fit_are_refused() -> None:
     """On every rank, at ``fully_shard``: tensor parallel parameters under
     FSDP's default mesh (the world, unnamed), and a TP mesh that overlaps
-    FSDP's (the ``dp`` dim for both)."""
+    FSDP's (the ``dp`` dim for both). TP applied after ``fully_shard``: torch's
+    ``parallelize_module`` refuses FSDP's DTensors on every rank, as FSDP2's."""
     for res in run_distributed(_bad_rank, 4, timeout=300):
         assert "is a DTensor on the mesh" in res["unnamed"] and "fully_shard(block, mesh=mesh['dp'])" in \
             res["unnamed"], res
         assert "which is not another dim of the parent" in res["overlapping"] and "overlapping" in \
             res["overlapping"], res
+        assert "Cannot distribute a DTensor with device mesh" in res["tp_after"], res
 
 
 def _hsdp_rank(rank: int, world: int) -> dict:
