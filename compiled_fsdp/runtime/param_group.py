@@ -32,7 +32,8 @@ over that group is the output again, bitwise: the copy-out is unchanged. Both
 paths cut it with ``layout.post_forward_part``: the eager runtime keeps the part
 when its forward waits for the gather (state ``SHARDED_POST_FORWARD`` after
 ``post_forward``), the lowering saves it from the forward's gather for the
-backward's (passes/lowering.py). A root forward drops a part left from an
+backward's ([Note: Resharding to a smaller group in graphs] in
+passes/post_forward.py). Tested by tests/test_reshard_int.py. A root forward drops a part left from an
 earlier iteration (an evaluation forward has no backward to use it, and an
 optimizer step may have changed the shards since). Memory between forward and
 backward: ``T * W / N`` per rank instead of ``T``; gathered bytes in backward:
