@@ -60,7 +60,7 @@ from .graph import (
     through_identity_views,
 )
 from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_marker, plan_handoff
-from .post_forward import backward_reads, gather_again
+from .post_forward import backward_reads, gather_again, read_under_checkpoint
 from .units import Unit, choose_units, slot_uses
 
 aten = torch.ops.aten
@@ -390,7 +390,8 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
                                plan.world_size, plan.group_name)
         waited = b(c10d.wait_tensor.default, gathered)
         fulls = emit_unpack(b, waited, specs)
-        if plan.post_forward is not None and plan.reshard_after_forward and any(map(is_tangent, graph.nodes)):
+        if plan.post_forward is not None and plan.reshard_after_forward and any(map(is_tangent, graph.nodes)) \
+                and not read_under_checkpoint([m for s in plan.slots for m in s.markers]):
             name, size, rank = plan.post_forward
             part = NodeBuilder(graph, _copied_meta(first_marker, plan, "post_forward_part"))(
                 copy_out.keep_part._opoverload, waited, size, rank)

@@ -15,6 +15,13 @@ a wait); the forward's own chain is then read by forward alone. The schedule
 places the second chain as any backward gather (its own chain tag). Tested
 by tests/test_reshard_int.py (the group sizes of each graph's gathers, and
 what the forward saves).
+
+Under the user's activation checkpointing the recomputed forward reads the
+forward's own gather again in backward (one joint node cannot read one
+gather in forward and another when recomputed), so the second chain would
+only add a gather and keep a part: a bucket read in a checkpointed region
+(``read_under_checkpoint``) is resharded over the whole group, as ``True``
+would (tests/test_reshard_int.py, ``aot_eager``).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from ._emit import emit_unpack
 from .cost_model import AG, WAIT
 from .graph import NodeBuilder, tangent_dependents
 
-__all__ = ["backward_reads", "gather_again"]
+__all__ = ["backward_reads", "gather_again", "read_under_checkpoint"]
 
 
 def gather_again(b: NodeBuilder, part: fx.Node, size: int, group_name: str,
@@ -59,3 +66,21 @@ def backward_reads(graph: fx.Graph, fulls: list[fx.Node], again: list[fx.Node], 
     for orig, copy in reversed(list(twin.items())):
         if orig not in fulls and not copy.users:
             graph.erase_node(copy)
+
+
+def read_under_checkpoint(reads: list[fx.Node]) -> bool:
+    """Whether a node of the user's activation checkpointing (a recompute
+    policy set before our passes ran) reads a parameter read by ``reads``
+    (the bucket's markers), or a node derived from them alone."""
+    seen, todo = set(reads), list(reads)
+    while todo:
+        for user in todo.pop().users:
+            if user in seen:
+                continue
+            if user.meta.get("recompute") is not None:
+                return True
+            seen.add(user)
+            if all(i in seen for i in user.all_input_nodes):
+                todo.append(user)
+    return False
+

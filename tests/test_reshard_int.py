@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
@@ -24,6 +25,23 @@ from _parity import full_diff, full_params, reference_grads
 W, N = 4, 2
 
 
+class _Checkpointed(torch.nn.Module):
+    """A block under ``torch.utils.checkpoint``, as a user wraps it."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def _checkpointed() -> torch.nn.Module:
+    model = tiny()
+    model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
+    return model
+
+
 def _shard(model: torch.nn.Module, fn: Any, reshard: Any) -> None:
     for block in model.layers:
         fn(block, reshard_after_forward=reshard)
@@ -35,11 +53,11 @@ def _loss(model: Any, step: int, rank: int) -> torch.Tensor:
     return loss_fn(model(tokens), tokens)
 
 
-def _train(model: torch.nn.Module, run: Any, rank: int) -> dict:
-    """3 AdamW steps beside the reference: the largest difference, the eager
-    collectives and bytes per step, what each block keeps between forward and
-    backward (eager runtime), and the shards at the end."""
-    ref = tiny()
+def _train(model: torch.nn.Module, run: Any, rank: int, build: Any = tiny) -> dict:
+    """3 AdamW steps beside the reference (``build()``): the largest
+    difference, the eager collectives and bytes per step, what each block
+    keeps between forward and backward (eager runtime), and the shards at the end."""
+    ref = build()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     groups = [fully_shard.state(b).param_group for b in model.layers]
     worst, counts, sent, kept = 0.0, [], [], []
@@ -85,6 +103,14 @@ def _rank(rank: int, world: int, mode: str) -> dict:
         res = out[reshard] = _train(model, run, rank)
         res["fw_gathers"], res["bw_gathers"] = _gathers(capture.forward), _gathers(capture.backward)
         res["saved_parts"] = _saved_parts(capture.forward)
+    if mode == "aot_eager":  # the blocks under activation checkpointing
+        model = _checkpointed()
+        _shard(model, fully_shard, N)
+        capture = GraphCapture()
+        res = out["checkpointed"] = _train(model, torch.compile(model, backend=capture.backend, fullgraph=True),
+                                           rank, _checkpointed)
+        res["bw_gathers"], res["saved_parts"] = _gathers(capture.backward), _saved_parts(capture.forward)
+        del res["shards"]
     out["vs_reshard_all"] = max((a - b).abs().max().item() for a, b in zip(out[N]["shards"], out[True]["shards"]))
     if mode == "eager":  # FSDP2 with the same argument
         theirs = tiny()
@@ -121,7 +147,10 @@ def test_reshard_to_groups_of_two(mode: str) -> None:
     each block over 2 ranks where resharding over 4 gathers it over 4, and the
     forward graph saves the blocks' parts, nothing else of their gathers.
     ``reshard_after_forward=3`` on 4 ranks is refused, naming the factors;
-    ``set_reshard_after_forward(True)`` reshards over the whole group again."""
+    ``set_reshard_after_forward(True)`` reshards over the whole group again.
+    Blocks under activation checkpointing, compiled (``aot_eager``): bitwise
+    equal to the reference, resharded over the whole group in graphs ([Note:
+    Resharding to a smaller group in graphs])."""
     for rank, res in enumerate(run_distributed(_rank, W, mode, timeout=600)):
         two, full = res[N], res[True]
         tol = 1e-4 if mode == "inductor" else 1e-6  # (Inductor's kernels round otherwise than eager's)
@@ -145,3 +174,7 @@ def test_reshard_to_groups_of_two(mode: str) -> None:
             assert two["bw_gathers"].count(W) == full["bw_gathers"].count(W) - 2, (two["bw_gathers"],
                                                                                      full["bw_gathers"])
             assert two["saved_parts"] == [t * W // N] * 2 and full["saved_parts"] == [], two["saved_parts"]
+            # Checkpointed: the recomputed forward reads the forward's gather, so the
+            # blocks reshard over all 4, as with True (no part kept, no gather over 2).
+            ac = res["checkpointed"]
+            assert ac["worst"] == 0.0 and ac["saved_parts"] == [] and ac["bw_gathers"] == full["bw_gathers"], ac
