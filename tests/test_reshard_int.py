@@ -94,7 +94,8 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     out: dict[str, Any] = {}
-    for reshard in (N, True):
+    # (Inductor: the int form only, ~25 s of CI less; aot_eager compares the graphs with True's)
+    for reshard in (N,) if mode == "inductor" else (N, True):
         model = tiny()
         _shard(model, fully_shard, reshard)
         capture = GraphCapture()
@@ -111,7 +112,9 @@ def _rank(rank: int, world: int, mode: str) -> dict:
                                            rank, _checkpointed)
         res["bw_gathers"], res["saved_parts"] = _gathers(capture.backward), _saved_parts(capture.forward)
         del res["shards"]
-    out["vs_reshard_all"] = max((a - b).abs().max().item() for a, b in zip(out[N]["shards"], out[True]["shards"]))
+    if mode != "inductor":
+        out["vs_reshard_all"] = max((a - b).abs().max().item()
+                                    for a, b in zip(out[N]["shards"], out[True]["shards"]))
     if mode == "eager":  # FSDP2 with the same argument
         theirs = tiny()
         _shard(theirs, fsdp2_shard, N)
@@ -137,9 +140,9 @@ def _rank(rank: int, world: int, mode: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
 def test_reshard_to_groups_of_two(mode: str) -> None:
-    """Within 1e-6 of the reference (Inductor 1e-4), and bitwise equal to
-    resharding over all 4 ranks (eager, ``aot_eager``; Inductor within 1e-6):
-    the gather over 2 rebuilds the same bucket.
+    """Within 1e-6 of the reference (Inductor: 1e-4, the int form alone), and
+    bitwise equal to resharding over all 4 ranks (eager, ``aot_eager``): the
+    gather over 2 rebuilds the same bucket.
     Eager: each block keeps ``W / N`` shards' worth between forward and
     backward (resharding over all 4 keeps nothing), and its backward gather
     sends that instead of one shard, from ranks {0, 1} or {2, 3}; within 1e-6
@@ -152,10 +155,12 @@ def test_reshard_to_groups_of_two(mode: str) -> None:
     equal to the reference, resharded over the whole group in graphs ([Note:
     Resharding to a smaller group in graphs])."""
     for rank, res in enumerate(run_distributed(_rank, W, mode, timeout=600)):
-        two, full = res[N], res[True]
-        tol = 1e-4 if mode == "inductor" else 1e-6  # (Inductor's kernels round otherwise than eager's)
-        assert two["worst"] < tol and full["worst"] < tol, (two["worst"], full["worst"])
-        assert res["vs_reshard_all"] <= (1e-6 if mode == "inductor" else 0.0), res["vs_reshard_all"]
+        two, full = res[N], res.get(True)
+        if mode == "inductor":  # (Inductor's kernels round otherwise than eager's)
+            assert two["worst"] < 1e-4 and two["counts"] == [{}] * 3, two
+            continue
+        assert two["worst"] < 1e-6 and full["worst"] < 1e-6, (two["worst"], full["worst"])
+        assert res["vs_reshard_all"] == 0.0, res["vs_reshard_all"]
         assert two["post_forward_ranks"] == ([0, 1] if rank < 2 else [2, 3]), two["post_forward_ranks"]
         t = two["bucket"]  # one block's shard of the bucket, in elements
         if mode == "eager":
