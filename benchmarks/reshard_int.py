@@ -23,19 +23,16 @@ sizes: ``(G - 1) * T * W / G`` per block for a gather over ``G`` ranks of a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from importlib.metadata import version  # (the release, read as the other benchmarks read it)
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.paired import add_paired_args, paired_run, paired_summary, report, timed_step  # noqa: E402
 from benchmarks.workloads import _tensor_peak_mb  # noqa: E402
 from compiled_fsdp.tools.launch import run_distributed  # noqa: E402
 from examples.gpt import batch, bench, loss_fn  # noqa: E402
@@ -55,77 +52,40 @@ def _step_fn(kind: str, size: int, layers: int, dim: int, rank: int) -> tuple[Ca
     for block in model.layers:
         shard(block, reshard_after_forward={"all": True, "int": size, "none": False}[reshard])
     shard(model)
-    run: Any = model
-    if impl.endswith("_blocks"):
-        for block in model.layers:
-            block.compile(fullgraph=True)
-    elif impl.endswith("_compiled"):
-        run = torch.compile(model, fullgraph=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = batch(model.cfg, 2, seed=rank)
     shard_numel = sum(p.to_local().numel() for p in model.layers[0].parameters())
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        loss_fn(run(tokens), tokens).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
+    step = timed_step(model, impl, batch(model.cfg, 2, seed=rank), loss_fn)
     return step, shard_numel
 
 
 def _rank(rank: int, world: int, size: int, kinds: list[str], layers: int, dim: int, warmup: int,
           steps: int) -> dict:
     torch.set_num_threads(1)
-    fns, first, peak = {}, {}, {}
-    numel = 0
-    for kind in kinds:
-        fns[kind], numel = _step_fn(kind, size, layers, dim, rank)
-        dist.barrier()
-        first[kind] = fns[kind]()
-        for _ in range(warmup - 1):
-            fns[kind]()
-    dist.barrier()
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    for i in range(steps):  # rotate who goes first (see [Note: Paired steps] in run.py)
-        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
-            times[kind].append(fns[kind]())
-    for kind in kinds:
-        peak[kind] = _tensor_peak_mb(fns[kind])
-    return {"times_s": times, "first_step_s": first, "peak_mb": peak, "block_shard_numel": numel}
+    numel = {}
+
+    def make(kind: str) -> Callable[[], float]:
+        step, numel["block"] = _step_fn(kind, size, layers, dim, rank)
+        return step
+
+    fns, out = paired_run(make, kinds, warmup, steps)
+    return {**out, "peak_mb": {k: _tensor_peak_mb(fns[k]) for k in kinds}, "block_shard_numel": numel["block"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=4)
+    add_paired_args(ap, KINDS)
     ap.add_argument("--size", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    ap.add_argument("--out")
     args = ap.parse_args()
     ranks = run_distributed(_rank, args.world, args.size, args.kinds, args.layers, args.dim, args.warmup,
                             args.steps, timeout=3600)
-    times = {k: [max(r["times_s"][k][i] for r in ranks) for i in range(args.steps)] for k in args.kinds}
     base = "fsdp2_blocks_all" if "fsdp2_blocks_all" in args.kinds else args.kinds[0]
     shard = ranks[0]["block_shard_numel"]  # (fp32: 4 bytes)
     groups = {"all": args.world, "int": args.size, "none": 1}
-    out = {"config": vars(args), "torch": version("torch"), "times_s": times,
-           "first_step_s": {k: max(r["first_step_s"][k] for r in ranks) for k in args.kinds},
-           "median_s": {k: statistics.median(v) for k, v in times.items()},
-           "paired_ratio_to_" + base: {k: statistics.median(a / b for a, b in zip(times[k], times[base]))
-                                       for k in args.kinds},
+    out = {"config": vars(args), "torch": version("torch"), **paired_summary(ranks, args.kinds, args.steps, base),
            "peak_tensor_mb": {k: max(r["peak_mb"][k] for r in ranks) for k in args.kinds},
            "backward_gather_mb_per_rank": {
                k: (g - 1) * shard * args.world / g * 4 * args.layers / 2**20
                for k in args.kinds for g in [groups[k.rsplit("_", 1)[1]]]}}
-    print(json.dumps({k: v for k, v in out.items() if k != "times_s"}, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    report(out, args.out)
 
 
 if __name__ == "__main__":

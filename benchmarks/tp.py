@@ -26,20 +26,17 @@ first step (compile included), and the medians of the paired ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from importlib.metadata import version  # (the release, read as the other benchmarks read it)
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.llama import LLAMA_TINY, Llama, batch, loss_fn  # noqa: E402
+from benchmarks.paired import add_paired_args, paired_run, paired_summary, report, timed_step  # noqa: E402
 from compiled_fsdp.tools.launch import run_distributed  # noqa: E402
 
 KINDS = ("ours_compiled", "ours_blocks", "ours_eager", "fsdp2_blocks", "fsdp2_eager", "tp_compiled")
@@ -65,28 +62,12 @@ def _step_fn(kind: str, mesh: object, cfg: object, dp_rank: int) -> Callable[[],
     torch.manual_seed(0)
     model = Llama(cfg)
     _parallelize(model, mesh["tp"])
-    run: torch.nn.Module = model
     if kind != "tp_compiled":
         shard = ours_shard if kind.startswith("ours") else fsdp2_shard
         for block in model.layers:
             shard(block, mesh=mesh["dp"])
         shard(model, mesh=mesh["dp"])
-    if kind.endswith("_blocks"):
-        for block in model.layers:
-            block.compile(fullgraph=True)
-    elif kind.endswith("_compiled"):
-        run = torch.compile(model, fullgraph=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = batch(cfg, 2, seed=dp_rank)
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        loss_fn(run(tokens), tokens).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    return step
+    return timed_step(model, kind, batch(cfg, 2, seed=dp_rank), loss_fn)
 
 
 def _rank(rank: int, world: int, tp: int, kinds: list[str], cfg: object, warmup: int, steps: int) -> dict:
@@ -95,47 +76,21 @@ def _rank(rank: int, world: int, tp: int, kinds: list[str], cfg: object, warmup:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
-    fns, first = {}, {}
-    for kind in kinds:
-        fns[kind] = _step_fn(kind, mesh, cfg, dp_rank)
-        dist.barrier()
-        first[kind] = fns[kind]()
-        for _ in range(warmup - 1):
-            fns[kind]()
-    dist.barrier()
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    for i in range(steps):  # rotate who goes first (see [Note: Paired steps] in run.py)
-        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
-            times[kind].append(fns[kind]())
-    return {"times_s": times, "first_step_s": first}
+    return paired_run(lambda kind: _step_fn(kind, mesh, cfg, dp_rank), kinds, warmup, steps)[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=4)
+    add_paired_args(ap, KINDS)
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    ap.add_argument("--out")
     args = ap.parse_args()
     cfg = LLAMA_TINY.with_(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, ffn=2 * args.dim,
                            vocab=1024, seq=128)
     ranks = run_distributed(_rank, args.world, args.tp, args.kinds, cfg, args.warmup, args.steps, timeout=3600)
     # A step's time is the slowest rank's.
-    times = {k: [max(r["times_s"][k][i] for r in ranks) for i in range(args.steps)] for k in args.kinds}
     base = "fsdp2_blocks" if "fsdp2_blocks" in args.kinds else args.kinds[0]
-    out = {"config": vars(args), "torch": version("torch"), "times_s": times,
-           "first_step_s": {k: max(r["first_step_s"][k] for r in ranks) for k in args.kinds},
-           "median_s": {k: statistics.median(v) for k, v in times.items()},
-           "paired_ratio_to_" + base: {k: statistics.median(a / b for a, b in zip(times[k], times[base]))
-                                       for k in args.kinds}}
-    print(json.dumps({k: v for k, v in out.items() if k != "times_s"}, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    out = {"config": vars(args), "torch": version("torch"), **paired_summary(ranks, args.kinds, args.steps, base)}
+    report(out, args.out)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from paired import rotate_steps
 
 from examples.gpt import GPTConfig, batch, bench, loss_fn
 
@@ -416,10 +417,4 @@ def paired_rank(rank: int, world: int, kinds: list[str], warmup: int, steps: int
                 fn()
         fns[kind] = fn
     dist.barrier()  # (the ranks finish compiling and warming up apart: start the steps together)
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    for i in range(steps):
-        # Rotate who goes first: the first configuration of an iteration runs
-        # measurably slower (see [Note: Paired steps]).
-        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
-            times[kind].append(fns[kind]())
-    return {"times_s": times}
+    return {"times_s": rotate_steps(fns, steps)}
