@@ -239,7 +239,7 @@ def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> B
     for m, (inp, a) in zip(markers, parsed):
         if a.bucket_signature() != first.bucket_signature():
             raise _Skip(f"mixed groups {a.bucket_signature()} vs {first.bucket_signature()}")
-        if (a.reshard_after_forward, _post_forward(a)) != (first.reshard_after_forward, _post_forward(first)):
+        if (a.reshard_after_forward, a.post_forward) != (first.reshard_after_forward, first.post_forward):
             raise _Skip("inconsistent reshard_after_forward")
         slot = slots.get(a.param_index)
         if slot is None:
@@ -273,13 +273,8 @@ def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> B
         slots=ordered,
         by_all_to_all=first.reduce_by_all_to_all,
         units=[(module_key, 0)],
-        post_forward=_post_forward(first),
+        post_forward=first.post_forward,
     )
-
-
-def _post_forward(a: MarkerArgs) -> tuple[str, int, int] | None:
-    """A gather marker's post-forward group (reduce markers carry none)."""
-    return getattr(a, "post_forward", None)
 
 
 def _combine(group: list[BucketPlan]) -> BucketPlan:

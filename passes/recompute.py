@@ -44,9 +44,6 @@ from .graph import chain_tag, is_unshard, parse_marker
 
 FSDP_AC_GRAPH_ID = 2**31 - 1
 
-# An int reshard_after_forward's second gather runs in backward only.
-_PARTITIONER_TAGS = {"post_forward_chain": "must_be_in_backward"}
-
 
 @dataclasses.dataclass
 class TagPlan:
@@ -76,7 +73,7 @@ def _chain_info(node: fx.Node) -> tuple[str, bool] | None:
         return tag.bucket, True
     if tag is not None and tag.role == "post_forward_part":
         # What backward gathers again over the smaller group: saved (see
-        # [Note: Resharding to a smaller group in graphs] in lowering.py).
+        # [Note: Resharding to a smaller group in graphs] in post_forward.py).
         return tag.bucket, False
     if tag is not None and tag.role == "handoff_chain" and not tag.reshard_after_forward:
         # A gather handed to a block that keeps its parameters: its backward reads
@@ -111,9 +108,9 @@ def apply_recompute_tags(gm: fx.GraphModule, plan: TagPlan) -> RecomputeReport:
         n.meta["recompute"] = policy
         n.meta["ac_graph_id"] = FSDP_AC_GRAPH_ID
         tag = chain_tag(n)
-        if tag is not None and tag.role in _PARTITIONER_TAGS:
-            # See [Note: Resharding to a smaller group in graphs] in post_forward.py.
-            n.meta["partitioner_tag"] = _PARTITIONER_TAGS[tag.role]
+        if tag is not None and tag.role == "post_forward_chain":
+            # Run in backward only: [Note: Resharding to a smaller group in graphs] in post_forward.py.
+            n.meta["partitioner_tag"] = "must_be_in_backward"
         info = _chain_info(n)
         assert info is not None
         if policy == CheckpointPolicy.MUST_RECOMPUTE:

@@ -266,6 +266,7 @@ class ReduceGrad(_ParamMarker, _OneParameter):
     outermost: ClassVar[bool] = False
     param_dtype: ClassVar[None] = None
     reduce_group_name: ClassVar[None] = None
+    post_forward: ClassVar[None] = None
 
     @classmethod
     def of_read(cls, read: Unshard, grad: Any, grad_dtype: torch.dtype, handed: bool) -> "ReduceGrad":

@@ -213,7 +213,8 @@ class FSDPParamGroup:
     def set_post_forward_group(self, group: Optional[dist.ProcessGroup]) -> None:
         """An int reshard_after_forward's group, or None ([Note: Resharding to
         a smaller group]); ``post_forward_args``: its name, size and this
-        rank's rank in it, for the markers."""
+        rank's rank in it, as plain values (the markers read them while
+        Dynamo traces, which must not call into a process group)."""
         if self.state is ShardedState.SHARDED_POST_FORWARD:
             self.reshard()
         self.post_forward_group = group
@@ -325,9 +326,9 @@ class FSDPParamGroup:
             check.wait()
         flat = self._pending_gather.wait()
         self._pending_gather = None
-        if self.post_forward_group is not None and self.forward_active() and self.reshards_after_forward:
-            pf = self.post_forward_group
-            self._post_forward_part = post_forward_part(EAGER, flat, pf.size(), pf.rank())
+        if self.post_forward_args is not None and self.forward_active() and self.reshards_after_forward:
+            _, size, rank = self.post_forward_args
+            self._post_forward_part = post_forward_part(EAGER, flat, size, rank)
         dests = [p.alloc_unsharded() for p in self.fsdp_params]
         with contextlib.ExitStack() as stack:
             for d in dests:  # autograd's saved views must not see a version bump
