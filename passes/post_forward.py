@@ -3,8 +3,11 @@
 [Note: Resharding to a smaller group in graphs]
 An int ``reshard_after_forward`` ([Note: Resharding to a smaller group] in
 compiled_fsdp/runtime/param_group.py) in a joint graph: the lowering follows
-the forward's gather with this rank's part of it (``layout.post_forward_part``,
-tagged ``post_forward_part``, which passes/recompute.py saves for backward)
+the forward's gather with this rank's part of it (``layout.post_forward_part``
+as one op, ``copy_out.keep_part``, registered as having a side effect so
+that the partitioner saves it rather than recompute it and the forward's
+whole gather in backward; tagged ``post_forward_part``, which
+passes/recompute.py marks ``MUST_SAVE``)
 and with an all-gather of the parts over the post-forward group, unpacked as
 the forward's gather is (``gather_again``, tagged ``post_forward_chain``).
 ``backward_reads`` points the backward's reads at that second chain, and the
