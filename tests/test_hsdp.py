@@ -48,8 +48,6 @@ def _train(rank: int, world: int, backend: str, checkpoint: str) -> dict:
         for block in model.layers:
             block.compile(backend=capture.backend)
         run = model
-    elif backend == "inductor":
-        run = torch.compile(model, fullgraph=True)
     else:
         run = model if backend == "eager" else torch.compile(model, backend=capture.backend, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -77,7 +75,7 @@ def _train(rank: int, world: int, backend: str, checkpoint: str) -> dict:
             "handed_in": sum(len(handed_in_waits(g)) for g in capture.forward)}
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "blocks", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "blocks"])
 def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
     """Parameters within 1e-5 of the reference (4 ranks sum in another order
     than one process); DTensors ``(Replicate(), Shard(0))``. Eager: per step
@@ -88,13 +86,12 @@ def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
     ``blocks``: each block compiled on its own (aot_eager), the root eager:
     the gathers are handed to the next block's graph, and every reduction,
     the handed-over ones (``reduce_next``) included, is also all-reduced over
-    the replicas (before, HSDP groups handed nothing over). Inductor: within
-    1e-4 (one process compiled with Inductor is 2.7e-5 from eager after these
-    3 AdamW steps at lr 1e-2), no eager collective."""
+    the replicas (before, HSDP groups handed nothing over). (The all-reduce
+    and the reduce-scatter lowered by Inductor: test_replicate[inductor].)"""
     checkpoint = str(tmp_path / "ckpt") if backend == "eager" else ""
     for res in run_distributed(_train, 4, backend, checkpoint, timeout=900):
         # (1e-5: 5.1e-6 on the AMD EPYC of 2026-11-26 at the commit before too; Intel: < 1e-6)
-        assert res["diff"] < (1e-4 if backend == "inductor" else 1e-5), res
+        assert res["diff"] < 1e-5, res
         assert res["placements"] == {(Replicate(), Shard(0))}, res
         for eager, graph in res["counts"]:
             if backend == "eager":
@@ -103,8 +100,6 @@ def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
             elif backend == "blocks":  # the root's, and the handoff to layers.0 and its reduce
                 assert eager == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}, eager
                 assert graph["bw_all_reduce"] == graph["bw_reduce_scatter"] == 1, graph
-            elif backend == "inductor":
-                assert not eager, eager
             else:
                 assert not eager, eager
                 assert graph["bw_all_reduce"] == graph["bw_reduce_scatter"] >= 1, graph
@@ -144,7 +139,7 @@ def _replicated(rank: int, world: int, backend: str) -> dict:
     the placements, a clipped gradient norm as the reference's, and the
     refusals of one API on a module under the other (on every rank)."""
     out: dict[str, Any] = {}
-    for how in ("alone", "mixed"):
+    for how in ("mixed",) if backend == "inductor" else ("alone", "mixed"):
         torch.manual_seed(0)
         ref = tiny()
         model = copy.deepcopy(ref)
@@ -154,7 +149,10 @@ def _replicated(rank: int, world: int, backend: str) -> dict:
             replicate(model.embed)
             _shard(model, None)
         capture = GraphCapture()
-        run = model if backend == "eager" else torch.compile(model, backend=capture.backend)
+        if backend == "inductor":
+            run = torch.compile(model)
+        else:
+            run = model if backend == "eager" else torch.compile(model, backend=capture.backend)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         counts, norms = [], []
@@ -191,29 +189,34 @@ def _replicated(rank: int, world: int, backend: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_replicate(backend: str) -> None:
-    """``replicate`` (composable data parallelism) on 4 gloo ranks: within
-    2e-5 of the reference after 3 clipped AdamW steps, alone and mixed with
-    ``fully_shard``; ``Replicate()`` DTensors (``Shard(0)`` for the sharded
-    ones); eager: one all-reduce per application and nothing gathered for the
-    replicated one; compiled: the all-reduces in the backward graph. (Under
-    Inductor the lowering is aot_eager's; the all-reduce under Inductor:
-    test_hsdp_2x2_matches_reference[inductor].)"""
-    for res in run_distributed(_replicated, 4, backend, timeout=900):
-        for how in ("alone", "mixed"):
+    """``replicate`` (composable data parallelism) on 2 gloo ranks: within
+    2e-5 of the reference after 3 clipped AdamW steps (Inductor: 1e-4), alone
+    and mixed with ``fully_shard``; ``Replicate()`` DTensors (``Shard(0)`` for
+    the sharded ones); eager: one all-reduce per application and nothing
+    gathered for the replicated one; compiled: the all-reduces in the backward
+    graph. Inductor, mixed only (CI time): no eager collective, Inductor
+    lowering the all-reduce beside the gathers and reduce-scatters (HSDP's
+    backward holds the same two: test_hsdp_2x2_matches_reference)."""
+    for res in run_distributed(_replicated, 2, backend, timeout=900):
+        for how in ("mixed",) if backend == "inductor" else ("alone", "mixed"):
             r = res[how]
-            # (clipped: 4 ranks' sum order; 1.03e-5 on the AMD EPYC of 2026-11-26, Intel: < 1e-5)
-            assert r["diff"] < 2e-5 and r["norms"] < 2e-5, (how, r)
+            # (clipped: the ranks' sum order; 1.03e-5 at 4 ranks on the AMD EPYC of 2026-11-26, Intel: < 1e-5)
+            tol = 1e-4 if backend == "inductor" else 2e-5
+            assert r["diff"] < tol and r["norms"] < tol, (how, r)
             assert r["state"] is True, r
             for eager, graph in r["counts"]:
                 if backend == "eager":
                     want = {"all_reduce": 1} if how == "alone" else \
                         {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 1}
                     assert eager == want, (how, eager)
+                elif backend == "inductor":
+                    assert not eager, (how, eager)
                 else:
                     assert graph.get("bw_all_reduce", 0) >= 1 and not eager, (how, eager, graph)
-        assert res["alone"]["placements"] == ["(Replicate(),)"], res["alone"]
+        if backend != "inductor":
+            assert res["alone"]["placements"] == ["(Replicate(),)"], res["alone"]
         assert res["mixed"]["placements"] == ["(Replicate(),)", "(Shard(dim=0),)"], res["mixed"]
         assert len(res["errors"]) == 2 and all("was applied to it already" in e for e in res["errors"]), res
 
