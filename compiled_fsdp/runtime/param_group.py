@@ -361,7 +361,8 @@ class FSDPParamGroup:
                         self._apply_bucket(b)
                 self.needs_grad_sync = True
             else:
-                self._iter_views = tuple(p.to_compute(p.unsharded.view_as(p.unsharded)) for p in self.fsdp_params)
+                self._iter_views = tuple(_static(p.to_compute(p.unsharded.view_as(p.unsharded)))
+                                         for p in self.fsdp_params)
         self.exposed_views = self._iter_views
 
     def view_of(self, index: int) -> torch.Tensor:
@@ -383,7 +384,7 @@ class FSDPParamGroup:
         if any(s.requires_grad for s in shards):
             self._applied_buckets.add(bucket)
         for i, out in zip(indices, outs):
-            self._iter_views[i] = self.fsdp_params[i].to_compute(out)
+            self._iter_views[i] = _static(self.fsdp_params[i].to_compute(out))
 
     def post_forward(self, reshard: bool, backward_follows: bool = True) -> None:
         self.exposed_views = None
@@ -512,3 +513,19 @@ class FSDPParamGroup:
             self.reshard()
         self._reduced_buckets = set()
         self.exposed_views = None
+
+
+def _static(view: torch.Tensor) -> torch.Tensor:
+    """[Note: Gathered views are static to Dynamo]
+    A module compiled on its own whose parameters the eager runtime gathered
+    (activation checkpointing around it, or the fallback) reads them as plain
+    graph inputs, not as ``nn.Parameter``s, so Dynamo's automatic dynamic
+    shapes may make their sizes symbolic at a recompile, where FSDP2's
+    unsharded ``nn.Parameter``s stay static (``force_parameter_static_shapes``).
+    Under TP that symbolic size sent AOTAutograd into unbounded recursion
+    (a cycle of symbolic proxies: tests/test_tensor_parallel.py::
+    test_blocks_compiled_in_place_under_checkpoint). Marked static, they
+    specialize as parameters do."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static(view)
+    return view
