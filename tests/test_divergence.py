@@ -96,9 +96,9 @@ def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "aot_eager_break", "blocks"])
 def test_rank_skips_a_block(mode: str) -> None:
-    """Rank 1 skips layers.1 from the first step: both ranks raise, naming it;
-    (the check is the joint pass's, before any backend: Inductor lowers the
-    same check ops in every Inductor test);
+    """Rank 1 skips layers.1 from the first step: both ranks raise, naming it
+    (no Inductor case: the check is the joint pass's, before any backend, and
+    Inductor lowers the same check ops in every Inductor test);
     also with a graph break in the root's forward (two frames, each checked),
     and with each block compiled on its own (rank 1's layers.0 hands layers.1
     a gather as rank 0's does; both blocks run the one graph both ranks
