@@ -45,6 +45,25 @@ from compiled_fsdp.runtime.state import FSDPState, Path, RootContext
 __all__ = ["TorchCompilePath"]
 
 
+# [Note: Extension groups run the eager runtime]
+# A group holding a parameter with FSDP's all-gather extension ([Note:
+# All-gather extensions] in runtime/ext_gather.py: torchao's float8 weights)
+# is gathered by the eager runtime, in the extension's form, and its module's
+# compiled code reads the unsharded values (torchao's float8 weights) as
+# graph inputs. A read while Dynamo traces the module inside a larger graph
+# breaks the graph there, so the module falls back ([Note: Fallback decision
+# rule] in frames.py); a block compiled on its own runs its hooks eagerly and
+# compiles its forward alone; a root holding one is not compiled whole. In a
+# graph the extension would run its pre-hook on the shard before the gather
+# and its post-hook after it: a subclass Dynamo would construct inside the
+# graph, which the passes do not lower yet. Tested by tests/test_float8.py.
+_EXTENSION_BREAK = (
+    "compiled_fsdp: {fqn!r} of {module} is gathered in its all-gather extension's form (FSDP's "
+    "fsdp_pre_all_gather / fsdp_post_all_gather, e.g. torchao's float8 all-gather) by the eager runtime, not "
+    "inside a graph: its module runs outside this graph, and its forward is compiled as a frame of its own. "
+    "Under fullgraph=True compile such modules on their own (module.compile()) instead of the whole model.")
+
+
 class _RootCompile:
     """The compile layer's state for one root (its ``compiled`` slot)."""
 
@@ -104,6 +123,9 @@ class TorchCompilePath(CompiledPath):
     # -- a parameter read: see [Note: Parameter property] -----------------------
     def traced_read(self, param: FSDPParam) -> torch.Tensor:
         group = param.group
+        if group.extension_gather is not None:
+            # See [Note: Extension groups run the eager runtime].
+            torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))
         entry: CompiledEntry = group.compiled
         comptime(_ensure_window)  # see [Note: Passes installed while compiling] in install.py
         own = entry.active  # see [Note: Blocks compiled on their own] in entry.py
@@ -191,7 +213,7 @@ class TorchCompilePath(CompiledPath):
         # ``torch.compile(model)`` (an OptimizedModule calls it) or ``model.compile()``
         # (its own call is compiled in place): tests/test_fsdp2_api.py::test_every_module_compiled
         compiled = in_compiled_call or _compiled_in_place(state.module)
-        return compiled and (group is None or not frames.is_split(group.key))
+        return compiled and (group is None or (not frames.is_split(group.key) and group.extension_gather is None))
 
     def predicts_own_frame(self, state: FSDPState) -> bool:
         """As its last forward was; before its first, from how it is compiled
@@ -334,6 +356,8 @@ def _may_compile_own_frame(state: FSDPState) -> bool:
     if group is None or len(state.modules) > 1:  # (a list: [Note: A list of modules as one group])
         return False
     if ctx.phase is Phase.COMPILED_FORWARD or ctx.root.path is not Path.EAGER:
+        return False
+    if group.extension_gather is not None:  # (see [Note: Extension groups run the eager runtime])
         return False
     return not frames.is_split(entry_of(group).split_key)
 

@@ -418,7 +418,8 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         install_class(module, mixin=FSDPModule)
         # (a module holding other sharded modules, a root, stays outside: its
         # forward runs once a step, and the regions are its blocks)
-        if group is not None and group.block_regions and len(iter_fsdp_states(module)) == 1:
+        if group is not None and group.block_regions and group.extension_gather is None \
+                and len(iter_fsdp_states(module)) == 1:
             compiled_path().make_region(module, group)
     compiled_path().on_fully_shard(group)
 

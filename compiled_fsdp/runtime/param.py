@@ -110,6 +110,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
+from compiled_fsdp.runtime.ext_gather import Extension, extension_of
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
@@ -178,6 +179,8 @@ class FSDPParam:
             local = self.local_of(param.detach(), rank)
         self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
         RUNTIME.shards[id(self.sharded)] = self
+        # See [Note: All-gather extensions] in ext_gather.py.
+        self.extension = self._extension(local, owners[0][0], mp_policy)
         self.unsharded: Optional[torch.Tensor] = None
         # FSDPModule.set_keep_unsharded_storage: reshard keeps the bytes.
         self.keep_unsharded_storage = False
@@ -190,6 +193,25 @@ class FSDPParam:
         self.bucket_offset = 0  # its columns in the group's bucket ([Note: Bucket layout])
         for module, name in owners:
             module._parameters[name] = self.sharded
+
+    def _extension(self, local: torch.Tensor, module: nn.Module, mp_policy: MixedPrecisionPolicy
+                   ) -> Optional[Extension]:
+        if not extension_of(local, self.fqn):
+            return None
+        if self.shard_dim != 0 or self.dtensor_spec is not None:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} is a {type(local).__name__} with FSDP's all-gather "
+                "extension; compiled_fsdp gathers such parameters sharded on dim 0 and not already DTensors "
+                "(no shard_placement_fn dim, no tensor parallelism). Shard it on dim 0, or convert it to a "
+                "plain tensor.")
+        mesh = self.mesh
+        if mesh.ndim == 2:  # HSDP: the hook's mesh is the shard dim's, FSDP2's shard_mesh_from_root
+            names = mesh.mesh_dim_names
+            if names is None:
+                raise ValueError(f"fully_shard: parameter {self.fqn!r} has FSDP's all-gather extension, which "
+                                 "needs HSDP's 2-D mesh with named dims (mesh_dim_names=('replicate', 'shard')).")
+            mesh = mesh[names[-1]]
+        return Extension(module, mesh, self.global_shape, mp_policy)
 
     def to_canonical(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (the parameter, its shard or a gradient, in the parameter's
@@ -370,7 +392,7 @@ class FSDPParam:
         version counter, which nothing bumps between forward and backward
         (the optimizer steps after). Tested by
         tests/test_hsdp.py::test_replicate_buckets_overlap_backward."""
-        return self.spec.world_size == 1 and self.param_dtype == self.orig_dtype
+        return self.spec.world_size == 1 and self.param_dtype == self.orig_dtype and self.extension is None
 
     def alloc_unsharded(self) -> torch.Tensor:
         """The unsharded buffer with its storage allocated (contents undefined,
@@ -391,6 +413,9 @@ class FSDPParam:
         but not the bytes; the next unshard refills the same storage in place."""
         if self.reads_shard:  # (the parameter's own storage)
             self.unsharded = None
+        elif self.extension is not None:
+            if not self.keep_unsharded_storage:
+                self.extension.free()
         elif self.unsharded is not None and not self.keep_unsharded_storage:
             self.unsharded.untyped_storage().resize_(0)
 

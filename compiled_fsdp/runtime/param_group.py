@@ -55,6 +55,7 @@ from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, bucket_offsets, post_forward_part, split_reduced
 from compiled_fsdp.runtime.collectives import all_gather_bucket, all_gather_part, copy_out_all_gather, reduce_bucket
 from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
+from compiled_fsdp.runtime.ext_gather import ExtensionGather
 from compiled_fsdp.runtime.param import FSDPParam
 
 if TYPE_CHECKING:
@@ -177,6 +178,9 @@ class FSDPParamGroup:
         # Blocks as compile regions] in compile/regions.py.
         self.block_regions = block_regions
         self.specs = [p.spec for p in fsdp_params]
+        # See [Note: All-gather extensions] in ext_gather.py (None: none here).
+        self.extension_gather = ExtensionGather(fsdp_params) if any(
+            p.extension is not None for p in fsdp_params) else None
         # Per parameter: where it lies in the group's gathered bucket ([Note: Bucket layout]).
         self.bucket_numel = sum(s.shard_numel for s in self.specs)
         for i, (p, offset) in enumerate(zip(fsdp_params, bucket_offsets(self.specs))):
@@ -310,10 +314,13 @@ class FSDPParamGroup:
             self.state = ShardedState.GATHERING
         if self.state is ShardedState.SHARDED:
             self._gather_check = self._issue_check("all-gather")
-            self._pending_gather = all_gather_bucket(
-                [p.canonical_shard() for p in self.fsdp_params], self.specs, self.process_group,
-                [p.param_dtype for p in self.fsdp_params], streams=self._streams(),
-            )
+            if self.extension_gather is not None:
+                self._pending_gather = self.extension_gather.all_gather(self.process_group, self._streams())
+            else:
+                self._pending_gather = all_gather_bucket(
+                    [p.canonical_shard() for p in self.fsdp_params], self.specs, self.process_group,
+                    [p.param_dtype for p in self.fsdp_params], streams=self._streams(),
+                )
             self.state = ShardedState.GATHERING
         if not async_op:
             self.wait_for_unshard()
@@ -329,11 +336,14 @@ class FSDPParamGroup:
         if self.post_forward_args is not None and self.forward_active() and self.reshards_after_forward:
             _, size, rank = self.post_forward_args
             self._post_forward_part = post_forward_part(EAGER, flat, size, rank)
-        dests = [p.alloc_unsharded() for p in self.fsdp_params]
-        with contextlib.ExitStack() as stack:
-            for d in dests:  # autograd's saved views must not see a version bump
-                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(d))
-            copy_out_all_gather(flat, self.specs, [p.to_canonical(d) for p, d in zip(self.fsdp_params, dests)])
+        if self.extension_gather is not None:
+            self.extension_gather.copy_out(flat)
+        else:
+            dests = [p.alloc_unsharded() for p in self.fsdp_params]
+            with contextlib.ExitStack() as stack:
+                for d in dests:  # autograd's saved views must not see a version bump
+                    stack.enter_context(torch.autograd._unsafe_preserve_version_counter(d))
+                copy_out_all_gather(flat, self.specs, [p.to_canonical(d) for p, d in zip(self.fsdp_params, dests)])
         self.state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
