@@ -105,6 +105,7 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     out = _train(rank, world, model, build(hidden), run)
     out["local"] = type(model.layers[0].up.weight.to_local()).__name__
     out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    out["explain"] = {r.fqn: (r.path, r.reason) for r in compiled_fsdp.explain(model)}
     if mode == "eager":
         # The same model gathered plainly (fp32), and FSDP2 beside ours (even rows: FSDP2 asks torchao to pad).
         plain = build(hidden, float8_all_gather=False)
@@ -144,6 +145,9 @@ def test_float8_all_gather(mode: str) -> None:
         hidden = 33 if mode == "eager" else 64
         # (compiled: the blocks' forwards, the float8 weights their graph inputs)
         assert (res["graphs"] > 0) == (mode != "eager"), res
+        path, reason = res["explain"]["layers.0"]
+        assert path == ("fallback" if mode in ("aot_eager", "inductor") else "eager"), res
+        assert "all-gather extension" in reason, res
         if mode == "eager":
             saved = [a - b for a, b in zip(res["plain_gathered"], res["gathered"])]
             assert saved == [3 * _float8_bytes(hidden, 2)] * STEPS, (saved, res)

@@ -58,7 +58,9 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             path = _last_path(state.ctx.root)  # (a region's reads leave no record: its root's graph ran it)
         reason = None
         last = state.last_path()
-        if path == "fallback":
+        if path in ("fallback", "eager") and group is not None and group.extension_gather is not None:
+            reason = _EXTENSION
+        elif path == "fallback":
             if last is Path.UNTRACED:
                 reason = _UNTRACED
             elif state.is_root and group is not None and frames.is_split(group.key):
@@ -92,6 +94,11 @@ _REGION_UNIT = ("a compile region (config.comm.block_regions): one subgraph, tra
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
              "as FlopCounterMode, the recompile limit, a disabled or failed compile); see "
              "[Note: Untraced root frames] in compile/path.py")
+
+
+_EXTENSION = ("its parameters are gathered in their all-gather extension's form (fsdp_pre_all_gather: torchao's "
+              "float8 weights as float8) by the eager runtime, around its compiled code; see [Note: Extension "
+              "groups run the eager runtime] in compile/path.py")
 
 
 _SPLIT = ("a parameter of the root was traced in more than one Dynamo frame, so in-graph collectives "
