@@ -37,6 +37,12 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
   ..._bf16               ours_compiled, fsdp2_eager, fsdp2_compiled and
                          compute_compiled with bf16 parameters for compute and
                          gathers, fp32 reduce (MixedPrecisionPolicy)
+  ..._float8             the blocks' linears in torchao's float8 (emulated on the
+                         CPU), gathered as float8, torchao's scale precompute
+                         after each step (the float8 extra; only when named):
+                         python benchmarks/run.py --rounds 0 --paired-kinds
+                           ours_compiled_float8 ours_compiled_blocks_float8
+                           fsdp2_compiled_blocks_float8 compute_compiled_float8
   ..._hsdp               ours_compiled, ours_eager, fsdp2_eager, fsdp2_compiled
                          on a (2, world/2) HSDP mesh: gathers and reduce-scatters
                          within each half, gradients all-reduced across them.
@@ -185,6 +191,12 @@ _RATIOS = [  # (name, numerator, denominator); "max(a, b)" means the larger of b
     ("ours_compiled_bf16 / fsdp2_eager_bf16", "ours_compiled_bf16", "fsdp2_eager_bf16"),
     ("ours_compiled_bf16 / fsdp2_compiled_bf16", "ours_compiled_bf16", "fsdp2_compiled_bf16"),
     ("ours_compiled_bf16 / ours_compiled", "ours_compiled_bf16", "ours_compiled"),
+    ("ours_compiled_blocks_float8 / fsdp2_compiled_blocks_float8", "ours_compiled_blocks_float8",
+     "fsdp2_compiled_blocks_float8"),
+    ("ours_compiled_float8 / fsdp2_compiled_blocks_float8", "ours_compiled_float8", "fsdp2_compiled_blocks_float8"),
+    ("ours_compiled_float8 / compute_compiled_float8", "ours_compiled_float8", "compute_compiled_float8"),
+    ("fsdp2_compiled_blocks_float8 / compute_compiled_float8", "fsdp2_compiled_blocks_float8",
+     "compute_compiled_float8"),
 ]
 
 

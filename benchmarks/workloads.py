@@ -106,6 +106,12 @@ def _build(kind: str, n_layers: int = 8, tag: str = "", dim: int = 512,
     root eager: torchtitan's pattern; see [Note: Blocks compiled on their own]);
     ``_blocks_nohandoff`` without the gathers handed from block to block."""
     model = _own_code(bench(n_layers, dim), tag or kind)
+    if kind.endswith("_float8"):  # the blocks' linears in torchao's float8, gathered as float8
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("layers"))
+        kind = kind.removesuffix("_float8")
     bf16 = kind.endswith("_bf16")
     mesh = None
     if kind.endswith("_hsdp"):  # 2 replicas, each sharded over half the ranks
@@ -186,15 +192,28 @@ def _train_step(kind: str, rank: int, n_layers: int = 8, tag: str = "", dim: int
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = batch(GPTConfig(), BATCH, seed=rank)
 
+    precompute = _float8_precompute(kind)
+
     def step() -> float:
         t0 = time.perf_counter()
         loss = loss_fn(run(tokens), tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        precompute(model)
         return time.perf_counter() - t0
 
     return step
+
+
+def _float8_precompute(kind: str) -> Callable[[torch.nn.Module], None]:
+    """A ``_float8`` kind's step ends as torchao asks both FSDPs' users to:
+    ``precompute_float8_dynamic_scale_for_fsdp`` after the optimizer step."""
+    if kind.endswith("_float8") and not kind.startswith("compute"):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        return precompute_float8_dynamic_scale_for_fsdp
+    return lambda model: None
 
 
 def _schedule_summary() -> list[dict]:

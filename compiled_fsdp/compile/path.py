@@ -50,18 +50,21 @@ __all__ = ["TorchCompilePath"]
 # All-gather extensions] in runtime/ext_gather.py: torchao's float8 weights)
 # is gathered by the eager runtime, in the extension's form, and its module's
 # compiled code reads the unsharded values (torchao's float8 weights) as
-# graph inputs. A read while Dynamo traces the module inside a larger graph
-# breaks the graph there, so the module falls back ([Note: Fallback decision
-# rule] in frames.py); a block compiled on its own runs its hooks eagerly and
+# graph inputs. So is a group under CPU offload ([Note: CPU offload] in
+# runtime/param.py), whose shards are copied to the device before a gather.
+# A read while Dynamo traces the module inside a larger graph breaks the
+# graph there, so the module falls back ([Note: Fallback decision rule] in
+# frames.py); a block compiled on its own runs its hooks eagerly and
 # compiles its forward alone; a root holding one is not compiled whole. In a
 # graph the extension would run its pre-hook on the shard before the gather
 # and its post-hook after it: a subclass Dynamo would construct inside the
-# graph, which the passes do not lower yet. Tested by tests/test_float8.py.
+# graph, which the passes do not lower yet. Tested by tests/test_float8.py
+# and tests/test_offload.py.
 _EXTENSION_BREAK = (
-    "compiled_fsdp: {fqn!r} of {module} is gathered in its all-gather extension's form (FSDP's "
-    "fsdp_pre_all_gather / fsdp_post_all_gather, e.g. torchao's float8 all-gather) by the eager runtime, not "
-    "inside a graph: its module runs outside this graph, and its forward is compiled as a frame of its own. "
-    "Under fullgraph=True compile such modules on their own (module.compile()) instead of the whole model.")
+    "compiled_fsdp: {fqn!r} of {module} is gathered by the eager runtime, not inside a graph (its all-gather "
+    "extension, fsdp_pre_all_gather / fsdp_post_all_gather as torchao's float8 weights define it, or CPU "
+    "offload): its module runs outside this graph, and its forward is compiled as a frame of its own. Under "
+    "fullgraph=True compile such modules on their own (module.compile()) instead of the whole model.")
 
 
 class _RootCompile:
@@ -123,7 +126,7 @@ class TorchCompilePath(CompiledPath):
     # -- a parameter read: see [Note: Parameter property] -----------------------
     def traced_read(self, param: FSDPParam) -> torch.Tensor:
         group = param.group
-        if group.extension_gather is not None:
+        if group.gathers_eagerly:
             # See [Note: Extension groups run the eager runtime].
             torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))
         entry: CompiledEntry = group.compiled
@@ -213,7 +216,7 @@ class TorchCompilePath(CompiledPath):
         # ``torch.compile(model)`` (an OptimizedModule calls it) or ``model.compile()``
         # (its own call is compiled in place): tests/test_fsdp2_api.py::test_every_module_compiled
         compiled = in_compiled_call or _compiled_in_place(state.module)
-        return compiled and (group is None or (not frames.is_split(group.key) and group.extension_gather is None))
+        return compiled and (group is None or (not frames.is_split(group.key) and not group.gathers_eagerly))
 
     def predicts_own_frame(self, state: FSDPState) -> bool:
         """As its last forward was; before its first, from how it is compiled
@@ -357,7 +360,7 @@ def _may_compile_own_frame(state: FSDPState) -> bool:
         return False
     if ctx.phase is Phase.COMPILED_FORWARD or ctx.root.path is not Path.EAGER:
         return False
-    if group.extension_gather is not None:  # (see [Note: Extension groups run the eager runtime])
+    if group.gathers_eagerly:  # (see [Note: Extension groups run the eager runtime])
         return False
     return not frames.is_split(entry_of(group).split_key)
 

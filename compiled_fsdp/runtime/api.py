@@ -45,7 +45,13 @@ from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
 from compiled_fsdp.runtime.param import FSDPParam, install_class
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
-from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, OffloadPolicy, check_offload, check_policy
+from compiled_fsdp.runtime.policy import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    check_offload,
+    check_policy,
+)
 from compiled_fsdp.runtime.registry import RUNTIME
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 from compiled_fsdp.runtime.validation import (
@@ -103,6 +109,8 @@ class ShardingOptions:
     gloo_reduce_by_all_to_all: bool = True
     # ``config.comm.block_regions``: see [Note: Blocks as compile regions] in compile/regions.py.
     block_regions: bool = False
+    # FSDP2's ``CPUOffloadPolicy``, or None: see [Note: CPU offload] in param.py.
+    offload: Optional[CPUOffloadPolicy] = None
     # FSDP2's per-parameter placement hook (checked in validation.py).
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None
     # HSDP: the replicas' group (the mesh's dim 0), or None. See [Note: HSDP].
@@ -312,8 +320,9 @@ def fully_shard(
     and gathers them again in backward (ZeRO-3); ``False`` keeps them to backward.
     ``mp_policy`` gathers and computes in ``param_dtype`` and reduces gradients in
     ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``); default: full precision.
-    ``offload_policy``: ``OffloadPolicy()`` (none) or, for parameters already on
-    the CPU, ``CPUOffloadPolicy()``. ``shard_placement_fn``: each parameter's
+    ``offload_policy``: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``
+    (shards, gradients and the optimizer step on the CPU: [Note: CPU offload]
+    in param.py). ``shard_placement_fn``: each parameter's
     ``Shard(dim)``, or None for dim 0 ([Note: Shard dims] in param.py). ``dp_mesh_dims``
     (torch 2.15's ``DataParallelMeshDims``): ``mesh`` is the full SPMD mesh and
     this names its data-parallel dims ([Note: dp_mesh_dims] in validation.py).
@@ -322,10 +331,8 @@ def fully_shard(
     modules = _as_modules(module)
     if dp_mesh_dims is not None:
         mesh = resolve_dp_mesh_dims(mesh, dp_mesh_dims, modules)
-    for m in modules:
-        check_offload(offload_policy, m)
     options = _resolve_options(mesh, reshard_after_forward, mp_policy)
-    options = replace(options, shard_placement_fn=shard_placement_fn)
+    options = replace(options, shard_placement_fn=shard_placement_fn, offload=check_offload(offload_policy))
     if policy is not None:
         matches = _policy_matches(policy)
         for root in modules:
@@ -367,7 +374,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         bucket_bytes = _bucket_bytes(options.bucket_cap_mb)
         owners, conflicts, dims = validate(modules, ignored, mp, options.shard_placement_fn, options.api,
                                            options.process_group.size())
-        check_device_and_backend(label(modules), owners, options.process_group)
+        check_device_and_backend(label(modules), owners, options.process_group, options.offload is not None)
     except _AGREED_ERRORS as exc:
         error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype), str(mp.for_param(p).param_dtype), dims.get(p),
@@ -378,13 +385,14 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     options = _with_groups(options)
     group = None
     if owners:
-        mesh = options.mesh_for(_mesh_device_type(next(iter(owners)), options.process_group))
+        mesh = options.mesh_for(_mesh_device_type(next(iter(owners)), options.process_group,
+                                                  options.offload is not None))
         rank = options.process_group.rank()
         shard_size = options.process_group.size()
         fsdp_params = []
         for param, places in owners.items():
             fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank, mp,
-                           shard_size=shard_size, shard_dim=dims[param])
+                           shard_size=shard_size, shard_dim=dims[param], offload=options.offload)
             RUNTIME.managed[param] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(
@@ -418,7 +426,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         install_class(module, mixin=FSDPModule)
         # (a module holding other sharded modules, a root, stays outside: its
         # forward runs once a step, and the regions are its blocks)
-        if group is not None and group.block_regions and group.extension_gather is None \
+        if group is not None and group.block_regions and not group.gathers_eagerly \
                 and len(iter_fsdp_states(module)) == 1:
             compiled_path().make_region(module, group)
     compiled_path().on_fully_shard(group)
@@ -434,12 +442,13 @@ def _bucket_bytes(bucket_cap_mb: object) -> Optional[int]:
     return max(1, int(min(bucket_cap_mb, 2.0 ** 40) * 1024 * 1024))  # (inf: one bucket)
 
 
-def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup) -> str:
+def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup, offload: bool = False) -> str:
     """The device type of the parameters' mesh. For a model built on ``meta``
-    (see [Note: Meta-device init] in param.py) it is the device the process
-    group communicates on: CUDA for NCCL, the accelerator (if any) for torch's
-    fake group and the emulated network, else CPU."""
-    if param.device.type != "meta":
+    (see [Note: Meta-device init] in param.py), or on the CPU under CPU
+    offload, it is the device the process group communicates on: CUDA for
+    NCCL, the accelerator (if any) for torch's fake group and the emulated
+    network, else CPU."""
+    if param.device.type not in ("meta", "cpu") or (param.device.type == "cpu" and not offload):
         return param.device.type
     backend = dist.get_backend(group)
     if backend in ONE_PROCESS_BACKENDS and torch.accelerator.is_available():

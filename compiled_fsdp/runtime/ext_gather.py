@@ -171,8 +171,10 @@ class ExtensionGather:
         owners: list[tuple[int, int]] = []
         for i, p in enumerate(self.params):
             local = p.local_shard()
+            if p.offload:  # (FSDP2 too runs the hook on the shard copied to the device: [Note: CPU offload])
+                local = local.to(p.compute_device, non_blocking=True)
             ins = p.extension.inputs(local) if p.extension is not None else [
-                cast(EAGER, p.canonical_shard().detach(), p.param_dtype)]
+                cast(EAGER, p.gather_input().detach(), p.param_dtype)]
             rows = p.spec.shard_dim0
             for j, t in enumerate(ins):
                 if t.dim() == 0 or t.shape[0] not in (p.local_rows, rows):

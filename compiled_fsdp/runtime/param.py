@@ -86,6 +86,24 @@ object has no attribute '_local_tensor'`` in DTensor's redistribute, on
 reference; whole-model compile and eager are right, so the per-block test
 puts TP on the blocks' matmuls only.
 
+[Note: CPU offload]
+FSDP2's ``CPUOffloadPolicy``: the shard (the registered DTensor's local
+tensor) lives on the CPU, pinned where an accelerator exists and
+``pin_memory`` asks, while the mesh is the compute device's (a model on
+the CPU under NCCL is taken: its mesh is CUDA's). Each gather copies the
+shard to the compute device first (``gather_input``, non-blocking from
+pinned memory) and gathers there; each reduced gradient shard is copied
+back (``add_grad``), so ``.grad`` and the optimizer's state are on the CPU
+and the optimizer steps there. The unsharded buffers, the gradient sink
+and kept gradients are on the compute device. A shard left on another
+device (``to_empty(device="cuda")`` after a meta init) is refused at the
+first forward with FSDP2's error. Under compile a group with offload is
+gathered by the eager runtime ([Note: Extension groups run the eager
+runtime] in compile/path.py): in a graph the copy would be an input the
+passes do not yet schedule. On a machine without an accelerator the
+compute device is the CPU and the copies are none. Tested by
+tests/test_offload.py.
+
 [Note: Meta-device init]
 ``fully_shard`` accepts parameters on ``meta``: each shard is a meta tensor of
 the local shape, so no rank ever holds a full parameter. ``module.to_empty(device=...)``
@@ -112,7 +130,7 @@ from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
 from compiled_fsdp.runtime.ext_gather import Extension, extension_of
 from compiled_fsdp.runtime.extension import compiled_path
-from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
+from compiled_fsdp.runtime.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
 
 
@@ -150,6 +168,7 @@ class FSDPParam:
         mp_policy: MixedPrecisionPolicy,
         shard_size: Optional[int] = None,
         shard_dim: int = 0,
+        offload: Optional[CPUOffloadPolicy] = None,
     ) -> None:
         self.fqn = fqn
         self.owners = owners
@@ -175,8 +194,14 @@ class FSDPParam:
         self.param_dtype = mp_policy.compute_dtype(param.dtype)
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         self.spmd_mesh, self.spmd_placements = self._spmd_layout(fqn)
+        self.offload = offload is not None  # see [Note: CPU offload]
+        self.compute_device = _compute_device(mesh.device_type)
         with torch.no_grad():
             local = self.local_of(param.detach(), rank)
+            if offload is not None and not local.is_meta:
+                local = local.cpu()
+                if offload.pin_memory and torch.accelerator.is_available():
+                    local = local.pin_memory()
         self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
         RUNTIME.shards[id(self.sharded)] = self
         # See [Note: All-gather extensions] in ext_gather.py.
@@ -235,8 +260,18 @@ class FSDPParam:
         return self.to_canonical(grad).contiguous()
 
     def canonical_shard(self) -> torch.Tensor:
-        """The local shard with the shard dim first: what is gathered."""
+        """The local shard with the shard dim first."""
         return self.to_canonical(self.sharded._local_tensor)
+
+    def gather_input(self) -> torch.Tensor:
+        """What is gathered: the canonical shard, on the compute device ([Note: CPU offload])."""
+        shard = self.canonical_shard()
+        return shard.to(self.compute_device, non_blocking=True) if self.offload else shard
+
+    @property
+    def device(self) -> torch.device:
+        """Where the unsharded parameter, its gradient sink and kept gradients live."""
+        return self.compute_device if self.offload else self.local_shard().device
 
     def _spmd_layout(self, fqn: str) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """The registered DTensor's mesh and placements: ``Shard(d)`` on the
@@ -308,6 +343,8 @@ class FSDPParam:
         """Accumulate a reduced gradient of the local rows (canonical: [Note:
         Shard dims]) into ``.grad`` (a DTensor with the parameter's spec)."""
         grad = self.from_canonical(grad)
+        if self.offload:  # ([Note: CPU offload]: blocking, so the optimizer may read it at once)
+            grad = grad.to("cpu")
         if self.sharded.grad is None:
             self.sharded.grad = self.to_dtensor(grad.clone(memory_format=torch.contiguous_format))
         else:
@@ -319,7 +356,7 @@ class FSDPParam:
         if self.grad_sink is None:
             full = self.spec.full_shape
             self.grad_sink = torch.empty_strided(
-                full, (0,) * len(full), dtype=self.reduce_dtype, device=self.local_shard().device
+                full, (0,) * len(full), dtype=self.reduce_dtype, device=self.device
             ).requires_grad_()
         return self.grad_sink
 
@@ -392,7 +429,8 @@ class FSDPParam:
         version counter, which nothing bumps between forward and backward
         (the optimizer steps after). Tested by
         tests/test_hsdp.py::test_replicate_buckets_overlap_backward."""
-        return self.spec.world_size == 1 and self.param_dtype == self.orig_dtype and self.extension is None
+        return (self.spec.world_size == 1 and self.param_dtype == self.orig_dtype and self.extension is None
+                and not self.offload)
 
     def alloc_unsharded(self) -> torch.Tensor:
         """The unsharded buffer with its storage allocated (contents undefined,
@@ -400,7 +438,7 @@ class FSDPParam:
         if self.reads_shard:
             self.unsharded = self.local_shard().detach()
         elif self.unsharded is None:
-            self.unsharded = self.local_shard().new_empty(self.full_shape, dtype=self.param_dtype)
+            self.unsharded = torch.empty(self.full_shape, dtype=self.param_dtype, device=self.device)
         else:
             storage = self.unsharded.untyped_storage()
             nbytes = self.unsharded.numel() * self.unsharded.element_size()
@@ -440,6 +478,13 @@ class FSDPParam:
                 "(do not apply fully_shard to that module separately)."
             )
         return self.sharded
+
+
+def _compute_device(device_type: str) -> torch.device:
+    """The device of a mesh of ``device_type``: this process's current one."""
+    if device_type in ("cpu", "meta"):
+        return torch.device(device_type)
+    return torch.device(device_type, torch.accelerator.current_device_index())
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -181,6 +181,10 @@ class FSDPParamGroup:
         # See [Note: All-gather extensions] in ext_gather.py (None: none here).
         self.extension_gather = ExtensionGather(fsdp_params) if any(
             p.extension is not None for p in fsdp_params) else None
+        # Whether only the eager runtime gathers it, compiled or not ([Note:
+        # Extension groups run the eager runtime] in compile/path.py): an
+        # extension's or an offloaded shard ([Note: CPU offload] in param.py).
+        self.gathers_eagerly = self.extension_gather is not None or any(p.offload for p in fsdp_params)
         # Per parameter: where it lies in the group's gathered bucket ([Note: Bucket layout]).
         self.bucket_numel = sum(s.shard_numel for s in self.specs)
         for i, (p, offset) in enumerate(zip(fsdp_params, bucket_offsets(self.specs))):
@@ -283,6 +287,13 @@ class FSDPParamGroup:
         at once, named under the root (the group's module is ``module_fqn``;
         [Note: Meta-device init] in param.py)."""
         names = [f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn for p in self.fsdp_params if p.on_meta]
+        elsewhere = [(f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn, p.local_shard().device)
+                     for p in self.fsdp_params if p.offload and not p.on_meta and p.local_shard().device.type != "cpu"]
+        if elsewhere:  # (FSDP2's words: [Note: CPU offload] in param.py)
+            raise RuntimeError(
+                "FSDP parameters should be materialized on CPU when enabling CPU offloading. For example, load a "
+                'CPU state dict or call module.to_empty(device="cpu"). Found following parameters on non-CPU '
+                f"device: {elsewhere}")
         if names:
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, but the "
@@ -318,7 +329,7 @@ class FSDPParamGroup:
                 self._pending_gather = self.extension_gather.all_gather(self.process_group, self._streams())
             else:
                 self._pending_gather = all_gather_bucket(
-                    [p.canonical_shard() for p in self.fsdp_params], self.specs, self.process_group,
+                    [p.gather_input() for p in self.fsdp_params], self.specs, self.process_group,
                     [p.param_dtype for p in self.fsdp_params], streams=self._streams(),
                 )
             self.state = ShardedState.GATHERING

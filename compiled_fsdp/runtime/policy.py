@@ -141,32 +141,26 @@ class OffloadPolicy:
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
     """FSDP2's CPU offload policy: sharded parameters, their gradients and the
-    optimizer step live on the CPU. compiled_fsdp takes it for modules whose
-    parameters are already on the CPU (where it holds as it is); moving an
-    accelerator model's shards to the CPU between steps is not implemented
-    (``check_offload`` says so)."""
+    optimizer step live on the CPU (pinned with ``pin_memory`` where an
+    accelerator exists); each shard is copied to the compute device for its
+    all-gather, each reduced gradient shard back. See [Note: CPU offload] in
+    param.py."""
 
     pin_memory: bool = True
 
 
-def check_offload(policy: object, module: object) -> None:
-    """``offload_policy`` as FSDP2 takes it, or an error that says what is supported."""
+def check_offload(policy: object) -> Optional[CPUOffloadPolicy]:
+    """``offload_policy`` as FSDP2 takes it (torch's classes taken as ours):
+    the CPU offload policy, or None for none; a TypeError for anything else."""
     _, torch_offload, torch_cpu_offload = compat.torch_policy_classes()
-    if isinstance(policy, torch_cpu_offload):  # torch's FSDP2 classes, taken as ours
-        policy = CPUOffloadPolicy(pin_memory=policy.pin_memory)
-    elif isinstance(policy, torch_offload):
-        policy = OffloadPolicy()
-    if policy is None or type(policy) is OffloadPolicy:
-        return
+    if isinstance(policy, torch_cpu_offload):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if policy is None or isinstance(policy, torch_offload) or type(policy) is OffloadPolicy:
+        return None
     if not isinstance(policy, CPUOffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got "
                         f"{type(policy).__name__}.")
-    devices = {p.device.type for p in module.parameters()} - {"cpu", "meta"}  # type: ignore[attr-defined]
-    if devices:
-        raise NotImplementedError(
-            f"fully_shard: CPUOffloadPolicy with parameters on {sorted(devices)[0]} is not supported by "
-            "compiled_fsdp (its shards stay on the parameters' device). Drop offload_policy, or keep the "
-            "model on the CPU.")
+    return policy
 
 
 @dataclass(frozen=True)

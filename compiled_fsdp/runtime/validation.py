@@ -34,8 +34,12 @@ def check_mesh(mesh: DeviceMesh) -> None:
 _BACKEND_DEVICES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "fake": None}
 
 
-def check_device_and_backend(module_name: str, owners: dict, group: dist.ProcessGroup) -> None:
-    msg = device_backend_error({p.device.type for p in owners}, str(dist.get_backend(group)))
+def check_device_and_backend(module_name: str, owners: dict, group: dist.ProcessGroup, offload: bool = False
+                             ) -> None:
+    """Parameters on a device the group communicates on (under CPU offload
+    the CPU too: the shards stay there and are copied for each gather)."""
+    devices = {p.device.type for p in owners} - ({"cpu"} if offload else set())
+    msg = device_backend_error(devices, str(dist.get_backend(group)))
     if msg is not None:
         raise ValueError(f"fully_shard({module_name}): {msg}")
 

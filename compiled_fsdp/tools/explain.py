@@ -58,7 +58,7 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             path = _last_path(state.ctx.root)  # (a region's reads leave no record: its root's graph ran it)
         reason = None
         last = state.last_path()
-        if path in ("fallback", "eager") and group is not None and group.extension_gather is not None:
+        if path in ("fallback", "eager") and group is not None and group.gathers_eagerly:
             reason = _EXTENSION
         elif path == "fallback":
             if last is Path.UNTRACED:
@@ -96,9 +96,9 @@ _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an act
              "[Note: Untraced root frames] in compile/path.py")
 
 
-_EXTENSION = ("its parameters are gathered in their all-gather extension's form (fsdp_pre_all_gather: torchao's "
-              "float8 weights as float8) by the eager runtime, around its compiled code; see [Note: Extension "
-              "groups run the eager runtime] in compile/path.py")
+_EXTENSION = ("its parameters are gathered by the eager runtime, around its compiled code: in their all-gather "
+              "extension's form (fsdp_pre_all_gather: torchao's float8 weights as float8), or copied from the CPU "
+              "first (CPU offload); see [Note: Extension groups run the eager runtime] in compile/path.py")
 
 
 _SPLIT = ("a parameter of the root was traced in more than one Dynamo frame, so in-graph collectives "

@@ -1,0 +1,119 @@
+"""FSDP2's ``CPUOffloadPolicy``: [Note: CPU offload] in
+compiled_fsdp/runtime/param.py. On this CPU-only machine the compute device
+is the CPU, so the copies to and from it are none: what is checked is where
+every tensor lives after training (shards, gradients, AdamW's state: the
+CPU), the numerics through the offload paths (eager, ``aot_eager`` whole and
+per block, meta-device init) against a single-process reference and FSDP2's
+offload, and that a compiled model gathers such modules in the eager
+runtime. The copies themselves need an accelerator (benchmarks/gpu_check.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import compiled_fsdp
+from compiled_fsdp import CPUOffloadPolicy, fully_shard
+
+from _dist import run_distributed
+from _parity import full_diff, full_params, reference_grads
+
+D = 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 3 * D)
+        self.down = nn.Linear(3 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(D, D)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return h.pow(2).mean()
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(3, 5, D, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _train(rank: int, world: int, model: nn.Module, run: Any) -> dict:
+    ref = Model()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    worst, devices = 0.0, set()
+    for step in range(3):
+        run(_batch(step, rank)).backward()
+        devices |= {("grad", p.grad.to_local().device.type) for p in model.parameters()}
+        reference_grads(ref, lambda r: ref(_batch(step, r)), world)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        worst = max(worst, full_diff(full_params(model), ref))
+    devices |= {("param", p.to_local().device.type) for p in model.parameters()}
+    devices |= {("optim", t.device.type) for state in opts[0].state.values() for t in state.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return {"worst": worst, "devices": sorted(devices)}
+
+
+def _shard(model: nn.Module, fn: Any, policy: Any) -> nn.Module:
+    for layer in model.layers:
+        fn(layer, offload_policy=policy)
+    fn(model, offload_policy=policy)
+    return model
+
+
+def _rank(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    out = {}
+    eager = _shard(Model(), fully_shard, CPUOffloadPolicy())
+    out["eager"] = _train(rank, world, eager, eager)
+    whole = _shard(Model(), fully_shard, TorchOffload(pin_memory=False))  # (torch's class, taken as ours)
+    out["aot_eager"] = _train(rank, world, whole, torch.compile(whole, backend="aot_eager"))
+    out["explain"] = {r.fqn: (r.path, r.reason) for r in compiled_fsdp.explain(whole)}
+    blocks = _shard(Model(), fully_shard, CPUOffloadPolicy())
+    for layer in blocks.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    out["blocks"] = _train(rank, world, blocks, blocks)
+    with torch.device("meta"):
+        meta = _shard(Model(), fully_shard, CPUOffloadPolicy())
+    meta.to_empty(device="cpu")
+    with torch.no_grad():  # each rank's piece, as torch's distribute_tensor cuts it
+        for p, r in zip(meta.parameters(), Model().parameters()):
+            p.to_local().copy_(distribute_tensor(r.detach(), p.device_mesh, p.placements).to_local())
+    out["meta"] = _train(rank, world, meta, meta)
+    theirs = _shard(Model(), fsdp2_shard, TorchOffload(pin_memory=False))
+    out["fsdp2"] = _train(rank, world, theirs, theirs)
+    out["vs_fsdp2"] = max((a.to_local() - b.to_local()).abs().max().item()
+                          for a, b in zip(eager.parameters(), theirs.parameters()))
+    return out
+
+
+def test_cpu_offload() -> None:
+    """Eager, ``aot_eager`` (whole model: the offloaded modules fall back,
+    ``explain`` names CPU offload) and per block, and from a meta-device
+    init: bitwise to the reference after 3 AdamW steps, and eager bitwise to
+    FSDP2's offload; shards, gradients and AdamW's state on the CPU."""
+    for res in run_distributed(_rank, 2, timeout=600):
+        for case in ("eager", "aot_eager", "blocks", "meta", "fsdp2"):
+            assert res[case]["worst"] == 0.0, (case, res[case])
+            assert res[case]["devices"] == [("grad", "cpu"), ("optim", "cpu"), ("param", "cpu")], (case, res)
+        assert res["vs_fsdp2"] == 0.0, res
+        path, reason = res["explain"]["layers.0"]
+        assert path == "fallback" and "CPU offload" in reason, res["explain"]
