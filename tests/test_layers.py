@@ -27,7 +27,7 @@ ALLOWED = {
 
 
 # The runtime's modules, lowest first: each may import only those before it.
-RUNTIME_ORDER = ["registry", "policy", "streams", "divergence", "collectives", "extension", "param",
+RUNTIME_ORDER = ["registry", "policy", "streams", "divergence", "collectives", "extension", "ext_gather", "param",
                  "param_group", "state", "validation", "module", "api", "replicate"]
 
 
