@@ -17,6 +17,9 @@ sim      An 8-GPU job simulated on the one GPU: torch's fake process group at
          are real), Llama-3.1-8B dimensions, sequence 8192, local batch 1,
          activation checkpointing per block: ours compiled against FSDP2 +
          per-block compile. Per-rank peak memory and tokens/s per GPU.
+f8offload (only when named; needs torchao) torchtitan's per-block pattern at
+         world size 1: torchao float8 linears gathered as float8, then CPU
+         offload, each under ours and FSDP2: step, tokens/s, peak memory.
 predict  The step at 8 GPUs (one node, NVLink) and 64 (8 nodes, network):
          one block's and the head's measured compute fed through the
          project's timeline model (benchmarks/predict.py): how much
@@ -44,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_workers  # noqa: E402
 from predict import predict  # noqa: E402
 
-PARTS = ("ws1", "sim", "predict")
+PARTS = ("ws1", "sim", "predict", "f8offload")
 
 
 def run_worker(kind: str, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
@@ -110,7 +113,7 @@ def table(results: dict[str, dict[str, Any]], predictions: list[dict[str, Any]])
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_check_out", help="folder for the JSON, the trace and each worker's result")
-    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--parts", nargs="+", default=["ws1", "sim", "predict"], choices=PARTS)
     p.add_argument("--kinds", nargs="*", default=None, help="only these configurations")
     p.add_argument("--predict-worlds", nargs="+", type=int, default=[8, 64])
     p.add_argument("--worker-timeout", type=float, default=300.0)
@@ -128,6 +131,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         kinds += list(gpu_workers.WS1_KINDS)
     if "sim" in args.parts:
         kinds += list(gpu_workers.SIM_KINDS)
+    if "f8offload" in args.parts:
+        kinds += list(gpu_workers.F8_OFFLOAD_KINDS)
     if "predict" in args.parts:
         kinds.append("block_times")
     if args.kinds:

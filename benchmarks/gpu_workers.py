@@ -11,6 +11,13 @@ Kinds (see gpu_check.py's docstring for what each row means):
   sim_fsdp2        fsdp2_blocks under the same fake group
   block_times      one block and the head of the simulated model, unsharded and
                    compiled, timed forward and backward (the timeline prediction's input)
+  f8_ours_blocks   torchao float8 linears (not the output), gathered as float8,
+                   each block compiled on its own (torchao's scale precompute
+                   after each step); real float8 matmuls on the GPU
+  f8_fsdp2_blocks  the same under FSDP2
+  offload_ours_blocks / offload_fsdp2_blocks
+                   CPUOffloadPolicy(), each block compiled on its own: shards,
+                   gradients and AdamW on the CPU
 """
 from __future__ import annotations
 
@@ -36,7 +43,8 @@ import llama  # noqa: E402
 
 WS1_KINDS = ("floor", "ours_compiled", "ours_eager", "fsdp2_blocks")
 SIM_KINDS = ("sim_ours", "sim_fsdp2")
-KINDS = WS1_KINDS + SIM_KINDS + ("block_times",)
+F8_OFFLOAD_KINDS = ("f8_ours_blocks", "f8_fsdp2_blocks", "offload_ours_blocks", "offload_fsdp2_blocks")
+KINDS = WS1_KINDS + SIM_KINDS + F8_OFFLOAD_KINDS + ("block_times",)
 
 
 def model_config(args: argparse.Namespace, sim: bool) -> llama.LlamaConfig:
@@ -97,6 +105,8 @@ def build(kind: str, cfg: llama.LlamaConfig, device: torch.device, backend: str)
             model = llama.Llama(cfg)
     if kind == "floor":
         return model, torch.compile(_BF16Floor(model), backend=backend)
+    if kind in F8_OFFLOAD_KINDS:
+        return _build_f8_offload(kind, model, backend, device)
     if kind in ("ours_compiled", "ours_eager", "sim_ours"):
         from compiled_fsdp import fully_shard
         for block in model.layers:
@@ -118,6 +128,42 @@ def build(kind: str, cfg: llama.LlamaConfig, device: torch.device, backend: str)
     return model, run
 
 
+def _build_f8_offload(kind: str, model: nn.Module, backend: str, device: torch.device
+                      ) -> tuple[nn.Module, Callable]:
+    """torchtitan's per-block pattern with float8 all-gather or CPU offload,
+    under ours or FSDP2 (same mixed precision as the other rows)."""
+    ours_mp, fsdp2_mp = _mp_policies()
+    kw: dict[str, Any] = {}
+    if kind.startswith("f8_"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=device.type != "cuda")
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "output")
+    if "_ours_" in kind:
+        from compiled_fsdp import CPUOffloadPolicy, fully_shard
+
+        shard, mp = fully_shard, ours_mp
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        shard, mp = fully_shard, fsdp2_mp
+    if kind.startswith("offload_"):
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in model.layers:
+        block.compile(backend=backend)
+        shard(block, mp_policy=mp, **kw)
+    shard(model, mp_policy=mp, **kw)
+    return model, model
+
+
+def _after_optimizer(kind: str, model: nn.Module) -> None:
+    """torchao's float8 recipe: one all-reduce of the amaxes after each optimizer step."""
+    if kind.startswith("f8_"):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
@@ -137,7 +183,8 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     model, run = build(kind, cfg, device, args.backend)
     params_full = sum(p.numel() for p in model.parameters())
     params_local = sum(_local(p).numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
+    on_device = all(_local(p).device.type == device.type for p in model.parameters())  # (not offloaded)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda" and on_device)
 
     def step(i: int) -> torch.Tensor:
         tokens = llama.batch(cfg, batch, seed=i, device=device)
@@ -145,6 +192,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _after_optimizer(kind, model)
         return loss.detach()
 
     losses, times, allocated = [], [], []
