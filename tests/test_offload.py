@@ -1,5 +1,5 @@
 """FSDP2's ``CPUOffloadPolicy``: [Note: CPU offload] in
-compiled_fsdp/runtime/param.py. On this CPU-only machine the compute device
+compiled_fsdp/runtime/policy.py. On this CPU-only machine the compute device
 is the CPU, so the copies to and from it are none: what is checked is where
 every tensor lives after training (shards, gradients, AdamW's state: the
 CPU), the numerics through the offload paths (eager, ``aot_eager`` whole and

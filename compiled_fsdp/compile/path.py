@@ -51,7 +51,7 @@ __all__ = ["TorchCompilePath"]
 # is gathered by the eager runtime, in the extension's form, and its module's
 # compiled code reads the unsharded values (torchao's float8 weights) as
 # graph inputs. So is a group under CPU offload ([Note: CPU offload] in
-# runtime/param.py), whose shards are copied to the device before a gather.
+# runtime/policy.py), whose shards are copied to the device before a gather.
 # A read while Dynamo traces the module inside a larger graph breaks the
 # graph there, so the module falls back ([Note: Fallback decision rule] in
 # frames.py); a block compiled on its own runs its hooks eagerly and

@@ -109,7 +109,7 @@ class ShardingOptions:
     gloo_reduce_by_all_to_all: bool = True
     # ``config.comm.block_regions``: see [Note: Blocks as compile regions] in compile/regions.py.
     block_regions: bool = False
-    # FSDP2's ``CPUOffloadPolicy``, or None: see [Note: CPU offload] in param.py.
+    # FSDP2's ``CPUOffloadPolicy``, or None: see [Note: CPU offload] in policy.py.
     offload: Optional[CPUOffloadPolicy] = None
     # FSDP2's per-parameter placement hook (checked in validation.py).
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None

@@ -86,24 +86,6 @@ object has no attribute '_local_tensor'`` in DTensor's redistribute, on
 reference; whole-model compile and eager are right, so the per-block test
 puts TP on the blocks' matmuls only.
 
-[Note: CPU offload]
-FSDP2's ``CPUOffloadPolicy``: the shard (the registered DTensor's local
-tensor) lives on the CPU, pinned where an accelerator exists and
-``pin_memory`` asks, while the mesh is the compute device's (a model on
-the CPU under NCCL is taken: its mesh is CUDA's). Each gather copies the
-shard to the compute device first (``gather_input``, non-blocking from
-pinned memory) and gathers there; each reduced gradient shard is copied
-back (``add_grad``), so ``.grad`` and the optimizer's state are on the CPU
-and the optimizer steps there. The unsharded buffers, the gradient sink
-and kept gradients are on the compute device. A shard left on another
-device (``to_empty(device="cuda")`` after a meta init) is refused at the
-first forward with FSDP2's error. Under compile a group with offload is
-gathered by the eager runtime ([Note: Extension groups run the eager
-runtime] in compile/path.py): in a graph the copy would be an input the
-passes do not yet schedule. On a machine without an accelerator the
-compute device is the CPU and the copies are none. Tested by
-tests/test_offload.py.
-
 [Note: Meta-device init]
 ``fully_shard`` accepts parameters on ``meta``: each shard is a meta tensor of
 the local shape, so no rank ever holds a full parameter. ``module.to_empty(device=...)``
@@ -194,7 +176,7 @@ class FSDPParam:
         self.param_dtype = mp_policy.compute_dtype(param.dtype)
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         self.spmd_mesh, self.spmd_placements = self._spmd_layout(fqn)
-        self.offload = offload is not None  # see [Note: CPU offload]
+        self.offload = offload is not None  # see [Note: CPU offload] in policy.py
         self.compute_device = _compute_device(mesh.device_type)
         with torch.no_grad():
             local = self.local_of(param.detach(), rank)
@@ -264,7 +246,7 @@ class FSDPParam:
         return self.to_canonical(self.sharded._local_tensor)
 
     def gather_input(self) -> torch.Tensor:
-        """What is gathered: the canonical shard, on the compute device ([Note: CPU offload])."""
+        """What is gathered: the canonical shard, on the compute device ([Note: CPU offload] in policy.py)."""
         shard = self.canonical_shard()
         return shard.to(self.compute_device, non_blocking=True) if self.offload else shard
 
@@ -343,7 +325,7 @@ class FSDPParam:
         """Accumulate a reduced gradient of the local rows (canonical: [Note:
         Shard dims]) into ``.grad`` (a DTensor with the parameter's spec)."""
         grad = self.from_canonical(grad)
-        if self.offload:  # ([Note: CPU offload]: blocking, so the optimizer may read it at once)
+        if self.offload:  # ([Note: CPU offload] in policy.py: blocking, so the optimizer may read it at once)
             grad = grad.to("cpu")
         if self.sharded.grad is None:
             self.sharded.grad = self.to_dtensor(grad.clone(memory_format=torch.contiguous_format))

@@ -183,7 +183,7 @@ class FSDPParamGroup:
             p.extension is not None for p in fsdp_params) else None
         # Whether only the eager runtime gathers it, compiled or not ([Note:
         # Extension groups run the eager runtime] in compile/path.py): an
-        # extension's or an offloaded shard ([Note: CPU offload] in param.py).
+        # extension's or an offloaded shard ([Note: CPU offload] in policy.py).
         self.gathers_eagerly = self.extension_gather is not None or any(p.offload for p in fsdp_params)
         # Per parameter: where it lies in the group's gathered bucket ([Note: Bucket layout]).
         self.bucket_numel = sum(s.shard_numel for s in self.specs)
@@ -289,7 +289,7 @@ class FSDPParamGroup:
         names = [f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn for p in self.fsdp_params if p.on_meta]
         elsewhere = [(f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn, p.local_shard().device)
                      for p in self.fsdp_params if p.offload and not p.on_meta and p.local_shard().device.type != "cpu"]
-        if elsewhere:  # (FSDP2's words: [Note: CPU offload] in param.py)
+        if elsewhere:  # (FSDP2's words: [Note: CPU offload] in policy.py)
             raise RuntimeError(
                 "FSDP parameters should be materialized on CPU when enabling CPU offloading. For example, load a "
                 'CPU state dict or call module.to_empty(device="cpu"). Found following parameters on non-CPU '

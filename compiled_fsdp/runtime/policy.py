@@ -138,13 +138,31 @@ class OffloadPolicy:
     """FSDP2's base offload policy: no offloading (the default)."""
 
 
+# [Note: CPU offload]
+# FSDP2's ``CPUOffloadPolicy``: the shard (the registered DTensor's local
+# tensor) lives on the CPU, pinned where an accelerator exists and
+# ``pin_memory`` asks, while the mesh is the compute device's (a model on
+# the CPU under NCCL is taken: its mesh is CUDA's). Each gather copies the
+# shard to the compute device first (``FSDPParam.gather_input``,
+# non-blocking from pinned memory) and gathers there; each reduced gradient shard is copied
+# back (``FSDPParam.add_grad``), so ``.grad`` and the optimizer's state
+# are on the CPU and the optimizer steps there. The unsharded buffers, the gradient sink
+# and kept gradients are on the compute device. A shard left on another
+# device (``to_empty(device="cuda")`` after a meta init) is refused at the
+# first forward with FSDP2's error. Under compile a group with offload is
+# gathered by the eager runtime ([Note: Extension groups run the eager
+# runtime] in compile/path.py): in a graph the copy would be an input the
+# passes do not yet schedule. On a machine without an accelerator the
+# compute device is the CPU and the copies are none. Tested by
+# tests/test_offload.py.
+
+
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
     """FSDP2's CPU offload policy: sharded parameters, their gradients and the
     optimizer step live on the CPU (pinned with ``pin_memory`` where an
     accelerator exists); each shard is copied to the compute device for its
-    all-gather, each reduced gradient shard back. See [Note: CPU offload] in
-    param.py."""
+    all-gather, each reduced gradient shard back. See [Note: CPU offload]."""
 
     pin_memory: bool = True
 
