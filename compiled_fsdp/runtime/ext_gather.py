@@ -171,7 +171,7 @@ class ExtensionGather:
         owners: list[tuple[int, int]] = []
         for i, p in enumerate(self.params):
             local = p.local_shard()
-            if p.offload:  # (FSDP2 too runs the hook on the shard copied to the device: [Note: CPU offload] in policy.py)
+            if p.offload:  # (as FSDP2, the hook runs on the shard on the device: [Note: CPU offload] in policy.py)
                 local = local.to(p.compute_device, non_blocking=True)
             ins = p.extension.inputs(local) if p.extension is not None else [
                 cast(EAGER, p.gather_input().detach(), p.param_dtype)]
