@@ -228,7 +228,16 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "mfu": tokens / step_s * flops_token / args.peak_flops,
         "peak_mem_gib": peak, "allocated_after_step_gib": allocated, "losses": losses,
         "param_norm": _param_norm(model), "trace": trace,
+        "offload": _offload_placement(model) if kind.startswith("offload_") else None,
     }
+
+
+def _offload_placement(model: nn.Module) -> dict[str, Any]:
+    """Where the shards live after training, and whether pinned: what the
+    CPU tests cannot show ([Note: CPU offload] in compiled_fsdp/runtime/policy.py)."""
+    locals_ = [_local(p) for p in model.parameters()]
+    return {"shard_devices": sorted({t.device.type for t in locals_}),
+            "all_pinned": all(t.is_pinned() for t in locals_)}
 
 
 def _trace_one_step(step: Callable, i: int, device: torch.device, out_dir: str, kind: str) -> str:

@@ -165,16 +165,31 @@ class _HalfExtension(torch.Tensor):
         return (self,), None
 
 
-def _bad_rank(rank: int, world: int) -> str:
-    layer = nn.Linear(4, 4)
-    layer.weight = nn.Parameter(layer.weight.detach().as_subclass(_HalfExtension))
-    try:
-        fully_shard(layer)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+class _Extension(_HalfExtension):
+    """Both hooks (never called: refused before)."""
+
+    def fsdp_post_all_gather(self, outputs: tuple, metadata: Any, dtype: torch.dtype, *, out: Any = None) -> Any:
+        return outputs[0], outputs
 
 
-def test_a_subclass_with_one_hook_is_refused() -> None:
-    for msg in run_distributed(_bad_rank, 2, timeout=120):
-        assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in msg and "'weight'" in msg, msg
+def _bad_rank(rank: int, world: int) -> list[str]:
+    msgs = []
+    for cls, rows in ((_HalfExtension, 4), (_Extension, 1)):
+        layer = nn.Linear(4, rows)
+        layer.weight = nn.Parameter(layer.weight.detach().as_subclass(cls))
+        try:
+            fully_shard(layer)
+            msgs.append("no error")
+        except ValueError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+def test_bad_extensions_are_refused() -> None:
+    """A shard subclass with one hook of the two, and one that would leave
+    a rank without rows (its pre-hook would take the amax of nothing while
+    the other rank waits): the same ValueError on every rank, at fully_shard."""
+    for one_hook, empty in run_distributed(_bad_rank, 2, timeout=120):
+        assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in one_hook, one_hook
+        assert "'weight'" in one_hook, one_hook
+        assert "has 1 rows on dim 0, which leave a rank of the 2 without any" in empty, empty

@@ -56,6 +56,7 @@ from compiled_fsdp.runtime.registry import RUNTIME
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 from compiled_fsdp.runtime.validation import (
     check_device_and_backend,
+    check_extensions,
     check_mesh,
     label,
     resolve_dp_mesh_dims,
@@ -322,7 +323,7 @@ def fully_shard(
     ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``); default: full precision.
     ``offload_policy``: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``
     (shards, gradients and the optimizer step on the CPU: [Note: CPU offload]
-    in param.py). ``shard_placement_fn``: each parameter's
+    in policy.py). ``shard_placement_fn``: each parameter's
     ``Shard(dim)``, or None for dim 0 ([Note: Shard dims] in param.py). ``dp_mesh_dims``
     (torch 2.15's ``DataParallelMeshDims``): ``mesh`` is the full SPMD mesh and
     this names its data-parallel dims ([Note: dp_mesh_dims] in validation.py).
@@ -375,6 +376,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         owners, conflicts, dims = validate(modules, ignored, mp, options.shard_placement_fn, options.api,
                                            options.process_group.size())
         check_device_and_backend(label(modules), owners, options.process_group, options.offload is not None)
+        check_extensions(owners, dims, options.mesh, options.process_group.size())
     except _AGREED_ERRORS as exc:
         error = (type(exc).__name__, str(exc))
     fingerprint = [(places[0][2], tuple(p.shape), str(p.dtype), str(mp.for_param(p).param_dtype), dims.get(p),

@@ -26,11 +26,15 @@ def all_gather_bucket(
     dtypes: Optional[Sequence[torch.dtype]] = None,
     async_op: bool = True,
     streams: Optional[CommStreams] = None,
+    device: Optional[torch.device] = None,
 ) -> PendingCollective:
     """One all-gather of the packed local ``shards``, each cast to its compute
     dtype (``dtypes``): output ``[N * T]``. Copy-in and collective on the
-    gather stream ([Note: Streams and events])."""
+    gather stream ([Note: Streams and events]); with ``device``, the shards
+    are first copied there, on that stream too ([Note: CPU offload] in policy.py)."""
     with streams.on_gather() if streams is not None else contextlib.nullcontext():
+        if device is not None:
+            shards = [s.to(device, non_blocking=True) for s in shards]
         flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs, dtypes)
         if group.size() > 1:  # (a group of one communicates nothing)
             comm.count("all_gather", flat_in.numel() * flat_in.element_size())

@@ -19,10 +19,13 @@ The gather of a group holding such a shard packs, per rank, every
 parameter's pieces (a plain parameter's one piece: its shard cast to its
 compute dtype; an extension's: its pre-hook's inputs), each zero-padded to
 the group's shard rows ([Note: Shard layout] in core/layout.py) as a plain
-shard is, so any size works on any world size (FSDP2 asks the hook to pad
-itself). The pieces travel as one flat bucket: in their dtype when they
-share one that every backend carries, else as their bytes (``uint8``; gloo
-has no float8 dtype, and FSDP2's group of only float8 weights fails there).
+shard is, so uneven sizes work (FSDP2 asks the hook to pad itself), as long
+as every rank holds rows (``check_extensions`` in validation.py: a hook
+takes its shard's amax). A hook that returns inputs of another shape raises
+on the ranks that see it, before their gather, as under FSDP2. The pieces
+travel as one flat bucket: in their dtype when they share one that every
+backend carries, else as their bytes (``uint8``; gloo has no float8 dtype,
+and FSDP2's group of only float8 weights fails there).
 The gathered pieces are copied out into buffers that live as long as the
 parameter (their storage freed at reshard and refilled at the next gather,
 so autograd's saved views see the new bytes, as [Note: Eager autograd
@@ -34,7 +37,8 @@ The layout of the pieces (their shapes and dtypes) and the metadata come
 from the last pre-hook and are kept until the next: an int
 ``reshard_after_forward`` regathers the forward's bytes in backward
 ([Note: Resharding to a smaller group] in param_group.py) and the
-post-hook gets the forward's metadata again (FSDP2 refuses that case).
+post-hook gets the forward's metadata again (FSDP2 refuses that case; not
+yet tested here).
 
 Compiled: a group with an extension parameter is gathered by this eager
 runtime around compiled code, never inside a graph (compile/path.py), so
@@ -111,8 +115,9 @@ class Extension:
 
     def buffers(self, pieces: Sequence["Piece"], rows: int) -> list[torch.Tensor]:
         """The gathered buffers (``rows`` rows each), their storage allocated."""
-        if len(self.outputs) != len(pieces):
+        if [(tuple(t.shape), t.dtype) for t in self.outputs] != [((rows, *p.rest), p.dtype) for p in pieces]:
             self.outputs = [torch.empty((rows, *p.rest), dtype=p.dtype, device=p.device) for p in pieces]
+            self.unsharded = None  # (the post-hook wraps the buffers: made anew over the new ones)
         for t in self.outputs:
             nbytes = t.numel() * t.element_size()
             if t.untyped_storage().size() != nbytes:
@@ -166,15 +171,26 @@ class ExtensionGather:
         self.width = 0  # a rank's input, in wire elements
 
     def all_gather(self, group: dist.ProcessGroup, streams: Optional[CommStreams]) -> PendingCollective:
-        """Run the pre-hooks and issue the bucket's all-gather: ``[N * width]``."""
+        """Run the pre-hooks and issue the bucket's all-gather: ``[N * width]``.
+        Everything from the pre-hooks on runs on the gather stream ([Note:
+        Streams and events] in streams.py), so its blocks are that stream's."""
+        with streams.on_gather() if streams is not None else contextlib.nullcontext():
+            flats = self._pack()
+            flat_in = torch.cat(flats) if len(flats) > 1 else flats[0]
+            if group.size() > 1:
+                comm.count("all_gather", flat_in.numel() * flat_in.element_size())
+            return comm.all_gather_flat(flat_in, group, async_op=True)
+
+    def _pack(self) -> list[torch.Tensor]:
+        """Each parameter's pieces, padded to whole rows, flattened in the wire dtype."""
         tensors: list[torch.Tensor] = []
-        owners: list[tuple[int, int]] = []
+        owners: list[tuple[int, int, int]] = []
         for i, p in enumerate(self.params):
             local = p.local_shard()
             if p.offload:  # (as FSDP2, the hook runs on the shard on the device: [Note: CPU offload] in policy.py)
                 local = local.to(p.compute_device, non_blocking=True)
             ins = p.extension.inputs(local) if p.extension is not None else [
-                cast(EAGER, p.gather_input().detach(), p.param_dtype)]
+                cast(EAGER, p.to_canonical(local).detach(), p.param_dtype)]
             rows = p.spec.shard_dim0
             for j, t in enumerate(ins):
                 if t.dim() == 0 or t.shape[0] not in (p.local_rows, rows):
@@ -195,11 +211,7 @@ class ExtensionGather:
             self.pieces.append(Piece(i, j, tuple(t.shape[1:]), t.dtype, t.device, at, flats[-1].numel()))
             at += flats[-1].numel()
         self.width = at
-        with streams.on_gather() if streams is not None else contextlib.nullcontext():
-            flat_in = torch.cat(flats) if len(flats) > 1 else flats[0]
-            if group.size() > 1:
-                comm.count("all_gather", flat_in.numel() * flat_in.element_size())
-            return comm.all_gather_flat(flat_in, group, async_op=True)
+        return flats
 
     def copy_out(self, flat: torch.Tensor) -> None:
         """Each piece out of the gathered ``flat`` into its parameter's

@@ -110,7 +110,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
-from compiled_fsdp.runtime.ext_gather import Extension, extension_of
+from compiled_fsdp.runtime.ext_gather import Extension
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
@@ -177,13 +177,12 @@ class FSDPParam:
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         self.spmd_mesh, self.spmd_placements = self._spmd_layout(fqn)
         self.offload = offload is not None  # see [Note: CPU offload] in policy.py
+        self.pin = self.offload and offload.pin_memory and torch.accelerator.is_available()
         self.compute_device = _compute_device(mesh.device_type)
         with torch.no_grad():
             local = self.local_of(param.detach(), rank)
             if offload is not None and not local.is_meta:
-                local = local.cpu()
-                if offload.pin_memory and torch.accelerator.is_available():
-                    local = local.pin_memory()
+                local = local.cpu().pin_memory() if self.pin else local.cpu()
         self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
         RUNTIME.shards[id(self.sharded)] = self
         # See [Note: All-gather extensions] in ext_gather.py.
@@ -203,22 +202,13 @@ class FSDPParam:
 
     def _extension(self, local: torch.Tensor, module: nn.Module, mp_policy: MixedPrecisionPolicy
                    ) -> Optional[Extension]:
-        if not extension_of(local, self.fqn):
+        """The extension's state, if ``local`` has one (``check_extensions``
+        in validation.py refused what is not supported, before any sharding)."""
+        if not hasattr(local, "fsdp_pre_all_gather"):
             return None
-        if self.shard_dim != 0 or self.dtensor_spec is not None:
-            raise NotImplementedError(
-                f"fully_shard: parameter {self.fqn!r} is a {type(local).__name__} with FSDP's all-gather "
-                "extension; compiled_fsdp gathers such parameters sharded on dim 0 and not already DTensors "
-                "(no shard_placement_fn dim, no tensor parallelism). Shard it on dim 0, or convert it to a "
-                "plain tensor.")
-        mesh = self.mesh
-        if mesh.ndim == 2:  # HSDP: the hook's mesh is the shard dim's, FSDP2's shard_mesh_from_root
-            names = mesh.mesh_dim_names
-            if names is None:
-                raise ValueError(f"fully_shard: parameter {self.fqn!r} has FSDP's all-gather extension, which "
-                                 "needs HSDP's 2-D mesh with named dims (mesh_dim_names=('replicate', 'shard')).")
-            mesh = mesh[names[-1]]
-        return Extension(module, mesh, self.global_shape, mp_policy)
+        mesh = self.mesh  # HSDP: the hook's mesh is the shard dim's, FSDP2's shard_mesh_from_root
+        return Extension(module, mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]], self.global_shape,
+                         mp_policy)
 
     def to_canonical(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (the parameter, its shard or a gradient, in the parameter's
@@ -245,10 +235,13 @@ class FSDPParam:
         """The local shard with the shard dim first."""
         return self.to_canonical(self.sharded._local_tensor)
 
-    def gather_input(self) -> torch.Tensor:
-        """What is gathered: the canonical shard, on the compute device ([Note: CPU offload] in policy.py)."""
-        shard = self.canonical_shard()
-        return shard.to(self.compute_device, non_blocking=True) if self.offload else shard
+    def pin_offloaded(self) -> None:
+        """Pin an offloaded shard that is not (materialized after ``fully_shard``:
+        ``to_empty(device="cpu")``), as ``fully_shard`` pins one it shards
+        ([Note: CPU offload] in policy.py)."""
+        local = self.local_shard()
+        if self.pin and local.device.type == "cpu" and not local.is_pinned():
+            self.sharded._local_tensor = local.pin_memory()
 
     @property
     def device(self) -> torch.device:

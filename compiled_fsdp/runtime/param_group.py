@@ -294,6 +294,8 @@ class FSDPParamGroup:
                 "FSDP parameters should be materialized on CPU when enabling CPU offloading. For example, load a "
                 'CPU state dict or call module.to_empty(device="cpu"). Found following parameters on non-CPU '
                 f"device: {elsewhere}")
+        for p in self.fsdp_params:
+            p.pin_offloaded()
         if names:
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, but the "
@@ -329,8 +331,9 @@ class FSDPParamGroup:
                 self._pending_gather = self.extension_gather.all_gather(self.process_group, self._streams())
             else:
                 self._pending_gather = all_gather_bucket(
-                    [p.gather_input() for p in self.fsdp_params], self.specs, self.process_group,
+                    [p.canonical_shard() for p in self.fsdp_params], self.specs, self.process_group,
                     [p.param_dtype for p in self.fsdp_params], streams=self._streams(),
+                    device=self.fsdp_params[0].compute_device if self.fsdp_params[0].offload else None,
                 )
             self.state = ShardedState.GATHERING
         if not async_op:
@@ -442,7 +445,7 @@ class FSDPParamGroup:
         owned = [(p, p.take_unsharded_grad(g)) for p, g in zip(bucket_params, grads)]
         if self.reduce_unused:
             owned = [(p, g if g is not None or not p.sharded.requires_grad else
-                      torch.zeros(p.spec.full_shape, dtype=p.reduce_dtype, device=p.local_shard().device))
+                      torch.zeros(p.spec.full_shape, dtype=p.reduce_dtype, device=p.device))
                      for p, g in owned]
         owned = [(p, g) for p, g in owned if g is not None]
         if not owned:

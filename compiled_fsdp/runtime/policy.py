@@ -143,8 +143,9 @@ class OffloadPolicy:
 # tensor) lives on the CPU, pinned where an accelerator exists and
 # ``pin_memory`` asks, while the mesh is the compute device's (a model on
 # the CPU under NCCL is taken: its mesh is CUDA's). Each gather copies the
-# shard to the compute device first (``FSDPParam.gather_input``,
-# non-blocking from pinned memory) and gathers there; each reduced gradient shard is copied
+# shard to the compute device first (on the gather stream, non-blocking
+# from pinned memory; a shard materialized after ``fully_shard`` is pinned
+# at the first forward) and gathers there; each reduced gradient shard is copied
 # back (``FSDPParam.add_grad``), so ``.grad`` and the optimizer's state
 # are on the CPU and the optimizer steps there. The unsharded buffers, the gradient sink
 # and kept gradients are on the compute device. A shard left on another

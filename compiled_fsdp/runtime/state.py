@@ -422,7 +422,7 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         ctx.states = states
         ctx.checker = next(
             (st.param_group.checker for st in states if st.param_group is not None), None)
-        device = next((st.param_group.fsdp_params[0].local_shard().device for st in states
+        device = next((st.param_group.fsdp_params[0].device for st in states  # (offload: the compute device)
                        if st.param_group is not None and st.param_group.fsdp_params), torch.device("cpu"))
         ctx.streams = CommStreams(device)
         for st in ctx.states:

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from compiled_fsdp.runtime.ext_gather import extension_of
 from compiled_fsdp.runtime.param import sharded_tensor
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
@@ -42,6 +43,35 @@ def check_device_and_backend(module_name: str, owners: dict, group: dist.Process
     msg = device_backend_error(devices, str(dist.get_backend(group)))
     if msg is not None:
         raise ValueError(f"fully_shard({module_name}): {msg}")
+
+
+def check_extensions(owners: dict, dims: dict, mesh: Optional[DeviceMesh], shard_size: int) -> None:
+    """Parameters with FSDP's all-gather extension ([Note: All-gather
+    extensions] in ext_gather.py) that are gathered here: both hooks, dim 0,
+    not a DTensor already, a named HSDP mesh, and rows on every rank (a hook
+    such as torchao's takes the amax of its shard, and an empty one raises
+    on one rank while the others wait in its all-reduce). Decided from the
+    shapes alone, so every rank refuses the same parameter."""
+    for p, places in owners.items():
+        fqn = places[0][2]
+        local = sharded_tensor(p)
+        if not extension_of(local, fqn):
+            continue
+        kind = type(local).__name__
+        if dims.get(p, 0) != 0 or isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"fully_shard: parameter {fqn!r} is a {kind} with FSDP's all-gather extension; compiled_fsdp "
+                "gathers such parameters sharded on dim 0 and not already DTensors (no shard_placement_fn dim, "
+                "no tensor parallelism). Shard it on dim 0, or convert it to a plain tensor.")
+        if mesh is not None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            raise ValueError(f"fully_shard: parameter {fqn!r} has FSDP's all-gather extension, which needs "
+                             "HSDP's 2-D mesh with named dims (mesh_dim_names=('replicate', 'shard')).")
+        rows = p.shape[0] if p.dim() else 0
+        if rows <= (shard_size - 1) * -(-rows // shard_size):
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} ({kind}, all-gather extension) has {rows} rows on dim 0, "
+                f"which leave a rank of the {shard_size} without any: its fsdp_pre_all_gather would run on an "
+                "empty shard. Shard it over fewer ranks, or leave this parameter out of the extension.")
 
 
 def device_backend_error(devices: set[str], backend: str) -> Optional[str]:
