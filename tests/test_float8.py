@@ -193,3 +193,21 @@ def test_bad_extensions_are_refused() -> None:
         assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in one_hook, one_hook
         assert "'weight'" in one_hook, one_hook
         assert "has 1 rows on dim 0, which leave a rank of the 2 without any" in empty, empty
+
+
+def _fullgraph_rank(rank: int, world: int) -> str:
+    model = build()
+    _shard(model, fully_shard)
+    try:
+        torch.compile(model, backend="aot_eager", fullgraph=True)(_batch(0, rank)).backward()
+    except Exception as exc:  # (Dynamo's Unsupported, under its own name on each release)
+        return str(exc)
+    return "no error"
+
+
+def test_fullgraph_whole_model_says_why() -> None:
+    """``torch.compile(model, fullgraph=True)`` with float8 blocks: Dynamo's
+    error on every rank carries ours, which says what to do instead."""
+    for msg in run_distributed(_fullgraph_rank, 2, timeout=300):
+        assert "is gathered by the eager runtime, not inside a graph" in msg, msg
+        assert "compile such modules on their own (module.compile())" in msg, msg
