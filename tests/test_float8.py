@@ -211,3 +211,32 @@ def test_fullgraph_whole_model_says_why() -> None:
     for msg in run_distributed(_fullgraph_rank, 2, timeout=300):
         assert "is gathered by the eager runtime, not inside a graph" in msg, msg
         assert "compile such modules on their own (module.compile())" in msg, msg
+
+
+def _dcp_rank(rank: int, world: int, root: str) -> tuple:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    mine = build()
+    _shard(mine, fully_shard)
+    _train(rank, world, mine, build(), mine)
+    dcp.save(mine.state_dict(), checkpoint_id=root)
+    diffs = []
+    for fn in (fsdp2_shard, fully_shard):  # into FSDP2's float8 model, and back into ours
+        other = build()
+        _shard(other, fn)
+        sd = other.state_dict()
+        dcp.load(sd, checkpoint_id=root)
+        other.load_state_dict(sd)
+        diffs.append(max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                         for a, b in zip(mine.parameters(), other.parameters())))
+    other(_batch(STEPS, rank)).backward()  # (the loaded copy still gathers its float8 weights)
+    return (*diffs, type(other.layers[0].up.weight.to_local()).__name__)
+
+
+def test_dcp_across_fsdp2(tmp_path: Any) -> None:
+    """A DCP checkpoint of ours after 4 float8 steps loads into FSDP2's float8
+    model and back into ours, bitwise, the shards still torchao's subclass."""
+    for into_fsdp2, into_ours, local in run_distributed(_dcp_rank, 2, str(tmp_path / "ckpt"), timeout=300):
+        assert into_fsdp2 == 0.0 and into_ours == 0.0, (into_fsdp2, into_ours)
+        assert local == "WeightWithDynamicFloat8CastTensor", local
