@@ -450,7 +450,7 @@ def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup, offload: bo
     offload, it is the device the process group communicates on: CUDA for
     NCCL, the accelerator (if any) for torch's fake group and the emulated
     network, else CPU."""
-    if param.device.type not in ("meta", "cpu") or (param.device.type == "cpu" and not offload):
+    if param.device.type != "meta" and not (offload and param.device.type == "cpu"):
         return param.device.type
     backend = dist.get_backend(group)
     if backend in ONE_PROCESS_BACKENDS and torch.accelerator.is_available():

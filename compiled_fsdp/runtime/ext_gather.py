@@ -93,11 +93,13 @@ class Extension:
     """One extension parameter's gather state: its hooks' last metadata, its
     gathered buffers and the unsharded value the post-hook made of them."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, global_shape: tuple[int, ...],
-                 mp_policy: MixedPrecisionPolicy) -> None:
+    def __init__(self, local: torch.Tensor, module: nn.Module, mesh: DeviceMesh, outer_size: torch.Size,
+                 outer_stride: tuple[int, ...], mp_policy: MixedPrecisionPolicy) -> None:
+        # FSDP2's two forms of the pre-hook, told apart once by its arity (``extension_of`` checked it).
+        self.long_form = len(inspect.signature(local.fsdp_pre_all_gather).parameters) == 5
         self.module = module
         self.mesh = mesh  # the shard mesh (HSDP: its last dim), FSDP2's ``shard_mesh_from_root``
-        self.global_shape = global_shape
+        self.outer_size, self.outer_stride = outer_size, outer_stride
         self.mp_policy = mp_policy
         self.metadata: Any = None
         self.outputs: list[torch.Tensor] = []  # the gathered inputs, full rows
@@ -105,13 +107,11 @@ class Extension:
 
     def inputs(self, local: torch.Tensor) -> list[torch.Tensor]:
         """The pre-hook's inputs for ``local`` (its metadata kept)."""
-        hook = local.fsdp_pre_all_gather
-        if len(inspect.signature(hook).parameters) == 1:
-            inputs, self.metadata = hook(self.mesh)
+        if self.long_form:
+            inputs, self.metadata = local.fsdp_pre_all_gather(
+                self.mesh, self.outer_size, self.outer_stride, self.module, self.mp_policy)
         else:
-            shape = torch.Size(self.global_shape)
-            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-            inputs, self.metadata = hook(self.mesh, shape, stride, self.module, self.mp_policy)
+            inputs, self.metadata = local.fsdp_pre_all_gather(self.mesh)
         return list(inputs)
 
     def buffers(self, pieces: Sequence["Piece"], rows: int) -> list[torch.Tensor]:
@@ -141,12 +141,11 @@ class Extension:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One tensor of a rank's all-gather input: parameter ``param`` (its
-    ``index``-th input), ``rest`` its trailing shape, ``offset``/``numel``
-    its columns in the wire dtype."""
+    """One tensor of a rank's all-gather input: one of parameter ``param``'s
+    inputs, in order; ``rest`` its trailing shape, ``offset``/``numel`` its
+    columns in the wire dtype."""
 
     param: int
-    index: int
     rest: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
@@ -185,31 +184,31 @@ class ExtensionGather:
     def _pack(self) -> list[torch.Tensor]:
         """Each parameter's pieces, padded to whole rows, flattened in the wire dtype."""
         tensors: list[torch.Tensor] = []
-        owners: list[tuple[int, int, int]] = []
+        owners: list[int] = []
         for i, p in enumerate(self.params):
             local = p.local_shard()
             if p.offload:  # (as FSDP2, the hook runs on the shard on the device: [Note: CPU offload] in policy.py)
                 local = local.to(p.compute_device, non_blocking=True)
             ins = p.extension.inputs(local) if p.extension is not None else [
                 cast(EAGER, p.to_canonical(local).detach(), p.param_dtype)]
-            rows = p.spec.shard_dim0
-            for j, t in enumerate(ins):
-                if t.dim() == 0 or t.shape[0] not in (p.local_rows, rows):
+            for t in ins:
+                if t.dim() == 0 or t.shape[0] not in (p.local_rows, p.spec.shard_dim0):
                     raise ValueError(
                         f"compiled_fsdp: {type(local).__name__}.fsdp_pre_all_gather of {p.fqn!r} returned an "
                         f"input of shape {tuple(t.shape)}; FSDP gathers inputs of this rank's {p.local_rows} "
-                        f"rows (or padded to {rows}) on dim 0.")
+                        f"rows (or padded to {p.spec.shard_dim0}) on dim 0.")
                 tensors.append(t)
-                owners.append((i, j, rows))
+                owners.append(i)
         self.wire = _wire_dtype({t.dtype for t in tensors})
         flats, self.pieces, at = [], [], 0
-        for (i, j, rows), t in zip(owners, tensors):
+        for i, t in zip(owners, tensors):
+            rows = self.params[i].spec.shard_dim0
             # Rows kept apart, so that the padding appends zero rows in any dtype.
             w = t.contiguous().reshape(t.shape[0], math.prod(t.shape[1:])).view(self.wire)
             if w.shape[0] < rows:
                 w = torch.cat([w, w.new_zeros((rows - w.shape[0], w.shape[1]))])
             flats.append(w.view(-1))
-            self.pieces.append(Piece(i, j, tuple(t.shape[1:]), t.dtype, t.device, at, flats[-1].numel()))
+            self.pieces.append(Piece(i, tuple(t.shape[1:]), t.dtype, t.device, at, flats[-1].numel()))
             at += flats[-1].numel()
         self.width = at
         return flats

@@ -207,8 +207,8 @@ class FSDPParam:
         if not hasattr(local, "fsdp_pre_all_gather"):
             return None
         mesh = self.mesh  # HSDP: the hook's mesh is the shard dim's, FSDP2's shard_mesh_from_root
-        return Extension(module, mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]], self.global_shape,
-                         mp_policy)
+        return Extension(local, module, mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]],
+                         torch.Size(self.global_shape), _contiguous_strides(self.global_shape), mp_policy)
 
     def to_canonical(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (the parameter, its shard or a gradient, in the parameter's

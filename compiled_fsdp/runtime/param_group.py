@@ -286,8 +286,11 @@ class FSDPParamGroup:
         """FSDP2's error for shards still on the meta device, all of the group's
         at once, named under the root (the group's module is ``module_fqn``;
         [Note: Meta-device init] in param.py)."""
-        names = [f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn for p in self.fsdp_params if p.on_meta]
-        elsewhere = [(f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn, p.local_shard().device)
+        def name(p: FSDPParam) -> str:
+            return f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn
+
+        names = [name(p) for p in self.fsdp_params if p.on_meta]
+        elsewhere = [(name(p), p.local_shard().device)
                      for p in self.fsdp_params if p.offload and not p.on_meta and p.local_shard().device.type != "cpu"]
         if elsewhere:  # (FSDP2's words: [Note: CPU offload] in policy.py)
             raise RuntimeError(
