@@ -101,7 +101,7 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     if mode == "blocks":  # each block compiled on its own, torchtitan's pattern
         for layer in model.layers:
             layer.compile(backend="aot_eager", fullgraph=True)
-    run = torch.compile(model, backend=mode) if mode in ("aot_eager", "inductor") else model
+    run = torch.compile(model, backend="aot_eager") if mode == "aot_eager" else model
     out = _train(rank, world, model, build(hidden), run)
     out["local"] = type(model.layers[0].up.weight.to_local()).__name__
     out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -129,24 +129,26 @@ def _float8_bytes(hidden: int, world: int) -> int:
     return 2 * 2 * (up + down)
 
 
-@pytest.mark.parametrize("mode", ["eager", "aot_eager", "blocks", "inductor"])
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "blocks"])
 def test_float8_all_gather(mode: str) -> None:
     """Bitwise to the unsharded float8 reference in eager, under aot_eager
     (whole model: the float8 blocks fall back; the root frame, whose loop
     broke, runs eagerly) and with each block compiled on its own (the float8
-    blocks' gathers run eagerly around their compiled forwards); within 1e-6
-    under Inductor. Every path gathers the float8 weights as one byte per
+    blocks' gathers run eagerly around their compiled forwards). (No Inductor
+    case: the float8 gather runs eagerly on every path, so Inductor would
+    compile torchao's matmul and none of the project's graph code; measured
+    once, 1.04e-7, benchmarks/RESULTS.md.) Every path gathers the float8 weights as one byte per
     element: against the same model gathered in fp32, 3 bytes fewer per
     element (against bf16, half). Eager beside FSDP2 with the same config:
     the same shards after 4 steps, bitwise."""
     for res in run_distributed(_rank, 2, mode, timeout=900):
         assert res["local"] == "WeightWithDynamicFloat8CastTensor", res
-        assert res["worst"] <= (1e-6 if mode == "inductor" else 0.0), res
+        assert res["worst"] == 0.0, res
         hidden = 33 if mode == "eager" else 64
         # (compiled: the blocks' forwards, the float8 weights their graph inputs)
         assert (res["graphs"] > 0) == (mode != "eager"), res
         path, reason = res["explain"]["layers.0"]
-        assert path == ("fallback" if mode in ("aot_eager", "inductor") else "eager"), res
+        assert path == ("fallback" if mode == "aot_eager" else "eager"), res
         assert "all-gather extension" in reason, res
         if mode == "eager":
             saved = [a - b for a, b in zip(res["plain_gathered"], res["gathered"])]

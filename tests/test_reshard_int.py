@@ -145,7 +145,7 @@ def test_reshard_to_groups_of_two(mode: str) -> None:
     gather over 2 rebuilds the same bucket.
     Eager: each block keeps ``W / N`` shards' worth between forward and
     backward (resharding over all 4 keeps nothing), and its backward gather
-    sends that instead of one shard, from ranks {0, 1} or {2, 3}; within 1e-6
+    sends that instead of one shard, from ranks {0, 1} or {2, 3}; within 1e-5
     of FSDP2. Compiled whole: no eager collective; the backward graph gathers
     each block over 2 ranks where resharding over 4 gathers it over 4, and the
     forward graph saves the blocks' parts, nothing else of their gathers.
@@ -164,7 +164,9 @@ def test_reshard_to_groups_of_two(mode: str) -> None:
         assert two["post_forward_ranks"] == ([0, 1] if rank < 2 else [2, 3]), two["post_forward_ranks"]
         t = two["bucket"]  # one block's shard of the bucket, in elements
         if mode == "eager":
-            assert res["vs_fsdp2"] < 1e-6, res["vs_fsdp2"]
+            # (FSDP2 rounds its reduction otherwise: 0 on one CPU, 2.0e-6 on an
+            # AVX-512 one; the reference bound above is the tight check)
+            assert res["vs_fsdp2"] < 1e-5, res["vs_fsdp2"]
             assert two["kept"] == [[t * W // N] * 2] * 3 and full["kept"] == [[0, 0]] * 3, (two["kept"], full["kept"])
             assert two["counts"] == full["counts"] == [{"all_gather": 5, "reduce_scatter": 3}] * 3, two["counts"]
             extra = [a["all_gather"] - b["all_gather"] for a, b in zip(two["sent"], full["sent"])]
