@@ -15,6 +15,9 @@ separate pytest run over the same files:
             compiled_fsdp's in every process (bind/sitecustomize.py)
   compiled  the same, every sharded module also compiled in place with
             ``aot_eager``
+  fsdp2_compiled
+            FSDP2 with every sharded module compiled in place the same way:
+            the peer of ``compiled`` (not run unless named in ``--modes``)
 
 Tests marked for 2+ GPUs run on the CPU too (gloo), unless ``--gpu-skips``;
 a test counts when FSDP2 itself passes it here.
@@ -35,7 +38,7 @@ import time
 import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("fsdp2", "eager", "compiled")
+MODES = ("fsdp2", "eager", "compiled", "fsdp2_compiled")
 
 
 def _outcomes(junit_xml: str) -> dict[str, tuple[str, str]]:
@@ -91,7 +94,7 @@ def run_mode(mode: str, files: list[str], keyword: str | None, timeout: float,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tests", required=True, help="directory with PyTorch's test_fully_shard_*.py")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
     p.add_argument("--files", nargs="+", default=["init", "state", "training"])
     p.add_argument("-k", dest="keyword", default=None)
     p.add_argument("--timeout", type=float, default=4 * 3600)

@@ -52,6 +52,10 @@ What differs, and where each choice is used:
   backward's inputs alike; where they are in place already (2.11, no opaque
   object, a fixed torch) it changes nothing. Tested by
   tests/test_eager_parity.py::test_activation_checkpointing (aot_eager).
+* ``DTensor.from_local(..., grad_placements=...)``: from torch 2.13 on
+  (``from_local_takes_grad_placements``). Without it (2.11), parameters that
+  come as DTensors on a ``dp_mesh_dims`` mesh are refused with a clear error
+  ([Note: dp_mesh_dims] in runtime/validation.py).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ __all__ = [
     "cudagraph_unsafe_tags",
     "end_callback_raised",
     "fix_rng_state_order",
+    "from_local_takes_grad_placements",
     "never_a_frame",
     "post_grad_passes",
     "post_grad_value",
@@ -178,6 +183,19 @@ def to_local_keeps_none_grads() -> bool:
         return _ToTorchTensor.backward(types.SimpleNamespace(), None) == (None, None)
     except Exception:  # noqa: BLE001 (the old backward reads the context first)
         return False
+
+
+def from_local_takes_grad_placements() -> bool:
+    """Whether ``DTensor.from_local`` takes ``grad_placements`` (torch 2.13 on;
+    not 2.11): the compute view of a parameter on a ``dp_mesh_dims`` mesh
+    needs it, so its gradient stays ``Partial`` over the data-parallel dims
+    for the reduce-scatter ([Note: FSDP over DTensor parameters] in
+    runtime/param.py)."""
+    import inspect
+
+    from torch.distributed.tensor import DTensor
+
+    return "grad_placements" in inspect.signature(DTensor.from_local).parameters
 
 
 # --- Dynamo -----------------------------------------------------------------

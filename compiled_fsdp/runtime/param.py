@@ -77,7 +77,16 @@ as any other. Under compile, Dynamo traces tensor parallelism's
 collectives into the same graph as ours: [Note: Foreign collectives] in
 passes/schedule.py says how they are scheduled. One parallel dim only (FSDP2
 on most releases; 2-D EP x TP is refused); the two meshes must be named
-dims of one parent (else a ValueError that says how to build them).
+dims of one parent (else a ValueError that says how to build them). Under
+``dp_mesh_dims`` a parameter comes as a DTensor on the whole SPMD mesh
+(``Replicate()`` on the data-parallel dims; torchtitan's ``full_dtensor``):
+it stays there, as FSDP2 keeps it. FSDP's placement replaces ``Replicate()``
+on the shard dim (``_StridedShard`` where a later dim splits the same tensor
+dim), and the compute view is a DTensor on that mesh whose gradient is asked
+``Partial()`` over the data-parallel dims (``grad_placements``): tensor
+parallelism's reductions run in its backward, the data-parallel sum is the
+reduce-scatter's alone (FSDP2: ``_dp_dim_indices``); placement.py decides
+all three layouts (tests/test_fsdp2_215.py::test_dp_mesh_dims_with_tensor_parallelism).
 Tested by tests/test_tensor_parallel.py. Found there, in torch itself and
 without FSDP: a model whose embedding is ``RowwiseParallel`` (torchtitan's
 plan) with its blocks compiled on their own fails in backward (``'Tensor'
@@ -104,14 +113,14 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
 from compiled_fsdp.runtime.ext_gather import Extension
 from compiled_fsdp.runtime.extension import compiled_path
+from compiled_fsdp.runtime.placement import registered_layout
 from compiled_fsdp.runtime.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
 
@@ -175,7 +184,9 @@ class FSDPParam:
         mp_policy = mp_policy.for_param(param)
         self.param_dtype = mp_policy.compute_dtype(param.dtype)
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
-        self.spmd_mesh, self.spmd_placements = self._spmd_layout(fqn)
+        # (on a dp_mesh_dims mesh, grad_placements keeps its gradient Partial over the dp dims)
+        self.spmd_mesh, self.spmd_placements, self.grad_placements = registered_layout(
+            fqn, mesh, self.spec, shard_dim, self.dtensor_spec)
         self.offload = offload is not None  # see [Note: CPU offload] in policy.py
         self.pin = self.offload and offload.pin_memory and torch.accelerator.is_available()
         self.compute_device = _compute_device(mesh.device_type)
@@ -248,46 +259,6 @@ class FSDPParam:
         """Where the unsharded parameter, its gradient sink and kept gradients live."""
         return self.compute_device if self.offload else self.local_shard().device
 
-    def _spmd_layout(self, fqn: str) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-        """The registered DTensor's mesh and placements: ``Shard(d)`` on the
-        module's mesh; on HSDP's 2-D mesh ``(Replicate(), Shard(d))``; for a
-        DTensor parameter, those followed by its own placements, on the two
-        meshes concatenated ([Note: FSDP over DTensor parameters])."""
-        shard: Placement = Shard(self.shard_dim)
-        if self.mesh.ndim == 1 and self.spec.world_size == 1 and self.spec.replicas > 1:
-            shard = Replicate()  # (``replicate``: a group of one over the replicas)
-        placements: tuple[Placement, ...] = (Replicate(), shard) if self.mesh.ndim == 2 else (shard,)
-        spec = self.dtensor_spec
-        if spec is None:
-            return self.mesh, placements
-        if len(spec.placements) != 1:
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} is a DTensor placed {spec.placements} on a {spec.mesh.ndim}-D "
-                "mesh; FSDP over DTensor parameters supports one parallel dim (1-D tensor or expert "
-                "parallelism), as FSDP2 on most releases.")
-        names = (self.mesh.mesh_dim_names, spec.mesh.mesh_dim_names)
-        if None in names:
-            raise ValueError(
-                f"fully_shard: parameter {fqn!r} is a DTensor on the mesh {spec.mesh} (tensor parallelism); "
-                "FSDP over it needs both meshes named sub-meshes of one parent: mesh = init_device_mesh("
-                "device, (dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(block, mesh['tp'], plan); "
-                "fully_shard(block, mesh=mesh['dp']).")
-        try:
-            outer = DeviceMesh._concatenate([self.mesh, spec.mesh])  # (private; on every supported release)
-        except RuntimeError as exc:
-            raise ValueError(
-                f"fully_shard: parameter {fqn!r} is a DTensor on the mesh {spec.mesh}, which is not another "
-                f"dim of the parent of fully_shard's mesh {self.mesh} ({exc}). Take both from one mesh: "
-                "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); mesh['dp'] for "
-                "fully_shard, mesh['tp'] for parallelize_module.") from None
-        if shard.is_shard():
-            # The parallel dim already splits the shard dim: FSDP's rows of
-            # the local tensor interleave, as FSDP2 places them.
-            split = spec.num_shards_map[self.shard_dim]
-            if split > 1:
-                placements = (*placements[:-1], _StridedShard(self.shard_dim, split_factor=split))
-        return outer, (*placements, *spec.placements)
-
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """The registered DTensor over this rank's piece ``local`` (no copy, no
         communication), placed as ``_spmd_layout`` says."""
@@ -306,8 +277,9 @@ class FSDPParam:
         if spec is None:
             return unsharded
         full = self.global_shape
+        extra = {} if self.grad_placements is None else {"grad_placements": self.grad_placements}
         return DTensor.from_local(unsharded, spec.mesh, spec.placements, run_check=False,
-                                  shape=torch.Size(full), stride=_contiguous_strides(full))
+                                  shape=torch.Size(full), stride=_contiguous_strides(full), **extra)
 
     def local_shard(self) -> torch.Tensor:
         """This rank's rows: the tensor the registered DTensor holds, which the

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from compiled_fsdp.core import compat
 from compiled_fsdp.runtime.ext_gather import extension_of
 from compiled_fsdp.runtime.param import sharded_tensor
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
@@ -264,15 +265,22 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
     """[Note: dp_mesh_dims]
     torch 2.15's ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(
     shard=..., replicate=...))`` names the data-parallel dims of the full SPMD
-    mesh (torchtitan passes it by default). Here it resolves to the mesh FSDP2
-    would shard over: the ``shard`` dim (several are flattened into one), with
-    ``replicate`` in front for HSDP. The other dims must have size 1 (tensor
-    parallelism over them is issue 48's). Parameters that come as DTensors
-    replicated over the SPMD mesh become plain tensors first (their local
-    tensor is the whole). Taken on every release, whether or not its FSDP2 has
-    the argument (an object with ``shard`` and ``replicate`` will do).
-    Tested by tests/test_fsdp2_215.py::test_dp_mesh_dims_and_torch_policies and
-    ::test_dp_mesh_dims_errors."""
+    mesh (torchtitan passes it by default). It resolves to the mesh FSDP
+    shards over: the ``shard`` dim (several are flattened into one), with
+    ``replicate`` in front for HSDP. Parameters that come as DTensors on the
+    SPMD mesh (torchtitan's ``full_dtensor``: ``Replicate()`` on the dp dims,
+    tensor parallelism's placements on the others) stay on it, as FSDP2 keeps
+    them: FSDP shards their local tensor over the dp dims, the registered
+    DTensor is placed on the SPMD mesh with FSDP's ``Shard`` on the shard dim,
+    and the module computes with DTensors on that mesh whose gradient stays
+    ``Partial`` over the dp dims for the reduce-scatter ([Note: FSDP over
+    DTensor parameters] in param.py). Plain parameters are sharded over the dp
+    mesh as without ``dp_mesh_dims`` (FSDP2 refuses them unless spmd_types
+    annotates them). Taken on every release, whether or not its FSDP2 has the
+    argument (an object with ``shard`` and ``replicate`` will do); DTensor
+    parameters need torch 2.13 or newer (``compat.from_local_takes_grad_placements``).
+    Tested by tests/test_fsdp2_215.py::test_dp_mesh_dims_and_torch_policies,
+    ::test_dp_mesh_dims_with_tensor_parallelism and ::test_dp_mesh_dims_errors."""
     names = getattr(mesh, "mesh_dim_names", None)
     if not isinstance(mesh, DeviceMesh) or names is None:
         raise ValueError("fully_shard: dp_mesh_dims names dims of mesh, so mesh must be a DeviceMesh with "
@@ -282,32 +290,21 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
     if unknown or not shard:
         raise ValueError(f"fully_shard: dp_mesh_dims={dims!r} must name a shard dim among the mesh's dims "
                          f"{names}" + (f"; unknown: {unknown}" if unknown else "") + ".")
-    others = [n for n in names if n not in shard + replicate and mesh.size(names.index(n)) > 1]
-    if others:
+    on_mesh = [name for root in modules for m in root.modules() for name, p in m._parameters.items()
+               if isinstance(p, DTensor) and p not in RUNTIME.managed and p.device_mesh == mesh]
+    if on_mesh and not compat.from_local_takes_grad_placements():
         raise NotImplementedError(
-            f"fully_shard: the mesh's dims {others} are not data parallel and have size > 1: tensor "
-            "parallelism through dp_mesh_dims is not supported yet. Pass the data-parallel sub-mesh "
-            "instead (fully_shard(block, mesh=mesh['dp']) after parallelize_module(block, mesh['tp'], ...)), "
-            "as FSDP2 takes it on every release.")
+            f"fully_shard: parameters {on_mesh[:3]} are DTensors on the dp_mesh_dims mesh; computing with "
+            "them needs DTensor.from_local(grad_placements=...), which this torch lacks (torch 2.13 or newer "
+            "has it). Pass plain parameters, or the data-parallel sub-mesh: fully_shard(module, mesh=mesh['dp']).")
+    if on_mesh and len(shard) > 1:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims flattens the shard dims {shard} into one, and parameters {on_mesh[:3]} "
+            "are DTensors on the mesh: not supported. Name one shard dim.")
     sub = mesh[shard[0]] if len(shard) == 1 else mesh[shard]._flatten("_".join(shard))
     if replicate:
         if len(shard) > 1 or len(replicate) > 1:
             raise NotImplementedError("fully_shard: HSDP over several flattened dims is not supported; name "
                                       "one replicate dim and one shard dim.")
         sub = mesh[(replicate[0], shard[0])]
-    for root in modules:
-        for m in root.modules():
-            for name, p in list(m._parameters.items()):
-                if isinstance(p, DTensor) and p not in RUNTIME.managed and p.device_mesh == mesh:
-                    if any(not pl.is_replicate() for pl in p.placements):
-                        raise NotImplementedError(
-                            f"fully_shard: parameter {name!r} of {type(m).__name__} is a DTensor placed "
-                            f"{p.placements} on the SPMD mesh; only Replicate() placements are supported.")
-                    # One plain parameter per DTensor, kept on it: a weight tied across two
-                    # fully_shard calls stays one parameter (and meets the shared-weight check).
-                    plain = getattr(p, "_compiled_fsdp_plain", None)
-                    if plain is None:
-                        plain = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
-                        p._compiled_fsdp_plain = plain
-                    m._parameters[name] = plain
     return sub
