@@ -1,10 +1,9 @@
 """What torch 2.15's FSDP2 API adds, as a user calls it: ``dp_mesh_dims``,
 torch's own policy classes, ``param_dtype_override_fn`` and the new
 ``FSDPModule`` methods (README.md, "FSDP2's arguments and methods"), each against a
-single-process reference or the documented refusal, on 2 gloo ranks."""
+single-process reference or the documented refusal, on 2 gloo ranks (4 for
+``dp_mesh_dims`` with tensor parallelism)."""
 from __future__ import annotations
-
-from typing import Optional
 
 import pytest
 import torch
@@ -40,7 +39,7 @@ def _head_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> 
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def _spmd_rank(rank: int, world: int, tp: int, backend: Optional[str]) -> dict:
+def _spmd_rank(rank: int, world: int, tp: int, backends: tuple[str, ...]) -> dict:
     """``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)`` with parameters that
     come as DTensors on that mesh, as torchtitan's ``full_dtensor`` backend
     makes them: ``Replicate()`` on ``dp_shard``; on ``tp`` (size ``tp``)
@@ -48,8 +47,8 @@ def _spmd_rank(rank: int, world: int, tp: int, backend: Optional[str]) -> dict:
     Inputs are DTensors ``Shard(0)`` over ``dp_shard``; each data-parallel
     rank's loss is that of its own logits (so FSDP's mean over ranks is the
     reference's). torch's ``MixedPrecisionPolicy`` and ``OffloadPolicy``;
-    3 AdamW steps; ours (compiled by ``backend``, or eager) and, where
-    torch's FSDP2 takes ``dp_mesh_dims``, FSDP2 eager beside it."""
+    3 AdamW steps; ours once per backend (``eager``: not compiled) and,
+    where torch's FSDP2 takes ``dp_mesh_dims``, FSDP2 eager beside them."""
     import inspect
 
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
@@ -85,28 +84,35 @@ def _spmd_rank(rank: int, world: int, tp: int, backend: Optional[str]) -> dict:
         from torch.distributed.fsdp import DataParallelMeshDims as dims
 
         theirs = build(fsdp2_shard, dims)
-    ref, model = Decoder(), build(fully_shard, dims)
-    run = torch.compile(model, backend=backend) if backend else model
-    models = [m for m in (model, ref, theirs) if m is not None]
+    ref = Decoder()
+    ours = {b: build(fully_shard, dims) for b in backends}
+    runs = {b: torch.compile(m, backend=b) if b != "eager" else m for b, m in ours.items()}
+    models = [*ours.values(), ref] + ([theirs] if theirs is not None else [])
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
-    worst = vs_fsdp2 = 0.0
+    worst = dict.fromkeys(backends, 0.0)
+    vs_fsdp2 = dict.fromkeys(backends, 0.0)
     for step in range(3):
-        train(model, run, step)
+        for b, model in ours.items():
+            train(model, runs[b], step)
         if theirs is not None:
             train(theirs, theirs, step)
         _mean_of_ranks(ref, world // tp, step, _head_loss)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
-        worst = max(worst, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
-        if theirs is not None:
-            vs_fsdp2 = max(vs_fsdp2, max((full[n] - p.full_tensor()).abs().max().item()
-                                         for n, p in theirs.named_parameters()))
-    placed = {n: (p.device_mesh.mesh_dim_names, str(p.placements)) for n, p in model.named_parameters()}
-    return {"worst": worst, "vs_fsdp2": vs_fsdp2 if theirs is not None else None, "placements": placed,
-            "fsdp2_placements": placed if theirs is None else {
-                n: (p.device_mesh.mesh_dim_names, str(p.placements)) for n, p in theirs.named_parameters()}}
+        for b, model in ours.items():
+            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+            worst[b] = max(worst[b], max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
+            if theirs is not None:
+                vs_fsdp2[b] = max(vs_fsdp2[b], max((full[n] - p.full_tensor()).abs().max().item()
+                                                   for n, p in theirs.named_parameters()))
+
+    def placed(model: nn.Module) -> dict:
+        return {n: (p.device_mesh.mesh_dim_names, str(p.placements)) for n, p in model.named_parameters()}
+
+    return {"worst": worst, "vs_fsdp2": vs_fsdp2 if theirs is not None else None,
+            "placements": {b: placed(m) for b, m in ours.items()},
+            "fsdp2_placements": placed(theirs) if theirs is not None else None}
 
 
 def test_dp_mesh_dims_and_torch_policies() -> None:
@@ -114,32 +120,34 @@ def test_dp_mesh_dims_and_torch_policies() -> None:
     places them; refused on torch 2.11 (below)."""
     if not compat.from_local_takes_grad_placements():
         with pytest.raises(Exception, match="grad_placements"):
-            run_distributed(_spmd_rank, 2, 1, None)
+            run_distributed(_spmd_rank, 2, 1, ("eager",))
         return
-    for res in run_distributed(_spmd_rank, 2, 1, None):
-        assert res["worst"] == 0.0 and res["vs_fsdp2"] in (None, 0.0), res
-        assert res["placements"]["lm_head.weight"] == (("dp_shard", "tp"), "(Shard(dim=0), Replicate())"), res
-        assert res["fsdp2_placements"] == res["placements"], res
+    for res in run_distributed(_spmd_rank, 2, 1, ("eager",)):
+        assert res["worst"]["eager"] == 0.0 and res["vs_fsdp2"] in (None, {"eager": 0.0}), res
+        placed = res["placements"]["eager"]
+        assert placed["lm_head.weight"] == (("dp_shard", "tp"), "(Shard(dim=0), Replicate())"), res
+        assert res["fsdp2_placements"] in (None, placed), res
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
-def test_dp_mesh_dims_with_tensor_parallelism(backend: Optional[str]) -> None:
+def test_dp_mesh_dims_with_tensor_parallelism() -> None:
     """A (dp_shard 2, tp 2) mesh on 4 ranks: the parameters registered on it as
     FSDP2 places them (``up``'s rows split by both dims: ``_StridedShard``),
-    trained within 1e-5 of the single-process reference (tensor parallelism
-    sums in another order: 1.1e-6 measured) and bitwise equal to FSDP2's
-    (torch 2.15; ``aot_eager`` against FSDP2 eager). Refused on a torch whose
-    ``DTensor.from_local`` takes no ``grad_placements`` (2.11)."""
+    trained eager and under ``aot_eager`` within 1e-5 of the single-process
+    reference (tensor parallelism sums in another order: 1.1e-6 measured)
+    and bitwise equal to FSDP2's eager run (torch 2.15). Refused on a torch
+    whose ``DTensor.from_local`` takes no ``grad_placements`` (2.11)."""
     if not compat.from_local_takes_grad_placements():
         with pytest.raises(Exception, match="grad_placements"):
-            run_distributed(_spmd_rank, 4, 2, backend)
+            run_distributed(_spmd_rank, 4, 2, ("eager",))
         return
-    for res in run_distributed(_spmd_rank, 4, 2, backend, timeout=600):
-        assert res["worst"] < 1e-5 and res["vs_fsdp2"] in (None, 0.0), res
-        assert res["placements"]["layers.0.up.weight"] == (
-            ("dp_shard", "tp"), "(_StridedShard(dim=0, sf=2), Shard(dim=0))"), res
-        assert res["placements"]["layers.0.down.weight"] == (("dp_shard", "tp"), "(Shard(dim=0), Shard(dim=1))"), res
-        assert res["fsdp2_placements"] == res["placements"], res
+    for res in run_distributed(_spmd_rank, 4, 2, ("eager", "aot_eager"), timeout=600):
+        for backend in ("eager", "aot_eager"):
+            assert res["worst"][backend] < 1e-5, res
+            assert res["vs_fsdp2"] is None or res["vs_fsdp2"][backend] == 0.0, res
+            placed = res["placements"][backend]
+            assert placed["layers.0.up.weight"] == (("dp_shard", "tp"), "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+            assert placed["layers.0.down.weight"] == (("dp_shard", "tp"), "(Shard(dim=0), Shard(dim=1))"), res
+            assert res["fsdp2_placements"] in (None, placed), res
 
 
 def _finalize_rank(rank: int, world: int) -> dict:

@@ -160,6 +160,7 @@ class FSDPParam:
         shard_size: Optional[int] = None,
         shard_dim: int = 0,
         offload: Optional[CPUOffloadPolicy] = None,
+        spmd_mesh: Optional[DeviceMesh] = None,
     ) -> None:
         self.fqn = fqn
         self.owners = owners
@@ -186,7 +187,7 @@ class FSDPParam:
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         # (on a dp_mesh_dims mesh, grad_placements keeps its gradient Partial over the dp dims)
         self.spmd_mesh, self.spmd_placements, self.grad_placements = registered_layout(
-            fqn, mesh, self.spec, shard_dim, self.dtensor_spec)
+            fqn, mesh, self.spec, shard_dim, self.dtensor_spec, spmd_mesh)
         self.offload = offload is not None  # see [Note: CPU offload] in policy.py
         self.pin = self.offload and offload.pin_memory and torch.accelerator.is_available()
         self.compute_device = _compute_device(mesh.device_type)

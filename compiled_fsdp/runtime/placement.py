@@ -18,22 +18,24 @@ Placements = tuple[Placement, ...]
 
 
 def registered_layout(fqn: str, mesh: DeviceMesh, spec: ShardSpec, shard_dim: int,
-                      dtensor_spec: Optional[DTensorSpec]) -> tuple[DeviceMesh, Placements, Optional[Placements]]:
+                      dtensor_spec: Optional[DTensorSpec], spmd_mesh: Optional[DeviceMesh] = None,
+                      ) -> tuple[DeviceMesh, Placements, Optional[Placements]]:
     """The registered DTensor's mesh and placements, and the compute view's
     ``grad_placements`` (None but on a ``dp_mesh_dims`` mesh): ``Shard(d)`` on
     the module's mesh; on HSDP's 2-D mesh ``(Replicate(), Shard(d))``; for a
     DTensor parameter on another mesh (tensor parallelism), those followed by
-    its own placements, on the two meshes concatenated; for one on the
-    ``dp_mesh_dims`` mesh itself, its own with FSDP's on the dp dims."""
+    its own placements, on the two meshes concatenated; for one on
+    ``spmd_mesh`` (``dp_mesh_dims``'s, whose data-parallel dims ``mesh`` is),
+    its own with FSDP's on the dp dims."""
     shard: Placement = Shard(shard_dim)
     if mesh.ndim == 1 and spec.world_size == 1 and spec.replicas > 1:
         shard = Replicate()  # (``replicate``: a group of one over the replicas)
     placements: Placements = (Replicate(), shard) if mesh.ndim == 2 else (shard,)
     if dtensor_spec is None:
         return mesh, placements, None
-    dp_dims = _dp_dims_in(mesh, dtensor_spec.mesh)
-    if dp_dims:
-        return (dtensor_spec.mesh, *_on_its_own_mesh(fqn, dtensor_spec, dp_dims, placements, shard_dim))
+    if spmd_mesh is not None and dtensor_spec.mesh == spmd_mesh:
+        dp_dims = tuple(spmd_mesh.mesh_dim_names.index(n) for n in mesh.mesh_dim_names)
+        return (spmd_mesh, *_on_its_own_mesh(fqn, dtensor_spec, dp_dims, placements, shard_dim))
     return (*_beside_its_mesh(fqn, mesh, dtensor_spec, placements, shard_dim), None)
 
 
@@ -67,18 +69,6 @@ def _beside_its_mesh(fqn: str, mesh: DeviceMesh, dtensor_spec: DTensorSpec, plac
         if split > 1:
             placements = (*placements[:-1], _StridedShard(shard_dim, split_factor=split))
     return outer, (*placements, *dtensor_spec.placements)
-
-
-def _dp_dims_in(mesh: DeviceMesh, own: DeviceMesh) -> tuple[int, ...]:
-    """The dims of ``own`` (a parameter's DTensor mesh) that are FSDP's
-    ``mesh`` (a ``dp_mesh_dims`` mesh: the parameter lives on the whole SPMD
-    mesh), in ``mesh``'s order; () when ``own`` is another mesh."""
-    names, own_names = mesh.mesh_dim_names, own.mesh_dim_names
-    if not names or not own_names or not set(names) <= set(own_names):
-        return ()
-    if mesh._get_root_mesh() != own._get_root_mesh():  # (private; on every supported release)
-        return ()  # (dims of the same names in another mesh)
-    return tuple(own_names.index(n) for n in names)
 
 
 def _on_its_own_mesh(fqn: str, dtensor_spec: DTensorSpec, dp_dims: tuple[int, ...], placements: Placements,
