@@ -28,7 +28,7 @@ ALLOWED = {
 
 # The runtime's modules, lowest first: each may import only those before it.
 RUNTIME_ORDER = ["registry", "policy", "streams", "divergence", "collectives", "extension", "ext_gather", "placement",
-                 "param", "param_group", "state", "validation", "module", "api", "replicate"]
+                 "annotated", "param", "param_group", "state", "validation", "module", "api", "replicate"]
 
 
 def _module_name(path: Path) -> str:

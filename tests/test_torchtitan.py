@@ -8,11 +8,13 @@ on the newest torch).
 torchtitan's CPU limits, worked around here alike for both (never in the
 project): no accelerator makes it pick "cuda" (forced to "cpu");
 FlexAttention has no CPU backward (its SDPA attention instead); FSDP2 on
-gloo needs ``set_force_sum_reduction_for_comms(True)``. torchtitan's default
-SPMD backend (``spmd_types``) needs parameters annotated by its trainer, and
-FSDP2 itself refuses the plain parameters this fixture builds, so the run
-uses ``partial_dtensor`` (what torchtitan uses without tensor parallelism;
-``dp_mesh_dims`` is tested by tests/test_fsdp2_215.py).
+gloo needs ``set_force_sum_reduction_for_comms(True)``. The SPMD backend is
+torchtitan's default, ``spmd_types``, set up as its trainer sets it up: the
+model config's sharding declarations (``update_from_config``'s
+``set_llama3_sharding_config``), ``parallelize_llama``'s annotated
+parameters and ``dp_mesh_dims``, inputs annotated by
+``annotate_input_spmd_types`` and each step inside the trainer's SPMD
+context (type checking off: torchtitan's default).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ def _bind_ours() -> None:
 
 def _build(compile_: bool):  # noqa: ANN202
     import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
     import torchtitan.models.llama3 as llama3
     import torchtitan.tools.utils as utils
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -49,18 +52,22 @@ def _build(compile_: bool):  # noqa: ANN202
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     utils.device_type = parallel_dims.device_type = "cpu"
     llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
     spec = llama3.model_registry("debugmodel")
+    set_llama3_sharding_config(spec.model, enable_sp=ParallelismConfig().enable_sequence_parallel)
     with torch.device("meta"):
         model = spec.model.build()
+    parallelism = ParallelismConfig()  # (torchtitan's defaults: the spmd_types backend)
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=2,
-                        spmd_backend="partial_dtensor")
+                        spmd_backend=parallelism.spmd_backend)
     dims.build_mesh()
     cc = CompileConfig(enable=compile_, components=["model"], backend="aot_eager")
     model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(local_batch_size=2, seq_len=64),
-                                parallelism=ParallelismConfig(spmd_backend="partial_dtensor"), compile_config=cc,
+                                parallelism=parallelism, compile_config=cc,
                                 ac_config=SelectiveAC.Config(), dump_folder=tempfile.mkdtemp())
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -71,18 +78,22 @@ def _build(compile_: bool):  # noqa: ANN202
         compile_config=cc)
     loss_fn.set_lm_head(model.lm_head)
     model._skip_lm_head = True
-    return model, loss_fn
+    return model, loss_fn, dims
 
 
 def _rank(rank: int, world: int, impl: str, compile_: bool, ckpt: str) -> dict:
+    import spmd_types as spmd
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+    from torchtitan.distributed.utils import get_spmd_context
 
     if impl == "ours":
         _bind_ours()
     from torch.distributed.fsdp import FSDPModule
 
-    model, loss_fn = _build(compile_)
+    model, loss_fn, dims = _build(compile_)
+    context = get_spmd_context(parallel_dims=dims)
     if impl == "fsdp2":
         for m in model.modules():
             if isinstance(m, FSDPModule):
@@ -92,9 +103,11 @@ def _rank(rank: int, world: int, impl: str, compile_: bool, ckpt: str) -> dict:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(1000 * step + rank)
         tokens = torch.randint(0, 2048, (2, 65), generator=g)
-        labels = tokens[:, 1:]
-        loss, _ = loss_fn(model(tokens[:, :-1]), labels, torch.tensor(float(labels.numel() * world)))
-        loss.backward()
+        inputs, labels, _ = annotate_input_spmd_types(dims, tokens[:, :-1], tokens[:, 1:], {})
+        with context():  # (the trainer's forward_backward_step)
+            loss, _ = loss_fn(model(inputs), labels, torch.tensor(float(labels.numel() * world)))
+            with spmd.no_typecheck():
+                loss.backward()
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()

@@ -56,6 +56,11 @@ What differs, and where each choice is used:
   (``from_local_takes_grad_placements``). Without it (2.11), parameters that
   come as DTensors on a ``dp_mesh_dims`` mesh are refused with a clear error
   ([Note: dp_mesh_dims] in runtime/validation.py).
+* spmd_types annotations on plain parameters (torchtitan's default SPMD
+  backend): torch 2.15's FSDP2 reads them (``dist._is_spmd_types_available``)
+  and earlier releases ignore them; ``spmd_types_package()`` returns the
+  package where this torch reads them, else None ([Note: spmd_types
+  parameters] in runtime/annotated.py).
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ __all__ = [
     "post_grad_passes",
     "post_grad_value",
     "reduce_scatter_single",
+    "spmd_types_package",
     "to_local_keeps_none_grads",
     "torch_release",
 ]
@@ -453,3 +459,15 @@ def cudagraph_unsafe_tags() -> tuple:
     ``regather``'s choice between a prefetched gather and its own)."""
     tag = getattr(torch.Tag, "cudagraph_unsafe", None)
     return () if tag is None else (tag,)
+
+
+def spmd_types_package() -> Any:
+    """The ``spmd_types`` package where this torch's FSDP2 translates its
+    annotations on plain parameters into DTensor placements (torch 2.15 with
+    the package installed), else None."""
+    available = getattr(dist, "_is_spmd_types_available", None)
+    if available is None or not available():
+        return None
+    import spmd_types
+
+    return spmd_types

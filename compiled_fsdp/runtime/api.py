@@ -115,6 +115,7 @@ class ShardingOptions:
     # ``dp_mesh_dims``'s full SPMD mesh, or None: DTensor parameters on it keep
     # it ([Note: dp_mesh_dims] in validation.py).
     spmd_mesh: Optional[DeviceMesh] = None
+    spmd_dp_names: tuple[str, ...] = ()  # (its data-parallel dims)
     # FSDP2's per-parameter placement hook (checked in validation.py).
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None
     # HSDP: the replicas' group (the mesh's dim 0), or None. See [Note: HSDP].
@@ -333,12 +334,12 @@ def fully_shard(
     torch's own policy classes are taken as ours. See README.md, "FSDP2's arguments and methods".
     """
     modules = _as_modules(module)
-    spmd_mesh = None
+    spmd_mesh, dp_names = None, ()
     if dp_mesh_dims is not None:
-        spmd_mesh, mesh = mesh, resolve_dp_mesh_dims(mesh, dp_mesh_dims, modules)
+        spmd_mesh, (mesh, dp_names) = mesh, resolve_dp_mesh_dims(mesh, dp_mesh_dims, modules)
     options = _resolve_options(mesh, reshard_after_forward, mp_policy)
     options = replace(options, shard_placement_fn=shard_placement_fn, offload=check_offload(offload_policy),
-                      spmd_mesh=spmd_mesh)
+                      spmd_mesh=spmd_mesh, spmd_dp_names=dp_names)
     if policy is not None:
         matches = _policy_matches(policy)
         for root in modules:
@@ -400,7 +401,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         for param, places in owners.items():
             fp = FSDPParam(param, [(m, n) for m, n, _ in places], places[0][2], mesh, rank, mp,
                            shard_size=shard_size, shard_dim=dims[param], offload=options.offload,
-                           spmd_mesh=options.spmd_mesh)
+                           spmd_mesh=options.spmd_mesh, spmd_dp_names=options.spmd_dp_names)
             RUNTIME.managed[param] = fp
             fsdp_params.append(fp)
         group = FSDPParamGroup(

@@ -118,6 +118,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from compiled_fsdp.core import compat
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
+from compiled_fsdp.runtime.annotated import annotated_layout
 from compiled_fsdp.runtime.ext_gather import Extension
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.placement import registered_layout
@@ -161,6 +162,7 @@ class FSDPParam:
         shard_dim: int = 0,
         offload: Optional[CPUOffloadPolicy] = None,
         spmd_mesh: Optional[DeviceMesh] = None,
+        spmd_dp_names: tuple[str, ...] = (),
     ) -> None:
         self.fqn = fqn
         self.owners = owners
@@ -168,6 +170,11 @@ class FSDPParam:
         self.shard_dim = shard_dim  # see [Note: Shard dims]
         # See [Note: FSDP over DTensor parameters]: FSDP shards, gathers and
         # reduces the DTensor's local tensor; ``full_shape`` is that tensor's.
+        # A plain parameter with spmd_types annotations is the DTensor they
+        # describe, computed with as a plain tensor ([Note: spmd_types parameters]).
+        self.annotated = annotated_layout(fqn, param, spmd_mesh, spmd_dp_names)
+        if self.annotated is not None:
+            param = self.annotated.as_dtensor(param, spmd_mesh)
         self.dtensor_spec: Optional[DTensorSpec] = param._spec if isinstance(param, DTensor) else None
         self.global_shape = tuple(param.shape)
         requires_grad = param.requires_grad
@@ -273,14 +280,16 @@ class FSDPParam:
         """What the module's code reads: the unsharded tensor, or for a
         DTensor parameter a DTensor over it with the parameter's own
         placements (differentiable: its gradient comes back as the local
-        tensor's, redistributed to those placements)."""
+        tensor's, redistributed to those placements); for an annotated one,
+        that DTensor's plain local tensor ([Note: spmd_types parameters])."""
         spec = self.dtensor_spec
         if spec is None:
             return unsharded
         full = self.global_shape
         extra = {} if self.grad_placements is None else {"grad_placements": self.grad_placements}
-        return DTensor.from_local(unsharded, spec.mesh, spec.placements, run_check=False,
+        view = DTensor.from_local(unsharded, spec.mesh, spec.placements, run_check=False,
                                   shape=torch.Size(full), stride=_contiguous_strides(full), **extra)
+        return view if self.annotated is None else self.annotated.plain(view)
 
     def local_shard(self) -> torch.Tensor:
         """This rank's rows: the tensor the registered DTensor holds, which the

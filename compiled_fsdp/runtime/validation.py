@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from compiled_fsdp.core import compat
+from compiled_fsdp.runtime.annotated import annotated_layout
 from compiled_fsdp.runtime.ext_gather import extension_of
 from compiled_fsdp.runtime.param import sharded_tensor
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
@@ -261,13 +262,14 @@ def _dim_names(value: object) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
 
 
-def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]) -> DeviceMesh:
+def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
+                         ) -> tuple[DeviceMesh, tuple[str, ...]]:
     """[Note: dp_mesh_dims]
     torch 2.15's ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(
     shard=..., replicate=...))`` names the data-parallel dims of the full SPMD
     mesh (torchtitan passes it by default). It resolves to the mesh FSDP
     shards over: the ``shard`` dim (several are flattened into one), with
-    ``replicate`` in front for HSDP. Parameters that come as DTensors on the
+    ``replicate`` in front for HSDP (returned with the dp dims' names). Parameters that come as DTensors on the
     SPMD mesh (torchtitan's ``full_dtensor``: ``Replicate()`` on the dp dims,
     tensor parallelism's placements on the others) stay on it, as FSDP2 keeps
     them: FSDP shards their local tensor over the dp dims, the registered
@@ -275,9 +277,10 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
     and the module computes with DTensors on that mesh whose gradient stays
     ``Partial`` over the dp dims for the reduce-scatter ([Note: FSDP over
     DTensor parameters] in param.py). Plain parameters are sharded over the dp
-    mesh as without ``dp_mesh_dims`` (FSDP2 refuses them unless spmd_types
-    annotates them). Taken on every release, whether or not its FSDP2 has the
-    argument (an object with ``shard`` and ``replicate`` will do); DTensor
+    mesh as without ``dp_mesh_dims``, unless spmd_types annotates them on
+    another dim ([Note: spmd_types parameters] in annotated.py). Taken on
+    every release, whether or not its FSDP2 has the argument (an object with
+    ``shard`` and ``replicate`` will do); DTensor
     parameters need torch 2.13 or newer (``compat.from_local_takes_grad_placements``).
     Tested by tests/test_fsdp2_215.py::test_dp_mesh_dims_and_torch_policies,
     ::test_dp_mesh_dims_with_tensor_parallelism and ::test_dp_mesh_dims_errors."""
@@ -291,7 +294,9 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
         raise ValueError(f"fully_shard: dp_mesh_dims={dims!r} must name a shard dim among the mesh's dims "
                          f"{names}" + (f"; unknown: {unknown}" if unknown else "") + ".")
     on_mesh = [name for root in modules for m in root.modules() for name, p in m._parameters.items()
-               if isinstance(p, DTensor) and p not in RUNTIME.managed and p.device_mesh == mesh]
+               if p is not None and p not in RUNTIME.managed and (
+                   (isinstance(p, DTensor) and p.device_mesh == mesh)
+                   or annotated_layout(name, p, mesh, shard + replicate) is not None)]
     if on_mesh and not compat.from_local_takes_grad_placements():
         raise NotImplementedError(
             f"fully_shard: parameters {on_mesh[:3]} are DTensors on the dp_mesh_dims mesh; computing with "
@@ -307,4 +312,4 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
             raise NotImplementedError("fully_shard: HSDP over several flattened dims is not supported; name "
                                       "one replicate dim and one shard dim.")
         sub = mesh[(replicate[0], shard[0])]
-    return sub
+    return sub, shard + replicate
