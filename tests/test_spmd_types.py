@@ -94,6 +94,7 @@ def _rank(rank: int, world: int, backends: tuple[str, ...]) -> dict:
         "vs_fsdp2": {b: max((f[n] - full["fsdp2"][n]).abs().max().item() for n in f) for b, f in full.items()},
         "placements": {b: {n: str(p.placements) for n, p in m.named_parameters()} for b, m in models.items()},
     }
+    out["typed"] = {b: _typechecked_step(models[b], mesh, dp) for b in ("eager", "fsdp2")}
     bad = ColumnParallel(TP, mesh["tp"].get_local_rank())
     spmd.assert_type(bad.w, {dp_group: spmd.I, tp_group: spmd.S(0)})
     with pytest.raises(ValueError, match="needs R there"):
@@ -105,6 +106,24 @@ def _rank(rank: int, world: int, backends: tuple[str, ...]) -> dict:
     return out
 
 
+def _typechecked_step(model: nn.Module, mesh, dp: int) -> str:  # noqa: ANN001
+    """A forward and backward under spmd_types' type checking, the input
+    annotated ``S(0)`` over ``dp_shard``: the parameters the module reads
+    carry their annotations (without them the checker raises "missing axis"),
+    and the hooks' own work is not checked. The output's local type."""
+    import spmd_types as spmd
+    from spmd_types.checker import typecheck
+
+    x = _batch(3, dp)
+    spmd.assert_type(x, {mesh.get_group("dp_shard"): spmd.S(0), mesh.get_group("tp"): spmd.R})
+    with spmd.set_current_mesh(mesh), typecheck(local=False):
+        out = model(x)
+        loss = _loss(out)
+    loss.backward()
+    model.zero_grad()
+    return str(spmd.get_local_type(out))
+
+
 def test_spmd_types_annotations() -> None:
     """Registered as FSDP2 registers them (``w``'s rows split by both dims:
     ``_StridedShard``), trained eager and under ``aot_eager`` within 1e-5 of
@@ -113,10 +132,12 @@ def test_spmd_types_annotations() -> None:
     this, ours sharded the annotated pieces as whole parameters: ``w``'s
     full tensor had half its rows, and ``g`` missed tensor parallelism's sum
     (12.5 from the reference when only that sum is dropped). An annotation
-    other than ``R`` on the data-parallel dim, or none on ``tp``, is refused."""
+    other than ``R`` on the data-parallel dim, or none on ``tp``, is refused.
+    Under spmd_types' type checking a step runs as FSDP2's does."""
     for res in run_distributed(_rank, 4, ("eager", "aot_eager"), timeout=600):
         for backend in ("eager", "aot_eager", "fsdp2"):
             assert res["worst"][backend] < 1e-5, res
             assert res["vs_fsdp2"][backend] == 0.0, res
             assert res["placements"][backend] == res["placements"]["fsdp2"], res
         assert res["placements"]["eager"]["w"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", res
+        assert res["typed"]["eager"] == res["typed"]["fsdp2"] == "{mesh_dp_shard: V, mesh_tp: V}", res

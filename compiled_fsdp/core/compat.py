@@ -59,12 +59,14 @@ What differs, and where each choice is used:
 * spmd_types annotations on plain parameters (torchtitan's default SPMD
   backend): torch 2.15's FSDP2 reads them (``dist._is_spmd_types_available``)
   and earlier releases ignore them; ``spmd_types_package()`` returns the
-  package where this torch reads them, else None ([Note: spmd_types
-  parameters] in runtime/annotated.py).
+  package where this torch reads them, else None, and the runtime's hooks
+  run inside ``no_spmd_typecheck()`` ([Note: spmd_types parameters] in
+  runtime/annotated.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -87,6 +89,7 @@ __all__ = [
     "post_grad_passes",
     "post_grad_value",
     "reduce_scatter_single",
+    "no_spmd_typecheck",
     "spmd_types_package",
     "to_local_keeps_none_grads",
     "torch_release",
@@ -471,3 +474,11 @@ def spmd_types_package() -> Any:
     import spmd_types
 
     return spmd_types
+
+
+def no_spmd_typecheck() -> Any:
+    """A context in which spmd_types' type checking is off (the runtime's own
+    tensor work in its hooks, as FSDP2's ``_spmd_no_typecheck``); a no-op
+    where this torch reads no annotations."""
+    spmd = spmd_types_package()
+    return contextlib.nullcontext() if spmd is None else spmd.no_typecheck()

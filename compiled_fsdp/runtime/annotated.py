@@ -18,8 +18,9 @@ parameter's own placements (tensor parallelism's sum) and stays ``Partial``
 over the data-parallel dims for the reduce-scatter. Annotations that name
 no dim of size above 1 besides the data-parallel ones describe a plain
 parameter (FSDP alone, torchtitan's default without TP): it is sharded as
-one. Under spmd_types' type checking an eager compute view carries its
-annotations again, as FSDP2's ``_restore_spmd_types`` does. Tested by
+one. An eager compute view carries its annotations again, for spmd_types'
+type checking (as FSDP2's ``_restore_spmd_types``), and the runtime's hooks
+run with type checking off (``compat.no_spmd_typecheck``), as FSDP2's do. Tested by
 tests/test_fsdp2_215.py::test_spmd_types_annotations and
 tests/test_torchtitan.py (torchtitan's default backend).
 """
@@ -59,9 +60,8 @@ class Annotated:
     def plain(self, view: DTensor) -> torch.Tensor:
         """The plain tensor the module computes with, from the DTensor view."""
         out = view.to_local(grad_placements=self.compute_grad)
-        spmd = compat.spmd_types_package()
-        if spmd.is_type_checking() and not torch.compiler.is_compiling():
-            spmd.assert_type(out, self.local_type, partition_spec=self.partition_spec)
+        if not torch.compiler.is_compiling():  # (made in the hooks, with type checking off)
+            compat.spmd_types_package().assert_type(out, self.local_type, partition_spec=self.partition_spec)
         return out
 
 

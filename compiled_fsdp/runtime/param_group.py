@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from compiled_fsdp.core import registry, rules
+from compiled_fsdp.core import compat, registry, rules
 from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, bucket_offsets, post_forward_part, split_reduced
 from compiled_fsdp.runtime.collectives import all_gather_bucket, all_gather_part, copy_out_all_gather, reduce_bucket
@@ -110,7 +110,8 @@ class _UnshardFn(torch.autograd.Function):
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[None, ...]:
         group = ctx.group()
         if group is not None:  # (None: the model was freed before this backward ran)
-            group.post_backward(grads, ctx.bucket)
+            with compat.no_spmd_typecheck():
+                group.post_backward(grads, ctx.bucket)
         return (None,) * (2 + len(grads))
 
 

@@ -222,6 +222,10 @@ class RootContext:
 
     def end_iteration(self) -> None:
         """See [Note: Roots and iterations] and [Note: Several backwards of one forward]."""
+        with compat.no_spmd_typecheck():
+            self._end_iteration()
+
+    def _end_iteration(self) -> None:
         for g in self.pending_reduces:
             g.finish_grad_sync()
         self.pending_reduces = []
@@ -443,7 +447,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         """See [Note: Hooks under Dynamo]. Traced inside a graph, only the input
         casts remain: the passes own this module's communication."""
         if not torch.compiler.is_dynamo_compiling():
-            self._eager_pre_forward(_is_in_optimized_module())
+            with compat.no_spmd_typecheck():  # ([Note: spmd_types parameters] in annotated.py)
+                self._eager_pre_forward(_is_in_optimized_module())
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:  # [Note: Mixed precision]
             return cast_floating(mp.param_dtype, (args, kwargs))
@@ -488,7 +493,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if not torch.compiler.is_dynamo_compiling():
-            output = self._eager_post_forward(output)
+            with compat.no_spmd_typecheck():
+                output = self._eager_post_forward(output)
         return cast_floating(self.mp_policy.output_dtype, output)
 
     def _eager_pre_forward(self, in_compiled_call: bool) -> None:
@@ -566,6 +572,10 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         return output
 
     def _pre_backward(self, grad: Any) -> None:
+        with compat.no_spmd_typecheck():
+            self._eager_pre_backward()
+
+    def _eager_pre_backward(self) -> None:
         ctx = self.ctx
         ctx.ensure_callback_queued()
         if self.param_group is not None:
