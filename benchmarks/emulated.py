@@ -295,6 +295,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "step_times_s": times, "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
         "collectives": s["collectives"], "topology": net.topology.__dict__,
         "compile_s": compile_s, "unique_graphs": frames_compiled,
+        # The last step's collectives as the network ran them (ms from the step's start):
+        # where the link idled and where the step waited.
+        "last_step": [{"kind": r.kind, "bytes": r.bytes, "issue": round(1e3 * r.issue_s, 1),
+                       "start": round(1e3 * r.start_s, 1), "end": round(1e3 * r.end_s, 1),
+                       "waited": round(1e3 * r.waited_s, 1)} for r in net.records()],
+        "last_step_ms": round(1e3 * times[-1], 1),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }
     if device.type == "cuda":

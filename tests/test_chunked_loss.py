@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compiled_fsdp
-from compiled_fsdp import fully_shard
+from compiled_fsdp import fully_shard, get_fsdp_state
 from compiled_fsdp.core import compat
 from examples.torchtitan_pattern import chunked_loss, selective_ac, shard_like_torchtitan
 
@@ -89,13 +89,15 @@ def _titan_rank(rank: int, world: int, mode: str) -> dict:
     shard(model)
     run = torch.compile(model, backend=backend) if mode == "whole" else model
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
-    out: dict = {"loss": [], "param": [], "gathers": [], "flag": flag}
+    out: dict = {"loss": [], "param": [], "gathers": [], "flag": flag, "prefetched": []}
     for step in range(3):
         compiled_fsdp.reset_collective_counts()
         tokens, labels = batch(step, rank)
         loss = chunked_loss(model.lm_head, run(tokens), labels)
         loss.backward()
         out["gathers"].append(compiled_fsdp.collective_counts().get("all_gather", 0))
+        out["prefetched"].append([_clean(fqn) for phase, fqn in get_fsdp_state(model).ctx.last_prefetched
+                                  if phase == "backward"])
         ref_loss, summed = None, None
         for r in range(world):  # each rank's gradients apart, then summed in rank order, as the reduction
             t, y = batch(step, r)
@@ -135,7 +137,12 @@ def test_torchtitan_chunked_loss(mode: str) -> None:
     for its backward: the norm's output, which the selective policy
     recomputes, is recomputed in backward from the re-gathered norm weight
     (passes/handoff.py, ``_read_again_in_backward``; saving the bucket cost
-    3.2 GiB at 8 blocks of Llama-3.1-8B on an H100)."""
+    3.2 GiB at 8 blocks of Llama-3.1-8B on an H100). The backward prefetches
+    in backward order, one module ahead ([Note: Prefetch order] in
+    runtime/state.py): the eager head's pre-backward issues the last block's
+    graph re-gather, each block's graph its predecessor's, the first block's
+    the eager embedding's unshard (before, the head prefetched the embedding
+    first and the first block prefetched nothing)."""
     for res in run_distributed(_titan_rank, 2, mode):
         assert max(res["loss"]) == 0.0 and max(res["param"]) == 0.0, res
         if mode == "eager":
@@ -143,4 +150,5 @@ def test_torchtitan_chunked_loss(mode: str) -> None:
         elif mode.startswith("blocks"):
             assert res["gathers"] == [5 if res["flag"] else 7] * 3, res["gathers"]
             assert len(res["saved_gathered"]) == 1 and res["saved_gathered"] == [[]], res["saved_gathered"]
+            assert res["prefetched"][-1] == ["layers.2", "layers.1", "layers.0", "tok"], res["prefetched"]
         assert ("", "eager" if mode != "whole" else "compiled") in res["explain"], res["explain"]

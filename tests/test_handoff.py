@@ -258,12 +258,14 @@ def _prefetch_rank(rank: int, world: int, bf16: bool, explicit: bool) -> dict:
 def test_backward_regathers_prefetched(bf16: bool, explicit: bool) -> None:
     """[Note: Backward re-gathers prefetched across graphs]: from the second
     step on both blocks' backward graphs take their re-gathers from gathers
-    issued when a backward began: layers.1's own, issued by its pre-backward,
-    and layers.0's, issued by layers.1's as FSDP2's backward prefetch (none
-    where ``set_modules_to_backward_prefetch([])`` says so: layers.0's own
-    pre-backward issues it). Bitwise equal to the reference (bf16 gathers:
-    to the bf16 reference): what is taken is the graph's own pack and gather."""
+    issued when a backward began: layers.1's, issued by the eager root's
+    pre-backward (the module whose backward runs before it: [Note: Prefetch
+    order]), and layers.0's, issued by layers.1's, as FSDP2's backward
+    prefetch (none where ``set_modules_to_backward_prefetch([])`` says so:
+    layers.0's own pre-backward issues it). Bitwise equal to the reference
+    (bf16 gathers: to the bf16 reference): what is taken is the graph's own
+    pack and gather."""
     for res in run_distributed(_prefetch_rank, 2, bf16, explicit, timeout=600):
         assert_close(res, 0.0)
-        order = [] if explicit else ["layers.0"]
+        order = ["layers.1"] if explicit else ["layers.1", "layers.0"]
         assert res["after"] == [(0, []), (2, order), (2, order)], res["after"]

@@ -301,6 +301,9 @@ class TorchCompilePath(CompiledPath):
                                  partial(_issue_backward_gathers, ctx, state))
         return True
 
+    def prefetch_backward(self, group: FSDPParamGroup) -> bool:
+        return entry_of(group).issue_backward_gather()
+
     def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
         in_regions = [g for g in ctx.groups() if entry_of(g).in_region]
         _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, in_regions)
@@ -401,7 +404,8 @@ def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
     """When the backward of ``state``'s own graph begins: its re-gather if not
     prefetched yet, then the one of the module before it in the forward order
     (or of those ``set_modules_to_backward_prefetch`` named), as FSDP2's
-    backward prefetch. See [Note: Backward re-gathers prefetched across
+    backward prefetch; for a module run eagerly (torchtitan's embedding), its
+    pre-backward unshard. See [Note: Backward re-gathers prefetched across
     graphs] in core/registry.py."""
     order = ctx.forward_order or ctx.prev_forward_order  # (a backward after the iteration's end: chunked loss)
     if state.backward_prefetch is not None:
@@ -411,7 +415,12 @@ def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
         targets = [order[at - 1]] if at > 0 else []
     for target in [state, *targets]:
         group = target.param_group
-        if group is not None and entry_of(group).issue_backward_gather() and target is not state:
+        if group is None:
+            continue
+        if target is not state and target.path in (Path.EAGER, Path.FALLBACK):
+            if group.needs_grad_sync:  # (an eager module before it: its pre-backward unshard, ahead)
+                ctx.prefetch(target, "backward")
+        elif entry_of(group).issue_backward_gather() and target is not state:
             ctx.prefetched.append(("backward", group.fqn))
 
 

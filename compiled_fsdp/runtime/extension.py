@@ -92,6 +92,11 @@ class CompiledPath:
         """A non-root post-forward: True if that forward was compiled as its own frame."""
         return False
 
+    def prefetch_backward(self, group: "FSDPParamGroup") -> bool:
+        """Issue now the backward re-gather of ``group``, whose module was
+        compiled as its own frame, for its graph to take; False if none is due."""
+        return False
+
     def after_compiled_root(self, ctx: "RootContext", output: Any) -> None:
         """The root's post-forward after a compiled forward."""
 

@@ -32,7 +32,12 @@ the end) does not replace the last root forward's. With
 [Note: Prefetch order]
 Forward prefetch follows the previous iteration's pre-forward order; backward
 prefetch follows this iteration's post-forward order reversed (the root finishes
-its forward last, so its backward starts first), as FSDP2 does. Both orders are
+its forward last, so its backward starts first), as FSDP2 does; a module
+compiled as its own frame counts in both, and its backward prefetch is its
+graph's re-gather issued ahead (``CompiledPath.prefetch_backward``): without
+it, the eager ``[norm, output]`` of torchtitan's pattern prefetched the
+embedding at the backward's start and block 7's re-gather queued behind its
+reduce-scatter (RESULTS, 2026-11-29). Both orders are
 recorded from what ran, which is the same on every rank for the same program, so
 every rank issues the same prefetch all-gathers in the same order. A prefetch
 that turns out unused is still awaited (never dropped mid-flight) and freed at
@@ -303,7 +308,10 @@ class RootContext:
         if target is None or target.param_group is None:
             return
         group = target.param_group
-        if group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
+        if target.path is Path.OWN_FRAME and phase == "backward":
+            if compiled_path().prefetch_backward(group):
+                self.prefetched.append((phase, group.fqn))
+        elif group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
             group.unshard(async_op=True)
             self.prefetched.append((phase, group.fqn))
 
@@ -542,6 +550,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         ctx = self.ctx
         path = compiled_path()
         if path.after_own_frame(self, output):
+            if torch._C._current_graph_task_id() == -1:  # (not a recompute in backward)
+                ctx.post_forward_order.append(self)  # ([Note: Prefetch order])
             return output
         partial: list[FSDPState] = []
         if self.is_root:
@@ -582,8 +592,9 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
             self.param_group.pre_backward()
         targets = ([ctx.backward_prefetch_target(self)] if self.backward_prefetch is None
                    else self.backward_prefetch)
-        for target in targets:
-            if target is not None and target.param_group is not None and target.param_group.needs_grad_sync:
+        for target in targets:  # (a graph's own backward needs no eager views: its entry decides)
+            if target is not None and target.param_group is not None and (
+                    target.param_group.needs_grad_sync or target.path is Path.OWN_FRAME):
                 ctx.prefetch(target, "backward")
 
 
