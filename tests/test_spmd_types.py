@@ -95,6 +95,11 @@ def _rank(rank: int, world: int, backends: tuple[str, ...]) -> dict:
         "placements": {b: {n: str(p.placements) for n, p in m.named_parameters()} for b, m in models.items()},
     }
     out["typed"] = {b: _typechecked_step(models[b], mesh, dp) for b in ("eager", "fsdp2")}
+    out["hsdp"] = _hsdp_on_flattened_dp(world)
+    bad = ColumnParallel(TP, mesh["tp"].get_local_rank())
+    spmd.assert_type(bad.w, {dp_group: spmd.R, tp_group: spmd.S(0)})
+    with pytest.raises(ValueError, match="need the full SPMD mesh"):
+        fully_shard(bad, mesh=mesh["dp_shard"])
     bad = ColumnParallel(TP, mesh["tp"].get_local_rank())
     spmd.assert_type(bad.w, {dp_group: spmd.I, tp_group: spmd.S(0)})
     with pytest.raises(ValueError, match="needs R there"):
@@ -106,22 +111,72 @@ def _rank(rank: int, world: int, backends: tuple[str, ...]) -> dict:
     return out
 
 
-def _typechecked_step(model: nn.Module, mesh, dp: int) -> str:  # noqa: ANN001
-    """A forward and backward under spmd_types' type checking, the input
-    annotated ``S(0)`` over ``dp_shard``: the parameters the module reads
-    carry their annotations (without them the checker raises "missing axis"),
-    and the hooks' own work is not checked. The output's local type."""
+def _hsdp_on_flattened_dp(world: int) -> dict:
+    """torchtitan's HSDP under its default backend: parameters annotated
+    ``R`` on the flattened ``dp`` axis (dp_replicate x dp_shard), which is
+    no dim of the mesh but lies within its data-parallel dims. Ours and
+    FSDP2 take it, train 2 SGD steps and a type-checked one; returns the
+    largest difference between them and both output types."""
+    import spmd_types as spmd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    from compiled_fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    flat = mesh._flatten("dp")
+    dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+    models = {}
+    for name, shard_fn in (("ours", fully_shard), ("fsdp2", fsdp2_shard)):
+        model = ColumnParallel()
+        for p in model.parameters():
+            spmd.assert_type(p, {flat.get_group(): spmd.R})
+        shard_fn(model, mesh=mesh, dp_mesh_dims=dims)
+        models[name] = model
+    models["fsdp2"].set_force_sum_reduction_for_comms(True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models.values()]
+    dp = flat.get_local_rank()
+    for step in range(2):
+        for m in models.values():
+            _loss(m(_batch(step, dp))).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    typed = {}
+    for name, m in models.items():
+        x = _batch(2, dp)
+        spmd.assert_type(x, {flat.get_group(): spmd.S(0)})
+        typed[name] = _typecheck(m, mesh, x)
+    diff = max((p.full_tensor() - q.full_tensor()).abs().max().item()
+               for p, q in zip(models["ours"].parameters(), models["fsdp2"].parameters()))
+    return {"diff": diff, "typed": typed}
+
+
+def _typecheck(model: nn.Module, mesh, x: torch.Tensor) -> str:  # noqa: ANN001
+    """One forward and backward of ``model`` on the annotated ``x`` under
+    spmd_types' type checking; the output's local type."""
     import spmd_types as spmd
     from spmd_types.checker import typecheck
 
-    x = _batch(3, dp)
-    spmd.assert_type(x, {mesh.get_group("dp_shard"): spmd.S(0), mesh.get_group("tp"): spmd.R})
     with spmd.set_current_mesh(mesh), typecheck(local=False):
         out = model(x)
         loss = _loss(out)
     loss.backward()
     model.zero_grad()
     return str(spmd.get_local_type(out))
+
+
+def _typechecked_step(model: nn.Module, mesh, dp: int) -> str:  # noqa: ANN001
+    """A forward and backward under spmd_types' type checking, the input
+    annotated ``S(0)`` over ``dp_shard``: the parameters the module reads
+    carry their annotations (without them the checker raises "missing axis"),
+    and the hooks' own work is not checked. The output's local type."""
+    import spmd_types as spmd
+
+    x = _batch(3, dp)
+    spmd.assert_type(x, {mesh.get_group("dp_shard"): spmd.S(0), mesh.get_group("tp"): spmd.R})
+    return _typecheck(model, mesh, x)
 
 
 def test_spmd_types_annotations() -> None:
@@ -132,8 +187,11 @@ def test_spmd_types_annotations() -> None:
     this, ours sharded the annotated pieces as whole parameters: ``w``'s
     full tensor had half its rows, and ``g`` missed tensor parallelism's sum
     (12.5 from the reference when only that sum is dropped). An annotation
-    other than ``R`` on the data-parallel dim, or none on ``tp``, is refused.
-    Under spmd_types' type checking a step runs as FSDP2's does."""
+    other than ``R`` on the data-parallel dim, or none on ``tp``, is
+    refused, and so are annotations without ``dp_mesh_dims`` (as FSDP2
+    refuses them). Under spmd_types' type checking a step runs as FSDP2's
+    does. torchtitan's HSDP (annotated on the flattened ``dp`` axis, within
+    the mesh's data-parallel dims) trains bitwise as FSDP2's, type checked too."""
     for res in run_distributed(_rank, 4, ("eager", "aot_eager"), timeout=600):
         for backend in ("eager", "aot_eager", "fsdp2"):
             assert res["worst"][backend] < 1e-5, res
@@ -141,3 +199,4 @@ def test_spmd_types_annotations() -> None:
             assert res["placements"][backend] == res["placements"]["fsdp2"], res
         assert res["placements"]["eager"]["w"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", res
         assert res["typed"]["eager"] == res["typed"]["fsdp2"] == "{mesh_dp_shard: V, mesh_tp: V}", res
+        assert res["hsdp"]["diff"] == 0.0 and res["hsdp"]["typed"]["ours"] == res["hsdp"]["typed"]["fsdp2"], res

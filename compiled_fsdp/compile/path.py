@@ -418,7 +418,7 @@ def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
         if group is None:
             continue
         if target is not state and target.path in (Path.EAGER, Path.FALLBACK):
-            if group.needs_grad_sync:  # (an eager module before it: its pre-backward unshard, ahead)
+            if group.needs_grad_sync and not group.backward_done:  # (an eager module before it: its unshard, ahead)
                 ctx.prefetch(target, "backward")
         elif entry_of(group).issue_backward_gather() and target is not state:
             ctx.prefetched.append(("backward", group.fqn))

@@ -18,11 +18,18 @@ parameter's own placements (tensor parallelism's sum) and stays ``Partial``
 over the data-parallel dims for the reduce-scatter. Annotations that name
 no dim of size above 1 besides the data-parallel ones describe a plain
 parameter (FSDP alone, torchtitan's default without TP): it is sharded as
-one. An eager compute view carries its annotations again, for spmd_types'
-type checking (as FSDP2's ``_restore_spmd_types``), and the runtime's hooks
-run with type checking off (``compat.no_spmd_typecheck``), as FSDP2's do. Tested by
-tests/test_fsdp2_215.py::test_spmd_types_annotations and
-tests/test_torchtitan.py (torchtitan's default backend).
+one. An annotation on an axis the data-parallel dims contain (torchtitan's
+HSDP annotates its flattened ``dp`` axis) counts as theirs, as in FSDP2.
+An eager compute view carries its annotations again, the data-parallel
+dims ``R`` where left out, for spmd_types' type checking (as FSDP2's
+``_restore_spmd_types``), and the runtime's hooks run with type checking
+off (``compat.no_spmd_typecheck``), as FSDP2's do. Annotated parameters
+without ``dp_mesh_dims`` are refused, as FSDP2 refuses them. One
+difference: under a mixed-precision policy FSDP2 sums a gradient that is
+partial over tensor parallelism in the reduce dtype, ours in the compute
+dtype (``from_local``'s backward). Tested by
+tests/test_spmd_types.py::test_spmd_types_annotations; tests/test_torchtitan.py
+trains torchtitan's default backend (FSDP alone: annotated, sharded plain).
 """
 from __future__ import annotations
 
@@ -42,14 +49,15 @@ Placements = tuple[Placement, ...]
 
 @dataclass(frozen=True)
 class Annotated:
-    """What a parameter's annotations say, on the ``dp_mesh_dims`` mesh:
-    ``placements`` (``Replicate()`` on the data-parallel dims) and the plain
-    compute view's gradient placements (``Partial()`` on those dims, the
-    backward types elsewhere), with the annotations to restore."""
+    """What a parameter's annotations say, on the ``dp_mesh_dims`` mesh: the
+    DTensor ``placements`` to store it as (``Replicate()`` on the
+    data-parallel dims) and the plain compute view's gradient placements
+    (``Partial()`` on those dims, the backward types elsewhere), or None for
+    both where it is plain; and the annotations to restore."""
 
-    placements: Placements
-    compute_grad: Placements
-    local_type: Any
+    placements: Optional[Placements]
+    compute_grad: Optional[Placements]
+    restore_type: Any
     partition_spec: Any
 
     def as_dtensor(self, param: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
@@ -57,48 +65,63 @@ class Annotated:
         local = DTensor.from_local(param.detach(), mesh, self.placements, run_check=False)
         return nn.Parameter(local, requires_grad=param.requires_grad)
 
-    def plain(self, view: DTensor) -> torch.Tensor:
-        """The plain tensor the module computes with, from the DTensor view."""
-        out = view.to_local(grad_placements=self.compute_grad)
+    def plain(self, view: torch.Tensor) -> torch.Tensor:
+        """The plain tensor the module computes with, from the compute view
+        (a DTensor where the annotations made one), annotated again in eager."""
+        out = view if self.placements is None else view.to_local(grad_placements=self.compute_grad)
         if not torch.compiler.is_compiling():  # (made in the hooks, with type checking off)
-            compat.spmd_types_package().assert_type(out, self.local_type, partition_spec=self.partition_spec)
+            compat.spmd_types_package().assert_type(out, self.restore_type, partition_spec=self.partition_spec)
         return out
 
 
 def annotated_layout(fqn: str, param: torch.Tensor, spmd_mesh: Optional[DeviceMesh],
                      dp_names: tuple[str, ...]) -> Optional[Annotated]:
-    """The layout spmd_types annotations give a plain parameter on ``spmd_mesh``
-    (whose data-parallel dims are ``dp_names``), or None where there are none
-    or they describe a plain parameter. A clear ValueError for annotations
-    FSDP cannot store, as FSDP2 raises."""
+    """What spmd_types annotations say of a plain parameter on ``spmd_mesh``
+    (whose data-parallel dims are ``dp_names``), or None where it has none.
+    A clear ValueError for annotations FSDP cannot store, as FSDP2 raises."""
     spmd = compat.spmd_types_package()
-    if spmd is None or spmd_mesh is None or isinstance(param, DTensor):
+    if spmd is None or isinstance(param, DTensor):
         return None
     local_type = spmd.get_local_type(param)
     if not local_type:
         return None
+    if spmd_mesh is None:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} has spmd_types annotations; they need the full SPMD mesh and its "
+            "data-parallel dims: fully_shard(module, mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims("
+            "shard=..., replicate=...)) (as FSDP2 requires).")
+    from spmd_types._mesh_axis import flatten_axes
+    from spmd_types.types import partition_spec_to_shard_types
+
     partition_spec = spmd.get_partition_spec(param)
     types = dict(local_type)
     if partition_spec is not None:
-        from spmd_types.types import partition_spec_to_shard_types
-
         types.update(partition_spec_to_shard_types(partition_spec))
     names = spmd_mesh.mesh_dim_names
     axes = [spmd.MeshAxis.of(spmd_mesh.get_group(name)) for name in names]
-    unknown = [str(axis) for axis in types if axis not in axes]
-    if unknown:
-        raise ValueError(
-            f"fully_shard: parameter {fqn!r} has spmd_types annotations on {unknown}, which are not dims of "
-            f"fully_shard's mesh {names}: annotate the parameter on the dims of the mesh passed with dp_mesh_dims.")
+    dp_axis = flatten_axes(tuple(a for a, n in zip(axes, names) if n in dp_names))
+    for axis, kind in types.items():
+        on_mesh = axis in axes
+        in_dp = names[axes.index(axis)] in dp_names if on_mesh else axis <= dp_axis
+        if not (on_mesh or in_dp):
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} has an spmd_types annotation on {axis}, which is neither a dim "
+                f"of fully_shard's mesh {names} nor within its data-parallel dims {dp_names}: annotate the "
+                "parameter on the dims of the mesh passed with dp_mesh_dims.")
+        if in_dp and kind is not spmd.R:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is annotated {kind} on the data-parallel axis {axis}; FSDP "
+                "reduces its gradient over that axis and needs R there (as FSDP2 does).")
+    restore_type = dict(local_type)
+    if not any(axis <= dp_axis or dp_axis <= axis for axis in local_type):  # (left out: R, as FSDP2 fills them)
+        restore_type.update({a: spmd.R for a, n in zip(axes, names) if n in dp_names})
+    if all(name in dp_names or spmd_mesh.size(i) == 1 for i, name in enumerate(names)):
+        return Annotated(None, None, restore_type, partition_spec)  # (a plain parameter: FSDP alone)
     placements: list[Placement] = []
     grads: list[Placement] = []
     for i, (name, axis) in enumerate(zip(names, axes)):
         kind = types.get(axis)
         if name in dp_names:
-            if kind is not None and kind is not spmd.R:
-                raise ValueError(
-                    f"fully_shard: parameter {fqn!r} is annotated {kind} on the data-parallel dim {name!r}; FSDP "
-                    "reduces its gradient over that dim and needs R there (as FSDP2 does).")
             placements.append(Replicate())
             grads.append(Partial())
         elif kind is None:
@@ -111,6 +134,4 @@ def annotated_layout(fqn: str, param: torch.Tensor, spmd_mesh: Optional[DeviceMe
         else:
             placements.append(spmd.spmd_type_to_dtensor_placement(kind))
             grads.append(spmd.spmd_type_to_dtensor_placement(kind.backward_type()))
-    if all(name in dp_names or spmd_mesh.size(i) == 1 for i, name in enumerate(names)):
-        return None
-    return Annotated(tuple(placements), tuple(grads), local_type, partition_spec)
+    return Annotated(tuple(placements), tuple(grads), restore_type, partition_spec)

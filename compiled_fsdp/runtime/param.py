@@ -173,7 +173,7 @@ class FSDPParam:
         # A plain parameter with spmd_types annotations is the DTensor they
         # describe, computed with as a plain tensor ([Note: spmd_types parameters]).
         self.annotated = annotated_layout(fqn, param, spmd_mesh, spmd_dp_names)
-        if self.annotated is not None:
+        if self.annotated is not None and self.annotated.placements is not None:
             param = self.annotated.as_dtensor(param, spmd_mesh)
         self.dtensor_spec: Optional[DTensorSpec] = param._spec if isinstance(param, DTensor) else None
         self.global_shape = tuple(param.shape)
@@ -283,12 +283,12 @@ class FSDPParam:
         tensor's, redistributed to those placements); for an annotated one,
         that DTensor's plain local tensor ([Note: spmd_types parameters])."""
         spec = self.dtensor_spec
-        if spec is None:
-            return unsharded
-        full = self.global_shape
-        extra = {} if self.grad_placements is None else {"grad_placements": self.grad_placements}
-        view = DTensor.from_local(unsharded, spec.mesh, spec.placements, run_check=False,
-                                  shape=torch.Size(full), stride=_contiguous_strides(full), **extra)
+        view = unsharded
+        if spec is not None:
+            full = self.global_shape
+            extra = {} if self.grad_placements is None else {"grad_placements": self.grad_placements}
+            view = DTensor.from_local(unsharded, spec.mesh, spec.placements, run_check=False,
+                                      shape=torch.Size(full), stride=_contiguous_strides(full), **extra)
         return view if self.annotated is None else self.annotated.plain(view)
 
     def local_shard(self) -> torch.Tensor:

@@ -519,6 +519,11 @@ class FSDPParamGroup:
         self._applied_buckets = set()
         self.needs_grad_sync = False
 
+    @property
+    def backward_done(self) -> bool:
+        """Every bucket this iteration's forward applied has run its backward."""
+        return bool(self._applied_buckets) and self._reduced_buckets >= self._applied_buckets
+
     def end_backward_pass(self) -> None:
         """A backward ended without ending the iteration (manual finalization):
         the next backward's buckets are counted afresh."""
