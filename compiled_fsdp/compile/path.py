@@ -413,15 +413,16 @@ def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
     else:
         at = max((i for i, s in enumerate(order) if s is state), default=0)
         targets = [order[at - 1]] if at > 0 else []
-    for target in [state, *targets]:
-        group = target.param_group
-        if group is None:
-            continue
-        if target is not state and target.path in (Path.EAGER, Path.FALLBACK):
-            if group.needs_grad_sync and not group.backward_done:  # (an eager module before it: its unshard, ahead)
-                ctx.prefetch(target, "backward")
-        elif entry_of(group).issue_backward_gather() and target is not state:
-            ctx.prefetched.append(("backward", group.fqn))
+    with compat.no_spmd_typecheck():  # ([Note: spmd_types parameters] in runtime/annotated.py)
+        for target in [state, *targets]:
+            group = target.param_group
+            if group is None:
+                continue
+            if target is not state and target.path in (Path.EAGER, Path.FALLBACK):
+                if group.needs_grad_sync and not group.backward_done:  # (an eager module before it: its unshard)
+                    ctx.prefetch(target, "backward")
+            elif entry_of(group).issue_backward_gather() and target is not state:
+                ctx.prefetched.append(("backward", group.fqn))
 
 
 def _move_region_grads_later(groups: list[FSDPParamGroup]) -> None:

@@ -286,9 +286,10 @@ class RootContext:
         when sync is on again (FSDP2's recipe for several backwards, one
         finalization); tests/test_fsdp2_215.py::test_manual_backward_finalization."""
         queued, self.callback_queued = self.callback_queued, True  # (outside backward: queue nothing)
-        for g in self.groups():
-            if g.reduce_grads:
-                g.reduce_kept_grads()
+        with compat.no_spmd_typecheck():
+            for g in self.groups():
+                if g.reduce_grads:
+                    g.reduce_kept_grads()
         self.callback_queued = queued
         if self.callback_queued or self.pending_reduces or self.manual_backward_started:
             self.end_iteration()
