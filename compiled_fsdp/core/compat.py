@@ -464,10 +464,12 @@ def cudagraph_unsafe_tags() -> tuple:
     return () if tag is None else (tag,)
 
 
+@functools.lru_cache(1)
 def spmd_types_package() -> Any:
     """The ``spmd_types`` package where this torch's FSDP2 translates its
     annotations on plain parameters into DTensor placements (torch 2.15 with
-    the package installed), else None."""
+    the package installed), else None. Asked once: every hook asks it
+    (``no_spmd_typecheck``)."""
     available = getattr(dist, "_is_spmd_types_available", None)
     if available is None or not available():
         return None

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from compiled_fsdp.core import compat
-from compiled_fsdp.runtime.annotated import Annotated, annotated_layout
+from compiled_fsdp.runtime.annotated import annotated_layout
 from compiled_fsdp.runtime.ext_gather import extension_of
 from compiled_fsdp.runtime.param import sharded_tensor
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
@@ -262,8 +262,24 @@ def _dim_names(value: object) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
 
 
-def _stored_as_dtensor(annotated: Optional[Annotated]) -> bool:
-    return annotated is not None and annotated.placements is not None
+def _on_spmd_mesh(modules: tuple[nn.Module, ...], mesh: DeviceMesh, dp_names: tuple[str, ...]) -> list[str]:
+    """The FQNs of the parameters FSDP keeps as DTensors on ``mesh``: DTensors
+    there, and plain ones whose spmd_types annotations place them there."""
+    found = []
+    for root in modules:
+        for prefix, m in root.named_modules():
+            for name, p in m._parameters.items():
+                if p is None or p in RUNTIME.managed:
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                if isinstance(p, DTensor):
+                    kept = p.device_mesh == mesh
+                else:
+                    annotated = annotated_layout(fqn, p, mesh, dp_names)
+                    kept = annotated is not None and annotated.placements is not None
+                if kept:
+                    found.append(fqn)
+    return found
 
 
 def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
@@ -297,10 +313,7 @@ def resolve_dp_mesh_dims(mesh: object, dims: Any, modules: tuple[nn.Module, ...]
     if unknown or not shard:
         raise ValueError(f"fully_shard: dp_mesh_dims={dims!r} must name a shard dim among the mesh's dims "
                          f"{names}" + (f"; unknown: {unknown}" if unknown else "") + ".")
-    on_mesh = [f"{prefix}.{name}".lstrip(".") for root in modules for prefix, m in root.named_modules()
-               for name, p in m._parameters.items() if p is not None and p not in RUNTIME.managed and (
-                   (isinstance(p, DTensor) and p.device_mesh == mesh)
-                   or _stored_as_dtensor(annotated_layout(f"{prefix}.{name}".lstrip("."), p, mesh, shard + replicate)))]
+    on_mesh = _on_spmd_mesh(modules, mesh, shard + replicate)
     if on_mesh and not compat.from_local_takes_grad_placements():
         raise NotImplementedError(
             f"fully_shard: parameters {on_mesh[:3]} are DTensors on the dp_mesh_dims mesh; computing with "
