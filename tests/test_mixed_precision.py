@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from compiled_fsdp import MixedPrecisionPolicy, fully_shard
+from compiled_fsdp.core import compat
 from compiled_fsdp.tools.check_worker import shard_specs
 
 from _dist import run_distributed
@@ -20,10 +21,27 @@ from _parity import assert_close, run_parity
 BF16 = torch.bfloat16
 
 
-def _bf16_forward(ref: nn.Module, inputs: tuple) -> torch.Tensor:
+class _Bf16Copy(torch.autograd.Function):
+    """A bf16 copy whose gradient autograd hands over unrounded, in the fp32
+    parameter's dtype: FSDP2 2.15's ``grad_dtype`` on its unsharded parameters."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.set_output_grad_dtype(p.dtype)
+        return p.to(BF16)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad
+
+
+def _bf16_forward(ref: nn.Module, inputs: tuple, grads_unrounded: bool = False) -> torch.Tensor:
     """The reference: one bf16 copy of each fp32 parameter (a tied weight is one
-    parameter, so one copy), the same inputs."""
-    params = {n: p.to(BF16) for n, p in ref.named_parameters()}
+    parameter, so one copy), the same inputs. ``grads_unrounded``: the copies
+    take their gradients in fp32 as autograd produced them (eager on torch 2.15,
+    [Note: Mixed precision]); else rounded to bf16, as a compiled graph does."""
+    copy = _Bf16Copy.apply if grads_unrounded else (lambda p: p.to(BF16))
+    params = {n: copy(p) for n, p in ref.named_parameters()}
     return torch.func.functional_call(ref, params, inputs)
 
 
@@ -49,8 +67,10 @@ def _parity_rank(rank: int, world: int, backend: Optional[str], reduce_dtype: Op
     wrap = None
     if backend is not None:
         wrap = lambda m: torch.compile(m, backend=capture.backend if capture else backend, fullgraph=True)  # noqa: E731
+    unrounded = backend is None and compat.grads_in_reduce_dtype()
     res = run_parity(
-        rank, build, _shard(policy), make_batch, loss, wrap=wrap, ref_forward=_bf16_forward,
+        rank, build, _shard(policy), make_batch, loss, wrap=wrap,
+        ref_forward=lambda ref, inputs: _bf16_forward(ref, inputs, unrounded),
         after_step=lambda m: (
             {str(p.dtype) for p in m.parameters()} | {str(p.grad.dtype) for p in m.parameters()},
             sum(s.shard_numel for s in shard_specs(m).values()),
@@ -85,7 +105,9 @@ def test_bf16_matches_a_bf16_reference(backend: Optional[str], reduce_dtype: Opt
         if backend is None:
             for bf16, fp32 in zip(res["bytes"], [res["fp32_bytes"]] * 3):
                 assert bf16["all_gather"] * 2 == fp32["all_gather"]
-                assert bf16["reduce_scatter"] * (2 if reduce_dtype is None else 1) == fp32["reduce_scatter"]
+                # (without reduce_dtype: the parameter's own dtype on 2.15, bf16 before)
+                halves = reduce_dtype is None and not compat.grads_in_reduce_dtype()
+                assert bf16["reduce_scatter"] * (2 if halves else 1) == fp32["reduce_scatter"]
         else:
             assert res["counts"] == [{}] * 3
             assert res["gather_dtypes"] == ["torch.bfloat16"]
@@ -102,6 +124,51 @@ def test_bf16_inductor_is_close() -> None:
     for res in run_distributed(_parity_rank, 2, "inductor", torch.float32, timeout=900):
         assert res["counts"] == [{}] * 3
         assert max(res["loss"]) <= 0.25 and max(res["grad"]) <= 0.025 and max(res["param"]) <= 0.008, res
+
+
+def _vs_fsdp2_rank(rank: int, world: int, reduce_dtype: Optional[torch.dtype]) -> dict:
+    """Ours and torch's FSDP2, eager, bf16 compute on a decoder with RMSNorms
+    (on the CPU its bf16 weight meets an fp32 activation, so its gradient comes
+    out of autograd in fp32), sharded as torchtitan shards it, each rank its
+    own batches, 3 AdamW steps."""
+    from test_chunked_loss import Decoder, batch
+    from torch.distributed.fsdp import FSDPModule as TorchModule
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    from examples.torchtitan_pattern import shard_like_torchtitan
+
+    models = []
+    for shard_fn, policy in ((fully_shard, MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype)),
+                             (fsdp2_shard, TorchMP(param_dtype=BF16, reduce_dtype=reduce_dtype))):
+        model = Decoder()
+        shard_like_torchtitan(shard_fn, model, model.tok, list(model.layers.values()), model.norm, model.lm_head,
+                              mp_policy=policy)
+        models.append(model)
+    for m in models[1].modules():
+        if isinstance(m, TorchModule):
+            m.set_force_sum_reduction_for_comms(True)  # (gloo has no AVG or PREMUL_SUM)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(3):
+        for model in models:
+            tokens, labels = batch(step, rank)
+            nn.functional.cross_entropy(model.lm_head(model(tokens)).flatten(0, 1), labels.flatten()).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    ours, theirs = ({n: p.full_tensor() for n, p in m.named_parameters()} for m in models)
+    return {n: (ours[n] - theirs[n]).abs().max().item() for n in ours}
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["fp32", "none"])
+def test_grads_in_reduce_dtype(reduce_dtype: Optional[torch.dtype]) -> None:
+    """Eager with bf16 compute is bitwise equal to the installed torch's FSDP2,
+    with and without ``reduce_dtype``: on 2.15 both take the norms' fp32
+    gradients unrounded and reduce in fp32 without ``reduce_dtype``; before,
+    both round to bf16 and reduce in it ([Note: Mixed precision]). The old rule
+    on 2.15 left every parameter apart (up to 1.5e-2 after 3 steps)."""
+    for diffs in run_distributed(_vs_fsdp2_rank, 2, reduce_dtype, timeout=300):
+        assert len(diffs) == 12 and set(diffs.values()) == {0.0}, diffs
 
 
 class _MLP(nn.Module):

@@ -484,3 +484,11 @@ def no_spmd_typecheck() -> Any:
     where this torch reads no annotations."""
     spmd = spmd_types_package()
     return contextlib.nullcontext() if spmd is None else spmd.no_typecheck()
+
+
+def grads_in_reduce_dtype() -> bool:
+    """Whether this torch's FSDP2 takes a gradient in its reduce dtype as autograd
+    produced it (``Tensor.grad_dtype``, ``ctx.set_output_grad_dtype``: torch
+    2.15) and, without ``reduce_dtype``, reduces in the parameter's own dtype;
+    before, it rounded the gradient to ``param_dtype`` and reduced in that."""
+    return hasattr(torch.autograd.function.FunctionCtx, "set_output_grad_dtype")

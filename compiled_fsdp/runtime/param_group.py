@@ -104,6 +104,8 @@ class _UnshardFn(torch.autograd.Function):
         params = [group.fsdp_params[i] for i in group.reduce_buckets[bucket]]
         outs = tuple(p.unsharded.view_as(p.unsharded) for p in params)
         ctx.mark_non_differentiable(*(o for o, p in zip(outs, params) if not p.sharded.requires_grad))
+        if compat.grads_in_reduce_dtype():  # see [Note: Mixed precision] in policy.py
+            ctx.set_output_grad_dtype(*(p.reduce_dtype if p.sharded.requires_grad else None for p in params))
         return outs
 
     @staticmethod

@@ -4,9 +4,19 @@
 With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` each shard is cast to
 ``param_dtype`` *before* its all-gather, so the collective moves half the bytes
 of an fp32 one, and the module computes with the gathered low-precision copy.
-Gradients arrive in ``param_dtype``; they are cast to ``reduce_dtype`` (default:
-``param_dtype``), reduce-scattered in it, and the averaged shard is cast back to
-the parameter's own dtype for ``.grad``. The registered parameters, their
+Gradients are cast to ``reduce_dtype``, reduce-scattered in it, and the
+averaged shard is cast back to the parameter's own dtype for ``.grad``.
+Without ``reduce_dtype`` they are reduced in the parameter's own dtype (torch
+2.15's FSDP2; ``param_dtype`` on earlier releases, whose FSDP2 did that).
+
+On torch 2.15 the eager runtime also takes each gradient in the reduce dtype
+*as autograd produced it*, as FSDP2 2.15 does with ``Tensor.grad_dtype`` on its
+unsharded parameters (``ctx.set_output_grad_dtype`` on ``_UnshardFn``): an op
+that promoted the bf16 weight (``x.float() * w`` in CPU RMSNorm) hands over an
+fp32 gradient that is not rounded to bf16 first. Earlier releases round it, as
+their FSDP2 did. A compiled graph rounds it on every release, as FSDP2's
+compiled blocks do: AOTAutograd gives a graph input's gradient the input's
+dtype. Tested by tests/test_mixed_precision.py::test_grads_in_reduce_dtype. The registered parameters, their
 ``.grad`` and the optimizer state stay in the original dtype.
 
 The casts are steps of the bucket layout ([Note: Bucket layout] in core/layout.py),
@@ -43,7 +53,8 @@ class MixedPrecisionPolicy:
 
     ``param_dtype``: the dtype of the gathered parameters (and of forward and
     backward compute); None keeps the parameters' own dtype.
-    ``reduce_dtype``: the dtype gradients are reduced in; None means ``param_dtype``.
+    ``reduce_dtype``: the dtype gradients are reduced in; None means the
+    parameter's own dtype on torch 2.15, ``param_dtype`` before (as FSDP2).
     ``output_dtype``: cast the module's floating-point outputs to it; None leaves them.
     ``cast_forward_inputs``: cast the module's floating-point inputs to ``param_dtype``.
     ``param_dtype_override_fn``: per parameter, None or ``param_dtype`` (the
@@ -100,8 +111,13 @@ class MixedPrecisionPolicy:
         return (self.param_dtype or orig) if orig.is_floating_point else orig
 
     def grad_reduce_dtype(self, orig: torch.dtype) -> torch.dtype:
-        """The dtype its gradient is reduced (and kept without sync) in."""
-        return (self.reduce_dtype or self.param_dtype or orig) if orig.is_floating_point else orig
+        """The dtype its gradient is taken, reduced and kept without sync in
+        ([Note: Mixed precision]: without ``reduce_dtype``, torch 2.15's FSDP2
+        uses the parameter's own dtype, earlier ones ``param_dtype``)."""
+        if not orig.is_floating_point:
+            return orig
+        default = orig if compat.grads_in_reduce_dtype() else (self.param_dtype or orig)
+        return self.reduce_dtype or default
 
 
 def check_policy(policy: object) -> MixedPrecisionPolicy:
