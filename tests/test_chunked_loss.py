@@ -125,30 +125,97 @@ def test_torchtitan_chunked_loss(mode: str) -> None:
     """Bitwise to the reference (eager and aot_eager; the divide factor 1.0
     sums two ranks' gradients, as the reference's two backwards do). Eagerly,
     each step gathers the embedding, 3 blocks and ``[norm, head]`` in forward
-    (the head's chunks reuse the gather), then in backward the blocks, the
-    embedding and ``[norm, head]`` once more for the norm (torchtitan
-    reshards the head after its chunks): 10, as FSDP2. Under per-block
-    compile the blocks' backward gathers are in their graphs, and so are the
-    forward gathers each block hands the next: 4 eager gathers remain, and
-    the first block's handed gather (the embedding runs eagerly): 5. Without
-    torchtitan's flag the checkpointed blocks hand over eager gathers
-    ([Note: Handoffs and activation checkpointing] in compile/path.py): 7.
-    No block's forward graph saves a gathered weight, or the gathered bucket,
-    for its backward: the norm's output, which the selective policy
-    recomputes, is recomputed in backward from the re-gathered norm weight
-    (passes/handoff.py, ``_read_again_in_backward``; saving the bucket cost
-    3.2 GiB at 8 blocks of Llama-3.1-8B on an H100). The backward prefetches
-    in backward order, one module ahead ([Note: Prefetch order] in
-    runtime/state.py): the eager head's pre-backward issues the last block's
-    graph re-gather, each block's graph its predecessor's, the first block's
-    the eager embedding's unshard (before, the head prefetched the embedding
-    first and the first block prefetched nothing)."""
+    (the head's chunks reuse the gather), then in backward the blocks and
+    ``[norm, head]`` once more for the norm (torchtitan reshards the head
+    after its chunks): 9. FSDP2 also gathers the embedding for its backward,
+    which never reads it ([Note: Embeddings are not gathered for backward] in
+    runtime/backward_use.py): 10. Under per-block compile the blocks' backward
+    gathers are in their graphs, and so are the forward gathers each block
+    hands the next: 3 eager gathers remain, and the first block's handed
+    gather (the embedding runs eagerly): 4. Without torchtitan's flag the
+    checkpointed blocks hand over eager gathers ([Note: Handoffs and
+    activation checkpointing] in compile/path.py): 6. No block's forward
+    graph saves a gathered weight, or the gathered bucket, for its backward:
+    the norm's output, which the selective policy recomputes, is recomputed
+    in backward from the re-gathered norm weight (passes/handoff.py,
+    ``_read_again_in_backward``; saving the bucket cost 3.2 GiB at 8 blocks of
+    Llama-3.1-8B on an H100). The backward prefetches in backward order, one
+    module ahead ([Note: Prefetch order] in runtime/state.py): the eager
+    head's pre-backward issues the last block's graph re-gather, each block's
+    graph its predecessor's (before, the head prefetched the embedding first
+    and the first block prefetched nothing)."""
     for res in run_distributed(_titan_rank, 2, mode):
         assert max(res["loss"]) == 0.0 and max(res["param"]) == 0.0, res
         if mode == "eager":
-            assert res["gathers"] == [10, 10, 10], res["gathers"]
+            assert res["gathers"] == [9, 9, 9], res["gathers"]
         elif mode.startswith("blocks"):
-            assert res["gathers"] == [5 if res["flag"] else 7] * 3, res["gathers"]
+            assert res["gathers"] == [4 if res["flag"] else 6] * 3, res["gathers"]
             assert len(res["saved_gathered"]) == 1 and res["saved_gathered"] == [[]], res["saved_gathered"]
-            assert res["prefetched"][-1] == ["layers.2", "layers.1", "layers.0", "tok"], res["prefetched"]
+            assert res["prefetched"][-1] == ["layers.2", "layers.1", "layers.0"], res["prefetched"]
         assert ("", "eager" if mode != "whole" else "compiled") in res["explain"], res["explain"]
+
+
+class _LM(nn.Module):
+    """An embedding, a block and a head (tied to the embedding or not)."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.block = nn.Embedding(VOCAB, DIM), _Block()
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.lm_head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.block(self.tok(tokens)))
+
+
+def _embedding_rank(rank: int, world: int, case: str) -> dict:
+    """``case``: ``plain`` (the embedding sharded on its own); ``user``: the
+    same after ``set_unshard_in_backward(True)``; ``checkpointed``: the
+    embedding wrapped by ``checkpoint_wrapper`` (its backward recomputes the
+    lookup); ``tied``: the head's weight is the embedding's (one group of
+    both). 3 AdamW steps against the single-process reference; all-gathers
+    per step."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    ref, model = _LM(case == "tied"), _LM(case == "tied")
+    if case == "checkpointed":
+        model.tok = checkpoint_wrapper(model.tok)
+    fully_shard([model.tok, model.lm_head] if case == "tied" else model.tok)
+    fully_shard(model.block)
+    fully_shard(model)
+    if case == "user":
+        model.tok.set_unshard_in_backward(True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    out: dict = {"gathers": [], "param": 0.0}
+    for step in range(3):
+        compiled_fsdp.reset_collective_counts()
+        tokens, labels = batch(step, rank)
+        F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
+        out["gathers"].append(compiled_fsdp.collective_counts().get("all_gather", 0))
+        for r in range(world):  # (the mean of the ranks' losses: the reduction's average)
+            t, y = batch(step, r)
+            (F.cross_entropy(ref(t).flatten(0, 1), y.flatten()) / world).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        full = {_clean(n): p.full_tensor() for n, p in model.named_parameters()}
+        out["param"] = max(out["param"], max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
+    return out
+
+
+@pytest.mark.parametrize("case", ["plain", "user", "checkpointed", "tied"])
+def test_embedding_not_gathered_for_backward(case: str) -> None:
+    """The eager embedding's backward gathers nothing: 4 all-gathers a step
+    (forward: the embedding, the block, the root's head; backward: the
+    block), where FSDP2 gathers 5. The user's ``set_unshard_in_backward(True)``
+    and a checkpointed lookup (recomputed in backward) gather it again: 5. A
+    head tied to the embedding makes one group of both, gathered in forward
+    and again for the head's backward: 4. Within 1e-6 of the reference after
+    3 AdamW steps (the reference sums the ranks' means in one ``.grad``, so
+    rounding differs). [Note: Embeddings are not gathered for backward]."""
+    expected = {"plain": 4, "user": 5, "checkpointed": 5, "tied": 4}[case]
+    for res in run_distributed(_embedding_rank, 2, case):
+        assert res["gathers"] == [expected] * 3, res["gathers"]
+        assert res["param"] < 1e-6, res["param"]

@@ -27,8 +27,9 @@ ALLOWED = {
 
 
 # The runtime's modules, lowest first: each may import only those before it.
-RUNTIME_ORDER = ["registry", "policy", "streams", "divergence", "collectives", "extension", "ext_gather", "placement",
-                 "annotated", "param", "param_group", "state", "validation", "module", "api", "replicate"]
+RUNTIME_ORDER = ["registry", "policy", "backward_use", "streams", "divergence", "collectives", "extension",
+                 "ext_gather", "placement", "annotated", "param", "param_group", "state", "validation", "module", "api",
+                 "replicate"]
 
 
 def _module_name(path: Path) -> str:

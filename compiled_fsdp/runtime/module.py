@@ -136,6 +136,7 @@ class FSDPModule:
         backward then gathers nothing."""
         for group in _groups(self, "set_unshard_in_backward", unshard_in_backward, False):
             group.unshard_in_backward = unshard_in_backward
+            group.decides_unshard_in_backward = False  # (the user's choice, not the runtime's)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2's flag for several backwards per step (pipelining). Here every

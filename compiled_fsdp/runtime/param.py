@@ -490,7 +490,10 @@ def install_class(
     mixins = module.__dict__.get("_fsdp_mixins", ())
     if mixin is not None and mixin not in mixins:
         mixins = module.__dict__["_fsdp_mixins"] = (*mixins, mixin)
-    base = getattr(module, "_fsdp_base_class", type(module))
+    # (looked up on the class: a module that forwards unknown attributes to a
+    # wrapped one, as ``checkpoint_wrapper``, would answer with the wrapped
+    # module's base class and become an embedding: tests/test_chunked_loss.py)
+    base = getattr(type(module), "_fsdp_base_class", type(module))
     key = (base, frozenset(params), mixins)
     cls = RUNTIME.subclasses.get(key)
     if cls is None:

@@ -166,8 +166,12 @@ class FSDPParamGroup:
         self.reduce_grads = True
         self.reshard_after_backward = True
         # FSDPModule.set_unshard_in_backward: False for a module whose
-        # parameters backward does not read (FSDP2's meaning).
+        # parameters backward does not read (FSDP2's meaning). Decided after
+        # each eager forward while ``decides_unshard_in_backward`` (None: the
+        # root's lazy init sets it: [Note: Embeddings are not gathered for
+        # backward] in backward_use.py); the user's call sets it False.
         self.unshard_in_backward = True
+        self.decides_unshard_in_backward: Optional[bool] = None
         # FSDPModule.set_reduce_scatter_unused_params: a parameter that got no
         # gradient reduces zeros (so every rank reduces the same buffers).
         self.reduce_unused = False

@@ -108,6 +108,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from compiled_fsdp.core import compat
+from compiled_fsdp.runtime.backward_use import backward_reads_params, only_embeddings_hold
 from compiled_fsdp.runtime.divergence import Checker, annotate_error
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase, ShardedState
@@ -312,7 +313,8 @@ class RootContext:
         if target.path is Path.OWN_FRAME and phase == "backward":
             if compiled_path().prefetch_backward(group):
                 self.prefetched.append((phase, group.fqn))
-        elif group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
+        elif group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD) and (
+                phase == "forward" or group.unshard_in_backward):
             group.unshard(async_op=True)
             self.prefetched.append((phase, group.fqn))
 
@@ -443,6 +445,9 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
             if st.param_group is not None:
                 st.param_group.ctx = ctx
                 st.param_group.fqn = fqns[st.module]
+                if st.param_group.decides_unshard_in_backward is None:  # (the user has not chosen)
+                    st.param_group.decides_unshard_in_backward = only_embeddings_hold(
+                        (p.sharded for p in st.param_group.fsdp_params), self.module)
 
     def set_path(self, path: Path) -> None:
         self.path, self.path_step = path, self.ctx.step
@@ -572,8 +577,11 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         ]
         backward_follows = torch.is_grad_enabled() and bool(grad_outputs)
         if self.param_group is not None:
-            reshard = not backward_follows or self.param_group.reshards_after_forward
-            self.param_group.post_forward(reshard, backward_follows)
+            group = self.param_group
+            if backward_follows and group.decides_unshard_in_backward:  # ([Note: Embeddings are not gathered ...])
+                group.unshard_in_backward = backward_reads_params(grad_outputs, group.exposed_views or ())
+            reshard = not backward_follows or group.reshards_after_forward
+            group.post_forward(reshard, backward_follows)
         if backward_follows:
             register_multi_grad_hook(grad_outputs, self._pre_backward, mode="any")
             for st in partial:  # (gathered again before its backward, e.g. a second backward of a retained graph)
