@@ -22,12 +22,13 @@ BF16 = torch.bfloat16
 
 
 class _Bf16Copy(torch.autograd.Function):
-    """A bf16 copy whose gradient autograd hands over unrounded, in the fp32
-    parameter's dtype: FSDP2 2.15's ``grad_dtype`` on its unsharded parameters."""
+    """A bf16 copy whose gradient autograd hands over as produced (an fp32 one
+    unrounded, two bf16 ones added in bf16): FSDP2 2.15's ``grad_dtype`` on
+    its unsharded parameters during a backward."""
 
     @staticmethod
     def forward(ctx, p: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.set_output_grad_dtype(p.dtype)
+        ctx.set_output_grad_dtype(None)
         return p.to(BF16)
 
     @staticmethod
@@ -38,7 +39,7 @@ class _Bf16Copy(torch.autograd.Function):
 def _bf16_forward(ref: nn.Module, inputs: tuple, grads_unrounded: bool = False) -> torch.Tensor:
     """The reference: one bf16 copy of each fp32 parameter (a tied weight is one
     parameter, so one copy), the same inputs. ``grads_unrounded``: the copies
-    take their gradients in fp32 as autograd produced them (eager on torch 2.15,
+    take their gradients as autograd produced them (eager on torch 2.15,
     [Note: Mixed precision]); else rounded to bf16, as a compiled graph does."""
     copy = _Bf16Copy.apply if grads_unrounded else (lambda p: p.to(BF16))
     params = {n: copy(p) for n, p in ref.named_parameters()}
@@ -126,11 +127,24 @@ def test_bf16_inductor_is_close() -> None:
         assert max(res["loss"]) <= 0.25 and max(res["grad"]) <= 0.025 and max(res["param"]) <= 0.008, res
 
 
-def _vs_fsdp2_rank(rank: int, world: int, reduce_dtype: Optional[torch.dtype]) -> dict:
+class _WithHead(nn.Module):
+    """A decoder whose forward ends with its head."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder.lm_head(self.decoder(tokens))
+
+
+def _vs_fsdp2_rank(rank: int, world: int, reduce_dtype: Optional[torch.dtype], tied: bool) -> dict:
     """Ours and torch's FSDP2, eager, bf16 compute on a decoder with RMSNorms
     (on the CPU its bf16 weight meets an fp32 activation, so its gradient comes
     out of autograd in fp32), sharded as torchtitan shards it, each rank its
-    own batches, 3 AdamW steps."""
+    own batches, 3 AdamW steps. ``tied``: the head's weight is the
+    embedding's (two bf16 gradients), one group ``[tok, norm, head]`` as
+    torchtitan makes it."""
     from test_chunked_loss import Decoder, batch
     from torch.distributed.fsdp import FSDPModule as TorchModule
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
@@ -142,8 +156,17 @@ def _vs_fsdp2_rank(rank: int, world: int, reduce_dtype: Optional[torch.dtype]) -
     for shard_fn, policy in ((fully_shard, MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype)),
                              (fsdp2_shard, TorchMP(param_dtype=BF16, reduce_dtype=reduce_dtype))):
         model = Decoder()
-        shard_like_torchtitan(shard_fn, model, model.tok, list(model.layers.values()), model.norm, model.lm_head,
-                              mp_policy=policy)
+        if tied:
+            model = _WithHead(model)
+            dec = model.decoder
+            dec.lm_head.weight = dec.tok.weight
+            shard_fn([dec.tok, dec.norm, dec.lm_head], mp_policy=policy)
+            for block in dec.layers.values():
+                shard_fn(block, mp_policy=policy)
+            shard_fn(model, mp_policy=policy)
+        else:
+            shard_like_torchtitan(shard_fn, model, model.tok, list(model.layers.values()), model.norm,
+                                  model.lm_head, mp_policy=policy)
         models.append(model)
     for m in models[1].modules():
         if isinstance(m, TorchModule):
@@ -152,7 +175,8 @@ def _vs_fsdp2_rank(rank: int, world: int, reduce_dtype: Optional[torch.dtype]) -
     for step in range(3):
         for model in models:
             tokens, labels = batch(step, rank)
-            nn.functional.cross_entropy(model.lm_head(model(tokens)).flatten(0, 1), labels.flatten()).backward()
+            logits = model(tokens) if tied else model.lm_head(model(tokens))
+            nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -160,15 +184,17 @@ def _vs_fsdp2_rank(rank: int, world: int, reduce_dtype: Optional[torch.dtype]) -
     return {n: (ours[n] - theirs[n]).abs().max().item() for n in ours}
 
 
-@pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["fp32", "none"])
-def test_grads_in_reduce_dtype(reduce_dtype: Optional[torch.dtype]) -> None:
+@pytest.mark.parametrize("reduce_dtype,tied", [(torch.float32, False), (None, False), (torch.float32, True)],
+                         ids=["fp32", "none", "tied"])
+def test_grads_in_reduce_dtype(reduce_dtype: Optional[torch.dtype], tied: bool) -> None:
     """Eager with bf16 compute is bitwise equal to the installed torch's FSDP2,
     with and without ``reduce_dtype``: on 2.15 both take the norms' fp32
     gradients unrounded and reduce in fp32 without ``reduce_dtype``; before,
     both round to bf16 and reduce in it ([Note: Mixed precision]). The old rule
-    on 2.15 left every parameter apart (up to 1.5e-2 after 3 steps)."""
-    for diffs in run_distributed(_vs_fsdp2_rank, 2, reduce_dtype, timeout=300):
-        assert len(diffs) == 12 and set(diffs.values()) == {0.0}, diffs
+    on 2.15 left every parameter apart (up to 1.5e-2 after 3 steps). A tied
+    weight's two bf16 gradients add in bf16, as on FSDP2's leaf."""
+    for diffs in run_distributed(_vs_fsdp2_rank, 2, reduce_dtype, tied, timeout=300):
+        assert len(diffs) == (11 if tied else 12) and set(diffs.values()) == {0.0}, diffs
 
 
 class _MLP(nn.Module):
@@ -245,15 +271,23 @@ def _bad_rank(rank: int, world: int) -> list[str]:
             target.set_requires_gradient_sync(False)
         except (TypeError, AttributeError) as exc:
             msgs.append(str(exc))
+    two = nn.Linear(4, 4)  # fp32 and bf16 parameters gathered in bf16, no reduce_dtype
+    two.bias = nn.Parameter(torch.zeros(4, dtype=BF16))
+    try:
+        fully_shard(two, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+    except ValueError as exc:
+        msgs.append(str(exc))
     return msgs
 
 
 def test_bad_input_is_a_clear_error_on_every_rank() -> None:
     for msgs in run_distributed(_bad_rank, 2, timeout=120):
-        assert len(msgs) == 5, msgs
+        # (torch 2.15 reduces each in its parameter's dtype: two, refused as FSDP2 refuses them)
+        assert len(msgs) == (6 if compat.grads_in_reduce_dtype() else 5), msgs
         assert "param_dtype must be a floating-point torch.dtype" in msgs[0]
         assert "mp_policy must be a compiled_fsdp.MixedPrecisionPolicy" in msgs[1]
         assert "found on rank 1" in msgs[1]
         assert "communicated in several dtypes" in msgs[2] and "'count' (torch.int64)" in msgs[2]
         assert "was not passed to fully_shard" in msgs[3]
         assert "set_requires_gradient_sync" in msgs[4]  # a module nothing touched: Python's own
+        assert len(msgs) == 5 or ("reduced in several dtypes" in msgs[5] and "'bias' (torch.bfloat16)" in msgs[5])

@@ -11,9 +11,11 @@ the end of backward. There it delayed the last reduce-scatters: 47 ms of a
 1.23 s step in ``benchmarks/emulated.py``'s torchtitan pattern (8 ranks, CPU).
 
 The eager runtime decides this after each forward, from the autograd graph
-that forward built. A group is a candidate only if its parameters are held by
-``nn.Embedding`` modules alone (any subclass: torchtitan's has its own
-forward). Such a group skips its backward gather when every autograd node that
+that forward built. A group is a candidate only if it is one module's (not
+FSDP2's list form, whose other modules' outputs the walk would not start
+from) and its parameters are held by ``nn.Embedding`` modules alone (any
+subclass: torchtitan's has its own forward); a module called twice in one
+forward gathers if either call may read. Such a group skips its backward gather when every autograd node that
 takes one of its parameters, on the paths from the module's outputs, is an
 ``EmbeddingBackward0``, and no saved-tensor hook packed that node's saved
 indices. A hook there would mean an activation checkpoint, whose backward

@@ -317,6 +317,17 @@ class FSDPParam:
             ).requires_grad_()
         return self.grad_sink
 
+    def unsharded_grad_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the eager backward hands this parameter's gradient over in
+        (None: as autograd produced it), as FSDP2 2.15's unsharded parameter
+        takes it during a backward ([Note: Mixed precision] in policy.py): as
+        produced where the reduce dtype is wider than the compute dtype (an
+        fp32 gradient of a bf16 weight is not rounded; two bf16 ones add in
+        bf16), else cast to the reduce dtype."""
+        if not self.sharded.requires_grad or self.reduce_dtype.itemsize > self.param_dtype.itemsize:
+            return None
+        return self.reduce_dtype
+
     def kept_grad(self) -> Optional[torch.Tensor]:
         """The full gradient kept without sync, in the reduce dtype, or None."""
         return None if self.grad_sink is None else self.grad_sink.grad

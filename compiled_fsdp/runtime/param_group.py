@@ -105,7 +105,7 @@ class _UnshardFn(torch.autograd.Function):
         outs = tuple(p.unsharded.view_as(p.unsharded) for p in params)
         ctx.mark_non_differentiable(*(o for o, p in zip(outs, params) if not p.sharded.requires_grad))
         if compat.grads_in_reduce_dtype():  # see [Note: Mixed precision] in policy.py
-            ctx.set_output_grad_dtype(*(p.reduce_dtype if p.sharded.requires_grad else None for p in params))
+            ctx.set_output_grad_dtype(*(p.unsharded_grad_dtype() for p in params))
         return outs
 
     @staticmethod

@@ -9,11 +9,16 @@ averaged shard is cast back to the parameter's own dtype for ``.grad``.
 Without ``reduce_dtype`` they are reduced in the parameter's own dtype (torch
 2.15's FSDP2; ``param_dtype`` on earlier releases, whose FSDP2 did that).
 
-On torch 2.15 the eager runtime also takes each gradient in the reduce dtype
-*as autograd produced it*, as FSDP2 2.15 does with ``Tensor.grad_dtype`` on its
-unsharded parameters (``ctx.set_output_grad_dtype`` on ``_UnshardFn``): an op
-that promoted the bf16 weight (``x.float() * w`` in CPU RMSNorm) hands over an
-fp32 gradient that is not rounded to bf16 first. Earlier releases round it, as
+On torch 2.15 the eager runtime also takes each gradient *as autograd
+produced it* where the reduce dtype is wider than the compute dtype, as FSDP2
+2.15 does with ``Tensor.grad_dtype`` on its unsharded parameters during a
+backward (``ctx.set_output_grad_dtype`` on ``_UnshardFn``,
+``FSDPParam.unsharded_grad_dtype``): an op that promoted the bf16 weight
+(``x.float() * w`` in CPU RMSNorm) hands over an fp32 gradient that is not
+rounded to bf16 first, and a weight read twice adds its two bf16 gradients in
+bf16, as FSDP2's leaf does (FSDP2 still casts each to fp32 where its
+pre-backward has not run yet: a list group's module called after the root's
+forward, as a head in a chunked loss). Earlier releases round it, as
 their FSDP2 did. A compiled graph rounds it on every release, as FSDP2's
 compiled blocks do: AOTAutograd gives a graph input's gradient the input's
 dtype. Tested by tests/test_mixed_precision.py::test_grads_in_reduce_dtype. The registered parameters, their

@@ -446,7 +446,7 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
                 st.param_group.ctx = ctx
                 st.param_group.fqn = fqns[st.module]
                 if st.param_group.decides_unshard_in_backward is None:  # (the user has not chosen)
-                    st.param_group.decides_unshard_in_backward = only_embeddings_hold(
+                    st.param_group.decides_unshard_in_backward = len(st.modules) == 1 and only_embeddings_hold(
                         (p.sharded for p in st.param_group.fsdp_params), self.module)
 
     def set_path(self, path: Path) -> None:
@@ -579,7 +579,10 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         if self.param_group is not None:
             group = self.param_group
             if backward_follows and group.decides_unshard_in_backward:  # ([Note: Embeddings are not gathered ...])
-                group.unshard_in_backward = backward_reads_params(grad_outputs, group.exposed_views or ())
+                views = group.exposed_views
+                reads = views is None or backward_reads_params(grad_outputs, views)
+                again = sum(s is self for s in ctx.post_forward_order) > 1  # (a second call: either may read)
+                group.unshard_in_backward = reads or (again and group.unshard_in_backward)
             reshard = not backward_follows or group.reshards_after_forward
             group.post_forward(reshard, backward_follows)
         if backward_follows:

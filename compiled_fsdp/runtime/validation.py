@@ -159,6 +159,17 @@ def validate(
             "in FSDP2: convert them to one dtype, apply fully_shard to the odd ones' module "
             "separately, or pass them in ignored_params."
         )
+    # (torch 2.15: without reduce_dtype a gradient reduces in its parameter's own dtype)
+    reduced = {str(mp.for_param(p).grad_reduce_dtype(p.dtype)): places[0][2]
+               for p, places in owners.items() if p.requires_grad}
+    if len(reduced) > 1:
+        examples = ", ".join(f"{fqn!r} ({dtype})" for dtype, fqn in sorted(reduced.items()))
+        raise ValueError(
+            f"fully_shard({module_name}): its gradients would be reduced in several dtypes: {examples} "
+            "(parameters of different dtypes, and no reduce_dtype). FSDP expects a uniform reduce dtype: "
+            "set MixedPrecisionPolicy(reduce_dtype=...), convert the parameters to one dtype, or apply "
+            "fully_shard to the odd ones' module separately."
+        )
     return owners, conflicts, dims
 
 
