@@ -3,7 +3,7 @@ single-process reference whose forward uses bf16 copies of its fp32
 parameters. See [Note: Mixed precision] in compiled_fsdp/runtime/policy.py."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import pytest
 import torch
@@ -36,13 +36,17 @@ class _Bf16Copy(torch.autograd.Function):
         return grad
 
 
-def _bf16_forward(ref: nn.Module, inputs: tuple, grads_unrounded: bool = False) -> torch.Tensor:
+def _bf16_forward(ref: nn.Module, inputs: tuple, grads_unrounded: Union[bool, Callable[[str], bool]] = False,
+                  ) -> torch.Tensor:
     """The reference: one bf16 copy of each fp32 parameter (a tied weight is one
-    parameter, so one copy), the same inputs. ``grads_unrounded``: the copies
-    take their gradients as autograd produced them (eager on torch 2.15,
-    [Note: Mixed precision]); else rounded to bf16, as a compiled graph does."""
-    copy = _Bf16Copy.apply if grads_unrounded else (lambda p: p.to(BF16))
-    params = {n: copy(p) for n, p in ref.named_parameters()}
+    parameter, so one copy), the same inputs. ``grads_unrounded`` (for all
+    parameters, or those whose name it accepts): the copies take their
+    gradients as autograd produced them (eager on torch 2.15, [Note: Mixed
+    precision]); else rounded to bf16, as a compiled graph does."""
+    def unrounded(name: str) -> bool:
+        return grads_unrounded(name) if callable(grads_unrounded) else grads_unrounded
+
+    params = {n: _Bf16Copy.apply(p) if unrounded(n) else p.to(BF16) for n, p in ref.named_parameters()}
     return torch.func.functional_call(ref, params, inputs)
 
 
