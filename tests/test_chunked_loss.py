@@ -219,3 +219,69 @@ def test_embedding_not_gathered_for_backward(case: str) -> None:
     for res in run_distributed(_embedding_rank, 2, case):
         assert res["gathers"] == [expected] * 3, res["gathers"]
         assert res["param"] < 1e-6, res["param"]
+
+
+def _kept_rank(rank: int, world: int, mode: str) -> dict:
+    """torchtitan's layout (``mode``: eager, or blocks compiled on their own
+    under selective AC). Step 1 runs the chunks' backwards only, never the
+    body's, so the gathers issued for the body's backward when the forward
+    ended are never taken; the optimizer steps and every parameter is halved;
+    step 2 must read the new parameters. The reference does the same. Also how many re-gathers the
+    blocks' graphs took from a gather issued ahead, per step."""
+    from compiled_fsdp.core.registry import CORE
+
+    ref, model = Decoder(), Decoder()
+    if mode == "blocks":
+        compat.set_side_effects_under_checkpoint(True)
+        for key, block in list(model.layers.items()):
+            model.layers[key] = selective_ac(block)
+            model.layers[key].compile(backend="aot_eager", fullgraph=True)
+    shard(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    out: dict = {"param": [], "taken": []}
+    for step in range(4):
+        taken = CORE.backward_gathers.taken
+        tokens, labels = batch(step, rank)
+        loss = chunked_loss(model.lm_head, model(tokens), labels)
+        if step != 1:
+            loss.backward()
+        out["taken"].append(CORE.backward_gathers.taken - taken)
+        summed = None
+        for r in range(world):  # (the reference: each rank's gradients apart, summed in rank order)
+            t, y = batch(step, r)
+            part = chunked_loss(ref.lm_head, ref(t), y)
+            if step != 1:
+                part.backward()
+            grads = [p.grad for p in ref.parameters()]
+            summed = grads if summed is None else [a if b is None else b if a is None else a + b
+                                                   for a, b in zip(summed, grads)]
+            ref.zero_grad(set_to_none=True)
+        for p, g in zip(ref.parameters(), summed):
+            p.grad = g
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        if step == 1:  # (the blocks got no gradient, so AdamW left them: change them)
+            with torch.no_grad():
+                for p in [*model.parameters(), *ref.parameters()]:
+                    p.mul_(0.5)
+        full = {_clean(n): p.full_tensor() for n, p in model.named_parameters()}
+        out["param"].append(max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "blocks"])
+def test_gathers_issued_at_the_forward_end(mode: str) -> None:
+    """[Note: Prefetch order]: the gathers of the first two blocks of the
+    backward, issued when the forward ends, outlive the chunks' backwards
+    (each ends the iteration) and serve the body's backward: eagerly 9
+    all-gathers a step (test_torchtitan_chunked_loss; 11 when they were
+    dropped), and the 3 blocks' graphs take 3 gathers issued ahead from the
+    third step on (the first compiles them; the second runs no body
+    backward). A step whose body backward never runs leaves them untaken:
+    they are dropped when the next step begins, whose forward and backward
+    read the parameters the optimizer wrote (bitwise the reference's)."""
+    for res in run_distributed(_kept_rank, 2, mode):
+        assert max(res["param"]) == 0.0, res["param"]
+        if mode == "blocks":
+            assert res["taken"] == [0, 0, 3, 3], res["taken"]

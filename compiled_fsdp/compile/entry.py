@@ -180,7 +180,7 @@ class CompiledEntry:
             self._stand_in = (key, entry)
         return self._stand_in[1]
 
-    def issue_backward_gather(self) -> bool:
+    def issue_backward_gather(self, kept: bool = False) -> bool:
         """This module's gather for its backward graph's ``regather``, issued
         now, not waited, if that op gathers this bucket and none is pending
         (see [Note: Backward re-gathers prefetched across graphs] in
@@ -192,7 +192,7 @@ class CompiledEntry:
             return False
         registry.CORE.backward_gathers.issue(key, ops.issue_gather(
             shards, list(group.specs), group.fsdp_params[0].param_dtype, group.group_name, group.key,
-            counted=False))
+            counted=False), kept)
         return True
 
     def reset(self) -> None:

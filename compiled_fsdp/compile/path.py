@@ -112,6 +112,7 @@ class TorchCompilePath(CompiledPath):
         regions.annotate_break(module, exc)
 
     def on_step(self, ctx: RootContext) -> None:
+        registry.CORE.backward_gathers.drop_pending()  # (what the last step kept and did not take)
         frames.arm()  # (again after a torch._dynamo.reset())
         install.close_backward_windows()
         _root(ctx).backward_checked = False
@@ -301,8 +302,8 @@ class TorchCompilePath(CompiledPath):
                                  partial(_issue_backward_gathers, ctx, state))
         return True
 
-    def prefetch_backward(self, group: FSDPParamGroup) -> bool:
-        return entry_of(group).issue_backward_gather()
+    def prefetch_backward(self, group: FSDPParamGroup, kept: bool = False) -> bool:
+        return entry_of(group).issue_backward_gather(kept)
 
     def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
         in_regions = [g for g in ctx.groups() if entry_of(g).in_region]
@@ -314,7 +315,7 @@ class TorchCompilePath(CompiledPath):
 
     def end_iteration(self, ctx: RootContext) -> None:
         _drop_unread_handoffs(ctx)
-        registry.CORE.backward_gathers.drop_pending()
+        registry.CORE.backward_gathers.drop_pending(but_kept=True)  # (the kept: dropped by on_step)
         root = _root(ctx)
         for p in root.regrad_none:  # see _drop_unread_handoffs
             p.sharded.grad = None

@@ -61,12 +61,17 @@ class BackwardGathers:
     for and dropped (``drop_pending``). What is gathered is one pack of the
     shards with the layout functions of [Note: Bucket layout], so taking it is
     bitwise the graph's own gather. Every rank runs the same program over the
-    same order, so all issue the same gathers.
+    same order, so all issue the same gathers. A gather issued when the root's
+    forward ended (``kept``: [Note: Prefetch order] in runtime/state.py) outlives
+    the end of a backward that did not take it (a chunked loss's backward
+    through the head alone) and is dropped when the next step begins, before
+    anything could take it after an optimizer step.
     Tested by tests/test_handoff.py::test_backward_regathers_prefetched."""
 
     def __init__(self) -> None:
         self.takers: set[tuple[int, ...]] = set()
         self.pending: dict[tuple[int, ...], torch.Tensor] = {}
+        self.kept: set[tuple[int, ...]] = set()  # pending ones that outlive a backward's end
         self.taken = 0  # regathers served by a pending gather (for the tests and the benchmarks)
 
     def reset(self) -> None:
@@ -77,20 +82,25 @@ class BackwardGathers:
     def wanted(self, key: tuple[int, ...]) -> bool:
         return key in self.takers and key not in self.pending
 
-    def issue(self, key: tuple[int, ...], gathered: torch.Tensor) -> None:
+    def issue(self, key: tuple[int, ...], gathered: torch.Tensor, kept: bool = False) -> None:
         self.pending[key] = gathered
+        if kept:
+            self.kept.add(key)
 
     def take(self, key: tuple[int, ...]) -> Optional[torch.Tensor]:
         self.takers.add(key)
+        self.kept.discard(key)
         gathered = self.pending.pop(key, None)
         if gathered is not None:
             self.taken += 1
         return gathered
 
-    def drop_pending(self) -> None:
-        for gathered in self.pending.values():
-            torch.ops._c10d_functional.wait_tensor(gathered)
-        self.pending.clear()
+    def drop_pending(self, but_kept: bool = False) -> None:
+        """Wait for and drop the pending gathers (``but_kept``: all but the kept)."""
+        for key in [k for k in self.pending if not (but_kept and k in self.kept)]:
+            torch.ops._c10d_functional.wait_tensor(self.pending.pop(key))
+        if not but_kept:
+            self.kept.clear()
 
 
 class CoreRegistry:

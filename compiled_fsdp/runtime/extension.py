@@ -92,9 +92,10 @@ class CompiledPath:
         """A non-root post-forward: True if that forward was compiled as its own frame."""
         return False
 
-    def prefetch_backward(self, group: "FSDPParamGroup") -> bool:
+    def prefetch_backward(self, group: "FSDPParamGroup", kept: bool = False) -> bool:
         """Issue now the backward re-gather of ``group``, whose module was
-        compiled as its own frame, for its graph to take; False if none is due."""
+        compiled as its own frame, for its graph to take; False if none is due.
+        ``kept``: it outlives the end of a backward that did not take it."""
         return False
 
     def after_compiled_root(self, ctx: "RootContext", output: Any) -> None:

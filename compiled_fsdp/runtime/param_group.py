@@ -172,6 +172,9 @@ class FSDPParamGroup:
         # backward] in backward_use.py); the user's call sets it False.
         self.unshard_in_backward = True
         self.decides_unshard_in_backward: Optional[bool] = None
+        # Gathered for its backward when the root's forward ended: kept past the
+        # end of a backward that did not reach it ([Note: Prefetch order] in state.py).
+        self.kept_for_backward = False
         # FSDPModule.set_reduce_scatter_unused_params: a parameter that got no
         # gradient reduces zeros (so every rank reduces the same buffers).
         self.reduce_unused = False
@@ -430,6 +433,7 @@ class FSDPParamGroup:
 
     # -- backward ------------------------------------------------------------
     def pre_backward(self) -> None:
+        self.kept_for_backward = False
         if not self.unshard_in_backward:
             return
         self.unshard()
@@ -512,6 +516,7 @@ class FSDPParamGroup:
             reduce.collective.wait()
         self._applied_buckets, self._reduced_buckets = set(), set()
         self.reshard()
+        self.kept_for_backward = False
         self.exposed_views = None
         self._iter_views = None
         self.needs_grad_sync = False
@@ -519,8 +524,9 @@ class FSDPParamGroup:
     def begin_iteration(self) -> None:
         """A root forward begins a new iteration: this group's autograd views
         and gradient bookkeeping start afresh."""
-        if self.state is ShardedState.SHARDED_POST_FORWARD:  # ([Note: Resharding to a smaller group])
-            self.reshard()
+        if self.state is ShardedState.SHARDED_POST_FORWARD or self.kept_for_backward:
+            self.reshard()  # ([Note: Resharding to a smaller group]; a kept gather is stale after a step)
+        self.kept_for_backward = False
         self._iter_views = None
         self._applied_buckets = set()
         self.needs_grad_sync = False
@@ -548,8 +554,10 @@ class FSDPParamGroup:
         The autograd views stay to the next root forward, for a later backward
         of the same forward ([Note: Several backwards of one forward] in state.py)."""
         self.finish_grad_sync()
-        if self.reshard_after_backward or not self.needs_grad_sync:
+        keep = self.kept_for_backward and self.needs_grad_sync and not self.backward_done
+        if (self.reshard_after_backward or not self.needs_grad_sync) and not keep:
             self.reshard()
+        self.kept_for_backward = keep
         self._reduced_buckets = set()
         self.exposed_views = None
 
