@@ -222,9 +222,12 @@ class RootContext:
         joining = self.root_ran and bool(self.forward_order) and self.backward_pending()
         if self.forward_order and not joining:  # (the last forward ran no backward)
             self.end_iteration()
-        if not joining:
-            for g in self.groups():
+        for g in self.groups():
+            if not joining:
                 g.begin_iteration()
+            elif g.kept_for_backward:  # (gathered for a backward to come; the parameters may have changed since)
+                g.reshard()
+                g.kept_for_backward = False
         self.root_ran = True
         self.forward_order, self.post_forward_order = [], []
         self.step += 1
@@ -372,23 +375,25 @@ class RootContext:
 
     def prefetch_backward_start(self) -> None:
         """The root's forward ended and a backward follows: issue the gathers of
-        the first two modules in backward order that need one, so that they use
-        the link while the loss computes ([Note: Prefetch order]). Not where
+        the first two modules in backward order that need one (among the first
+        three with parameters: none further back), so that they use the link
+        while the loss computes ([Note: Prefetch order]). Not where
         the user set ``set_modules_to_backward_prefetch``: that order is theirs."""
         if any(s.backward_prefetch is not None for s in self.states):
             return
-        issued: list[FSDPState] = []
+        seen: list[FSDPState] = []  # (the first three modules with parameters, at most two gathered)
+        issued = 0
         for s in reversed(self.post_forward_order):
             group = s.param_group
-            if len(issued) == 2:
+            if issued == 2 or len(seen) == 3:
                 return
-            if group is None or any(s is o for o in issued) or not (
+            if group is None or any(s is o for o in seen) or not (
                     group.needs_grad_sync or s.path is Path.OWN_FRAME):
                 continue
+            seen.append(s)
             before = len(self.prefetched)
             self.prefetch(s, "backward", kept=True)
-            if len(self.prefetched) > before:
-                issued.append(s)
+            issued += len(self.prefetched) > before
 
     def backward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
         order: list[FSDPState] = []
