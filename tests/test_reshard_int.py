@@ -56,15 +56,23 @@ def _loss(model: Any, step: int, rank: int) -> torch.Tensor:
 def _train(model: torch.nn.Module, run: Any, rank: int, build: Any = tiny) -> dict:
     """3 AdamW steps beside the reference (``build()``): the largest
     difference, the eager collectives and bytes per step, what each block
-    keeps between forward and backward (eager runtime), and the shards at the end."""
+    keeps when its forward ends (eager runtime: the backward's first gathers,
+    issued when the root's forward ends, take those parts on), and the shards
+    at the end."""
     ref = build()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     groups = [fully_shard.state(b).param_group for b in model.layers]
     worst, counts, sent, kept = 0.0, [], [], []
+    parts: list[int] = []
+    if run is model:  # (after fully_shard's post-forward hook)
+        for block, g in zip(model.layers, groups):
+            block.register_forward_hook(
+                lambda m, i, o, g=g: parts.append(0 if g._post_forward_part is None else g._post_forward_part.numel()))
     for step in range(3):
         compiled_fsdp.reset_collective_counts()
         loss = _loss(run, step, rank)
-        kept.append([0 if g._post_forward_part is None else g._post_forward_part.numel() for g in groups])
+        kept.append(parts[:] if run is model else [0] * len(groups))
+        parts.clear()
         loss.backward()
         counts.append(compiled_fsdp.collective_counts())
         sent.append(compiled_fsdp.collective_bytes())

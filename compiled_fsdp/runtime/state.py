@@ -390,6 +390,8 @@ class RootContext:
             if group is None or any(s is o for o in seen) or not (
                     group.needs_grad_sync or s.path is Path.OWN_FRAME):
                 continue
+            if all(p.reads_shard for p in group.fsdp_params):  # (a group of one, replicate's: nothing to gather)
+                continue
             seen.append(s)
             before = len(self.prefetched)
             self.prefetch(s, "backward", kept=True)
