@@ -69,6 +69,26 @@ def _clean(name: str) -> str:
     return name.replace("_orig_mod.", "").replace("._checkpoint_wrapped_module", "")
 
 
+def _reference_grads(ref: Decoder, step: int, world: int, rank: int, body: bool = True) -> torch.Tensor:
+    """The reference's gradients for ``step``: each rank's chunked loss apart
+    (``body``: then its body's backward), the gradients summed in rank order,
+    as the reduction with divide factor 1.0 sums them; returns ``rank``'s loss."""
+    mine, summed = None, None
+    for r in range(world):
+        t, y = batch(step, r)
+        part = chunked_loss(ref.lm_head, ref(t), y)
+        if body:
+            part.backward()
+        mine = part if r == rank else mine
+        grads = [p.grad for p in ref.parameters()]
+        summed = grads if summed is None else [a if b is None else b if a is None else a + b
+                                               for a, b in zip(summed, grads)]
+        ref.zero_grad(set_to_none=True)
+    for p, g in zip(ref.parameters(), summed):
+        p.grad = g
+    return mine
+
+
 def _titan_rank(rank: int, world: int, mode: str) -> dict:
     """``mode``: eager; ``blocks``: torchtitan's per-block compile (selective AC,
     then ``block.compile(fullgraph=True)``, then fully_shard), with and without
@@ -98,17 +118,7 @@ def _titan_rank(rank: int, world: int, mode: str) -> dict:
         out["gathers"].append(compiled_fsdp.collective_counts().get("all_gather", 0))
         out["prefetched"].append([_clean(fqn) for phase, fqn in get_fsdp_state(model).ctx.last_prefetched
                                   if phase == "backward"])
-        ref_loss, summed = None, None
-        for r in range(world):  # each rank's gradients apart, then summed in rank order, as the reduction
-            t, y = batch(step, r)
-            part = chunked_loss(ref.lm_head, ref(t), y)
-            part.backward()
-            ref_loss = part if r == rank else ref_loss
-            grads = [p.grad for p in ref.parameters()]
-            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
-            ref.zero_grad(set_to_none=True)
-        for p, g in zip(ref.parameters(), summed):
-            p.grad = g
+        ref_loss = _reference_grads(ref, step, world, rank)
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -246,18 +256,7 @@ def _kept_rank(rank: int, world: int, mode: str) -> dict:
         if step != 1:
             loss.backward()
         out["taken"].append(CORE.backward_gathers.taken - taken)
-        summed = None
-        for r in range(world):  # (the reference: each rank's gradients apart, summed in rank order)
-            t, y = batch(step, r)
-            part = chunked_loss(ref.lm_head, ref(t), y)
-            if step != 1:
-                part.backward()
-            grads = [p.grad for p in ref.parameters()]
-            summed = grads if summed is None else [a if b is None else b if a is None else a + b
-                                                   for a, b in zip(summed, grads)]
-            ref.zero_grad(set_to_none=True)
-        for p, g in zip(ref.parameters(), summed):
-            p.grad = g
+        _reference_grads(ref, step, world, rank, body=step != 1)
         for opt in opts:
             opt.step()
             opt.zero_grad()

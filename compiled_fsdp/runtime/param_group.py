@@ -524,12 +524,19 @@ class FSDPParamGroup:
     def begin_iteration(self) -> None:
         """A root forward begins a new iteration: this group's autograd views
         and gradient bookkeeping start afresh."""
-        if self.state is ShardedState.SHARDED_POST_FORWARD or self.kept_for_backward:
-            self.reshard()  # ([Note: Resharding to a smaller group]; a kept gather is stale after a step)
-        self.kept_for_backward = False
+        self.drop_kept()
+        if self.state is ShardedState.SHARDED_POST_FORWARD:  # ([Note: Resharding to a smaller group])
+            self.reshard()
         self._iter_views = None
         self._applied_buckets = set()
         self.needs_grad_sync = False
+
+    def drop_kept(self) -> None:
+        """Free a gather kept for a backward still to come: a new forward may
+        follow a change of the parameters ([Note: Prefetch order] in state.py)."""
+        if self.kept_for_backward:
+            self.reshard()
+            self.kept_for_backward = False
 
     @property
     def backward_done(self) -> bool:

@@ -223,11 +223,10 @@ class RootContext:
         if self.forward_order and not joining:  # (the last forward ran no backward)
             self.end_iteration()
         for g in self.groups():
-            if not joining:
+            if joining:
+                g.drop_kept()
+            else:
                 g.begin_iteration()
-            elif g.kept_for_backward:  # (gathered for a backward to come; the parameters may have changed since)
-                g.reshard()
-                g.kept_for_backward = False
         self.root_ran = True
         self.forward_order, self.post_forward_order = [], []
         self.step += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -150,9 +151,8 @@ def validate(
             "move the module to one device (e.g. module.to(device)) before fully_shard."
         )
     # One bucket carries one dtype (see [Note: Mixed precision] in policy.py).
-    dtypes = {str(mp.for_param(p).compute_dtype(p.dtype)): places[0][2] for p, places in owners.items()}
-    if len(dtypes) > 1:
-        examples = ", ".join(f"{fqn!r} ({dtype})" for dtype, fqn in sorted(dtypes.items()))
+    examples = _several_dtypes(owners, lambda p: mp.for_param(p).compute_dtype(p.dtype))
+    if examples:
         raise ValueError(
             f"fully_shard({module_name}): its parameters would be communicated in several "
             f"dtypes: {examples}. One fully_shard application gathers its parameters in one dtype, as "
@@ -160,10 +160,9 @@ def validate(
             "separately, or pass them in ignored_params."
         )
     # (torch 2.15: without reduce_dtype a gradient reduces in its parameter's own dtype)
-    reduced = {str(mp.for_param(p).grad_reduce_dtype(p.dtype)): places[0][2]
-               for p, places in owners.items() if p.requires_grad}
-    if len(reduced) > 1:
-        examples = ", ".join(f"{fqn!r} ({dtype})" for dtype, fqn in sorted(reduced.items()))
+    examples = _several_dtypes({p: places for p, places in owners.items() if p.requires_grad},
+                               lambda p: mp.for_param(p).grad_reduce_dtype(p.dtype))
+    if examples:
         raise ValueError(
             f"fully_shard({module_name}): its gradients would be reduced in several dtypes: {examples} "
             "(parameters of different dtypes, and no reduce_dtype). FSDP expects a uniform reduce dtype: "
@@ -171,6 +170,16 @@ def validate(
             "fully_shard to the odd ones' module separately."
         )
     return owners, conflicts, dims
+
+
+def _several_dtypes(owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]],
+                    dtype_of: Callable[[nn.Parameter], torch.dtype]) -> Optional[str]:
+    """One parameter of each dtype ``dtype_of`` gives, named for a message,
+    where there are several; else None."""
+    by_dtype = {str(dtype_of(p)): places[0][2] for p, places in owners.items()}
+    if len(by_dtype) < 2:
+        return None
+    return ", ".join(f"{fqn!r} ({dtype})" for dtype, fqn in sorted(by_dtype.items()))
 
 
 def collect_owned(
