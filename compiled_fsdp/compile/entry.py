@@ -192,7 +192,7 @@ class CompiledEntry:
             return False
         registry.CORE.backward_gathers.issue(key, ops.issue_gather(
             shards, list(group.specs), group.fsdp_params[0].param_dtype, group.group_name, group.key,
-            counted=False), kept)
+            counted=False), ops.shard_versions(shards), kept)
         return True
 
     def reset(self) -> None:

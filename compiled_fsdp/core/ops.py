@@ -315,6 +315,10 @@ def shards_key(shards: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(s.data_ptr() for s in shards)
 
 
+def shard_versions(shards: list[torch.Tensor]) -> tuple[int, ...]:
+    """The shards' version counters (shared by every view and detached alias
+    of a tensor): a gather issued at other versions read older values."""
+    return tuple(s._version for s in shards)
 
 
 def _regather_specs(m: Regather) -> list[ShardSpec]:
@@ -327,7 +331,7 @@ def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
     """The gathered bucket of ``shards``, waited: prefetched, or gathered now."""
     m = Regather.bind(args, kwargs)
     shards = list(m.shards)
-    gathered = registry.CORE.backward_gathers.take(shards_key(shards))
+    gathered = registry.CORE.backward_gathers.take(shards_key(shards), shard_versions(shards))
     if gathered is None:
         gathered = issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
                                 counted=False)
