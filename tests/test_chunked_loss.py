@@ -8,7 +8,7 @@ torchtitan 0.3.0's ``ChunkedLossWrapper``: the model's forward stops after the n
 runs once per chunk on a detached leaf with a backward in between (its
 gradient sync off but for the last chunk, resharding off), and one backward
 then runs through the body ([Note: Several backwards of one forward] in
-runtime/state.py).
+runtime/context.py).
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_torchtitan_chunked_loss(mode: str) -> None:
     in backward from the re-gathered norm weight (passes/handoff.py,
     ``_read_again_in_backward``; saving the bucket cost 3.2 GiB at 8 blocks of
     Llama-3.1-8B on an H100). The backward prefetches in backward order, one
-    module ahead ([Note: Prefetch order] in runtime/state.py): the eager
+    module ahead ([Note: Prefetch order] in runtime/context.py): the eager
     head's pre-backward issues the last block's graph re-gather, each block's
     graph its predecessor's (before, the head prefetched the embedding first
     and the first block prefetched nothing)."""

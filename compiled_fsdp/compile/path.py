@@ -37,10 +37,11 @@ from compiled_fsdp.core import (
     registry,
 )
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, Unshard
+from compiled_fsdp.runtime.context import Path, RootContext
 from compiled_fsdp.runtime.extension import CompiledPath
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase
-from compiled_fsdp.runtime.state import FSDPState, Path, RootContext
+from compiled_fsdp.runtime.state import FSDPState
 
 __all__ = ["TorchCompilePath"]
 

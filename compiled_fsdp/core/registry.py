@@ -62,7 +62,7 @@ class BackwardGathers:
     shards with the layout functions of [Note: Bucket layout], so taking it is
     bitwise the graph's own gather. Every rank runs the same program over the
     same order, so all issue the same gathers. A gather issued when the root's
-    forward ended (``kept``: [Note: Prefetch order] in runtime/state.py) outlives
+    forward ended (``kept``: [Note: Prefetch order] in runtime/context.py) outlives
     the end of a backward that did not take it (a chunked loss's backward
     through the head alone) and is dropped when the next step begins. A gather
     is also taken only if its shards are as they were when it was issued (their

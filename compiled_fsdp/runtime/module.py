@@ -121,7 +121,7 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Gather ``modules``' parameters when this module's forward starts, in
-        place of the implicit next module ([Note: Prefetch order] in state.py)."""
+        place of the implicit next module ([Note: Prefetch order] in context.py)."""
         self._state("set_modules_to_forward_prefetch").forward_prefetch = _states(
             modules, "set_modules_to_forward_prefetch")
 
@@ -263,7 +263,7 @@ class FSDPModule:
         reductions, writes ``.grad``, reshards); ``finalize_backward()`` does,
         after every backward of the logical step, first reducing what
         backwards with gradient sync off kept (turn sync on before it). See
-        [Note: Several backwards of one forward] in state.py."""
+        [Note: Several backwards of one forward] in context.py."""
         _check_bool("set_manual_backward_finalization", enabled)
         state = self._state("set_manual_backward_finalization")
         if state.ctx is not None and not state.is_root:

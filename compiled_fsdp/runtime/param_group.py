@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 
 class Phase(enum.Enum):
-    """Where a root's iteration is (see [Note: Roots and iterations] in state.py)."""
+    """Where a root's iteration is (see [Note: Roots and iterations] in context.py)."""
 
     IDLE = "idle"  # between forwards (or in backward)
     FORWARD = "forward"  # the root's forward runs eagerly, now
@@ -173,7 +173,7 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         self.decides_unshard_in_backward: Optional[bool] = None
         # Gathered for its backward when the root's forward ended: kept past the
-        # end of a backward that did not reach it ([Note: Prefetch order] in state.py).
+        # end of a backward that did not reach it ([Note: Prefetch order] in context.py).
         self.kept_for_backward = False
         # FSDPModule.set_reduce_scatter_unused_params: a parameter that got no
         # gradient reduces zeros (so every rank reduces the same buffers).
@@ -533,7 +533,7 @@ class FSDPParamGroup:
 
     def drop_kept(self) -> None:
         """Free a gather kept for a backward still to come: a new forward may
-        follow a change of the parameters ([Note: Prefetch order] in state.py)."""
+        follow a change of the parameters ([Note: Prefetch order] in context.py)."""
         if self.kept_for_backward:
             self.reshard()
             self.kept_for_backward = False
@@ -559,7 +559,7 @@ class FSDPParamGroup:
     def end_iteration(self) -> None:
         """A backward ended: finish its communication, free unsharded memory.
         The autograd views stay to the next root forward, for a later backward
-        of the same forward ([Note: Several backwards of one forward] in state.py)."""
+        of the same forward ([Note: Several backwards of one forward] in context.py)."""
         self.finish_grad_sync()
         keep = self.kept_for_backward and self.needs_grad_sync and not self.backward_done
         if (self.reshard_after_backward or not self.needs_grad_sync) and not keep:

@@ -13,7 +13,8 @@ import torch.nn as nn
 from compiled_fsdp.compile import frames, install
 from compiled_fsdp.compile.entry import entry_of
 from compiled_fsdp.core.marker import ENTRY_KEY
-from compiled_fsdp.runtime.state import FSDPState, Path, iter_fsdp_states, module_fqns
+from compiled_fsdp.runtime.context import Path
+from compiled_fsdp.runtime.state import FSDPState, iter_fsdp_states, module_fqns
 
 
 @dataclasses.dataclass(frozen=True)
