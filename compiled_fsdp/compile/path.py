@@ -11,7 +11,7 @@ instead run the frame eagerly: under an active dispatch mode
 ``suppress_errors``. Nothing tells the hook beforehand, but the first read
 of a root parameter outside tracing does (``untraced_read``): the root
 switches to the eager runtime for this forward (gather through
-``_UnshardFn``, reduce in its post-backward), as the blocks already do
+``UnshardFn``, reduce in its post-backward), as the blocks already do
 (their hooks run as Python and fall back). So such a frame trains exactly
 like eager, with one reduction per gradient. The same holds for a block
 compiled on its own ([Note: Blocks compiled on their own] in entry.py).

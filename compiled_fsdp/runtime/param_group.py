@@ -1,22 +1,6 @@
 """The parameter group: all managed parameters of one fully sharded module, the
 unit of communication (one all-gather, one reduce-scatter; ``replicate``'s
-may reduce in several buckets).
-
-[Note: Eager autograd through UnshardFn]
-In eager mode a group's unsharded parameters are the outputs of an autograd
-function, ``_UnshardFn``, whose inputs are the shards: one per reduce bucket
-(one bucket, the whole group, but for [Note: replicate's buckets] in
-replicate.py). Autograd runs its backward exactly once per backward pass, after
-every use of every parameter of the bucket has produced its gradient (a module
-called twice included: autograd sums the uses). That moment is the bucket's
-post-backward: it issues one bucketed reduction and returns no gradient to the
-shards; the reduced gradients are written to ``shard.grad`` when the reduction
-is awaited (at the latest in the root's end-of-backward callback, so every
-reduction has finished when ``backward()`` returns); after the group's last
-bucket the group reshards. The outputs are views of the unsharded buffers, so
-freeing a buffer's storage after forward (reshard) and refilling it before
-backward is seen by autograd's saved tensors; the refill preserves the version
-counter, as FSDP2 does.
+may reduce in several buckets). Its eager autograd function: unshard_fn.py.
 
 [Note: Resharding to a smaller group]
 FSDP2's int ``reshard_after_forward=N`` (a factor of the shard group's size
@@ -44,19 +28,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import weakref
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from compiled_fsdp.core import compat, registry, rules
+from compiled_fsdp.core import registry, rules
 from compiled_fsdp.core.comm import PendingCollective
 from compiled_fsdp.core.layout import EAGER, bucket_offsets, post_forward_part, split_reduced
 from compiled_fsdp.runtime.collectives import all_gather_bucket, all_gather_part, copy_out_all_gather, reduce_bucket
 from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from compiled_fsdp.runtime.ext_gather import ExtensionGather
 from compiled_fsdp.runtime.param import FSDPParam
+from compiled_fsdp.runtime.unshard_fn import UnshardFn, static_view
 
 if TYPE_CHECKING:
     from compiled_fsdp.runtime.streams import CommStreams
@@ -89,33 +73,6 @@ class GroupContext(Protocol):
     def on_reduce_issued(self, group: "FSDPParamGroup") -> None:
         """``group`` issued a reduction: the root awaits the others' (at most
         two groups' in flight) and queues the end of backward."""
-
-class _UnshardFn(torch.autograd.Function):
-    """See [Note: Eager autograd through UnshardFn]: one per reduce bucket."""
-
-    @staticmethod
-    def forward(ctx: Any, group: "FSDPParamGroup", bucket: int, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # Weakly: the outputs' autograd node holds ctx from C++, where Python's
-        # collector cannot see it, and a parameter keeps its unsharded view (an
-        # output) alive: a strong group here made a cycle that kept every model
-        # alive for good (tests/test_state.py).
-        ctx.group, ctx.bucket = weakref.ref(group), bucket
-        ctx.set_materialize_grads(False)
-        params = [group.fsdp_params[i] for i in group.reduce_buckets[bucket]]
-        outs = tuple(p.unsharded.view_as(p.unsharded) for p in params)
-        ctx.mark_non_differentiable(*(o for o, p in zip(outs, params) if not p.sharded.requires_grad))
-        if compat.grads_in_reduce_dtype():  # see [Note: Mixed precision] in policy.py
-            ctx.set_output_grad_dtype(*(p.unsharded_grad_dtype() for p in params))
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[None, ...]:
-        group = ctx.group()
-        if group is not None:  # (None: the model was freed before this backward ran)
-            with compat.no_spmd_typecheck():
-                group.post_backward(grads, ctx.bucket)
-        return (None,) * (2 + len(grads))
-
 
 @dataclasses.dataclass
 class _PendingReduce:
@@ -219,7 +176,7 @@ class FSDPParamGroup:
         self._pending_reduces: list[_PendingReduce] = []
         # Views handed to the module's code while it runs eagerly; see [Note: Parameter property].
         self.exposed_views: Optional[Sequence[Optional[torch.Tensor]]] = None
-        # Autograd outputs of this iteration's _UnshardFn (None: its bucket's
+        # Autograd outputs of this iteration's UnshardFn (None: its bucket's
         # not applied yet: ``view_of``), reused by later calls.
         self._iter_views: Optional[Sequence[Optional[torch.Tensor]]] = None
         self.needs_grad_sync = False  # a backward was registered for this iteration
@@ -398,7 +355,7 @@ class FSDPParamGroup:
                         self._apply_bucket(b)
                 self.needs_grad_sync = True
             else:
-                self._iter_views = tuple(_static(p.to_compute(p.unsharded.view_as(p.unsharded)))
+                self._iter_views = tuple(static_view(p.to_compute(p.unsharded.view_as(p.unsharded)))
                                          for p in self.fsdp_params)
         self.exposed_views = self._iter_views
 
@@ -417,11 +374,11 @@ class FSDPParamGroup:
         indices = self.reduce_buckets[bucket]
         shards = [self.fsdp_params[i].sharded for i in indices]
         with torch.enable_grad():  # (pre_forward decided: a first read under no_grad must not lose the gradient)
-            outs = _UnshardFn.apply(self, bucket, *shards)
+            outs = UnshardFn.apply(self, bucket, *shards)
         if any(s.requires_grad for s in shards):
             self._applied_buckets.add(bucket)
         for i, out in zip(indices, outs):
-            self._iter_views[i] = _static(self.fsdp_params[i].to_compute(out))
+            self._iter_views[i] = static_view(self.fsdp_params[i].to_compute(out))
 
     def post_forward(self, reshard: bool, backward_follows: bool = True) -> None:
         self.exposed_views = None
@@ -567,19 +524,3 @@ class FSDPParamGroup:
         self.kept_for_backward = keep
         self._reduced_buckets = set()
         self.exposed_views = None
-
-
-def _static(view: torch.Tensor) -> torch.Tensor:
-    """[Note: Gathered views are static to Dynamo]
-    A module compiled on its own whose parameters the eager runtime gathered
-    (activation checkpointing around it, or the fallback) reads them as plain
-    graph inputs, not as ``nn.Parameter``s, so Dynamo's automatic dynamic
-    shapes may make their sizes symbolic at a recompile, where FSDP2's
-    unsharded ``nn.Parameter``s stay static (``force_parameter_static_shapes``).
-    Under TP that symbolic size sent AOTAutograd into unbounded recursion
-    (a cycle of symbolic proxies: tests/test_tensor_parallel.py::
-    test_blocks_compiled_in_place_under_checkpoint). Marked static, they
-    specialize as parameters do."""
-    if not torch.compiler.is_compiling():
-        torch._dynamo.mark_static(view)
-    return view

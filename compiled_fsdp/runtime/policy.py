@@ -12,7 +12,7 @@ Without ``reduce_dtype`` they are reduced in the parameter's own dtype (torch
 On torch 2.15 the eager runtime also takes each gradient *as autograd
 produced it* where the reduce dtype is wider than the compute dtype, as FSDP2
 2.15 does with ``Tensor.grad_dtype`` on its unsharded parameters during a
-backward (``ctx.set_output_grad_dtype`` on ``_UnshardFn``,
+backward (``ctx.set_output_grad_dtype`` on ``UnshardFn``,
 ``FSDPParam.unsharded_grad_dtype``): an op that promoted the bf16 weight
 (``x.float() * w`` in CPU RMSNorm) hands over an fp32 gradient that is not
 rounded to bf16 first, and a weight read twice adds its two bf16 gradients in
