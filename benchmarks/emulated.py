@@ -9,6 +9,8 @@ Kinds (each in a fresh process, rank 0 of W, local batch ``--batch``):
   floor         compute only: the unsharded model (bf16 on a GPU) compiled
                 whole, AdamW stepping 1/W of the parameters (fp32)
   ours          compiled_fsdp, fully_shard per block + root, torch.compile(model)
+  ours_regions  the same, each block a compile region (config.comm.block_regions):
+                traced and compiled once, the next block's gather issued ahead
   ours_blocks   the same, each block compiled on its own (block.compile())
   ours_eager    compiled_fsdp's eager runtime
   fsdp2_eager   torch.distributed.fsdp.fully_shard
@@ -52,7 +54,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import llama  # noqa: E402
 
-KINDS = ("floor", "ours", "ours_blocks", "ours_eager", "fsdp2_eager", "fsdp2_blocks", "graph_trainer")
+KINDS = ("floor", "ours", "ours_regions", "ours_blocks", "ours_eager", "fsdp2_eager", "fsdp2_blocks", "graph_trainer")
 MODELS = {  # --model: the GPU job (Llama-3.1-8B dimensions), the CPU's, the tests'
     "8b": llama.LLAMA_3_1_8B.with_(checkpoint_blocks=True),
     "cpu": llama.LlamaConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn=768, vocab=4096, seq=256),
@@ -134,6 +136,10 @@ def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
     with torch.device("meta"):
         model = llama.Llama(cfg)
     fully_shard, mp = _sharding_api(kind, cuda)
+    if kind == "ours_regions":
+        import compiled_fsdp
+
+        compiled_fsdp.config.comm.block_regions = True
     for block in model.layers:
         if kind == "fsdp2_blocks":  # torchtitan: compile each block, then shard
             block.compile()
@@ -143,7 +149,7 @@ def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
     fully_shard(model, mp_policy=mp)
     model.to_empty(device=device)
     model.init_weights()
-    run = torch.compile(model) if kind == "ours" else model
+    run = torch.compile(model) if kind in ("ours", "ours_regions") else model
     return model, run, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
 
@@ -451,7 +457,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         return [res]
     links = args.links or (["nccl"] if args.device == "cuda" else ["match", "match/4"])
     if args.pattern.startswith("titan"):
-        args.kinds = [k for k in args.kinds if k != "ours"]
+        args.kinds = [k for k in args.kinds if k not in ("ours", "ours_regions")]
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     results = []

@@ -38,7 +38,8 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp.core import copy_out
-from compiled_fsdp.core.layout import reduce_input, split_reduced
+from compiled_fsdp.core.layout import joined_shapes, reduce_input, split_reduced
+from compiled_fsdp.core.marker import Regather
 
 from ._emit import emit_all_reduce, emit_gather, emit_pack_grads, emit_reduce, emit_unpack
 from .bucketing import merge_small_buckets
@@ -381,9 +382,15 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
     b = NodeBuilder(graph, _copied_meta(first_marker, plan))
     again = None
     with graph.inserting_before(first_marker):
-        gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
-                               plan.world_size, plan.group_name)
-        waited = b(c10d.wait_tensor.default, gathered)
+        if plan.slots[0].args.take_ahead and plan.post_forward is None:
+            # (taken from a gather issued ahead, if one was: [Note: Gathers
+            # issued ahead of compile regions] in compiled_fsdp/compile/regions.py)
+            waited = b(Regather.op().default, sources, joined_shapes(specs), plan.group_name, plan.world_size,
+                       plan.module_key, plan.slots[0].args.param_dtype)
+        else:
+            gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
+                                   plan.world_size, plan.group_name)
+            waited = b(c10d.wait_tensor.default, gathered)
         fulls = emit_unpack(b, waited, specs)
         if plan.post_forward is not None and plan.reshard_after_forward and any(map(is_tangent, graph.nodes)) \
                 and not read_under_checkpoint([m for s in plan.slots for m in s.markers]):

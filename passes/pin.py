@@ -42,12 +42,15 @@ same collective.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
 from .cost_model import ISSUES, WAIT
 from .graph import chain_tag
+
+ISSUE_AHEAD = torch.ops.compiled_fsdp.issue_ahead.default
 
 
 def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
@@ -57,19 +60,25 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
     [Note: Inductor's simple_overlap])."""
     nodes = [n for n in graph.nodes if n.op == "call_function"]
 
+    def owned(n: fx.Node) -> bool:
+        # (a gather issued ahead of a compile region is ours too: [Note:
+        # Gathers issued ahead of compile regions] in compiled_fsdp/compile/regions.py)
+        return chain_tag(n) is not None or n.target is ISSUE_AHEAD
+
     def is_compute(n: fx.Node) -> bool:
-        return chain_tag(n) is None
+        # (a higher-order op's call, a compile region's, cannot be wrapped in ``control_deps``)
+        return not owned(n) and not isinstance(n.target, torch._ops.HigherOrderOperator)
 
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for i, n in enumerate(nodes):
-        if chain_tag(n) is None or n.target not in (*ISSUES, WAIT):
+        if not owned(n) or n.target not in (*ISSUES, ISSUE_AHEAD, WAIT):
             continue
         if n.target is WAIT:
             prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)
             if prev is not None and prev not in n.all_input_nodes:
                 deps.setdefault(n, OrderedSet()).add(prev)
             issued = next((p for p in reversed(nodes[:i]) if p.target in ISSUES
-                           and chain_tag(p) is not None), None)
+                           and owned(p)), None)
             if issued is not None and issued not in n.all_input_nodes:
                 deps.setdefault(n, OrderedSet()).add(issued)
             if both_ways:
@@ -77,6 +86,13 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
                 if nxt is not None and n not in nxt.all_input_nodes:
                     deps.setdefault(nxt, OrderedSet()).add(n)
         else:
+            if n.target is ISSUE_AHEAD:  # (Inductor orders the collectives it knows; this one it does not)
+                before = next((p for p in reversed(nodes[:i]) if p.target in ISSUES and owned(p)), None)
+                if before is not None:
+                    deps.setdefault(n, OrderedSet()).add(before)
+                after = next((q for q in nodes[i + 1:] if q.target in ISSUES and owned(q)), None)
+                if after is not None:
+                    deps.setdefault(after, OrderedSet()).add(n)
             if both_ways:
                 prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)
                 if prev is not None and prev not in n.all_input_nodes:

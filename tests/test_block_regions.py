@@ -72,10 +72,13 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
         model_of.append(model)
         return torch.compile(model, backend=backend_fn, fullgraph=True)
 
+    from compiled_fsdp.core.registry import CORE
+
+    CORE.backward_gathers.reset()
     with recording() as rec:
         res = run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn,
                          wrap=wrap,
-                         ref_forward=ref_forward)
+                         ref_forward=ref_forward, after_step=lambda m: CORE.backward_gathers.taken)
     res["graphs"] = graphs
     res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
                       for r in compiled_fsdp.explain(model_of[0])]
@@ -92,10 +95,14 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
     compiled alike (its blocks regions): bitwise under ``aot_eager``, within
     1e-6 under Inductor. Without [Note: Blocks as compile regions]'s three changes
     Dynamo makes a subgraph per block and inlines each (none remains), or
-    fails (a DTensor input), or the markers stay unlowered (eager collectives)."""
+    fails (a DTensor input), or the markers stay unlowered (eager collectives).
+    From the second step on, the second and third blocks take the gathers the
+    outer graph issued ahead of them ([Note: Gathers issued ahead of compile
+    regions]); the first block gathers its own."""
     for res in run_distributed(_regions_rank, 2, backend, timeout=900):
         assert_close(res, tol)
         assert res["counts"] == [{}] * 3
+        assert res["after"] == [0, BLOCKS - 1, 2 * (BLOCKS - 1)], res["after"]
         assert res["graphs"] == [{"subgraphs": ["subgraph_0"], "calls": BLOCKS}]
         # (the region's joint graph: its block's bucket; the outer one: the root's units)
         assert (1, 1) in res["joint"] and len(res["joint"]) == 2, res["joint"]

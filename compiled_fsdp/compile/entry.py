@@ -87,7 +87,7 @@ from torch import nn
 from compiled_fsdp.compile import frames
 from compiled_fsdp.core import ops, registry
 from compiled_fsdp.core.layout import joined_shapes
-from compiled_fsdp.core.marker import GatherNext
+from compiled_fsdp.core.marker import GatherNext, IssueAhead
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
@@ -123,6 +123,10 @@ class CompiledEntry:
         # as compile regions] in regions.py).
         self.in_region = False
         self.region_shards: list[Optional[torch.Tensor]] = [None] * len(group.fsdp_params)
+        # The region expected to run after this one, whose gather the outer
+        # graph issues before calling this one ([Note: Gathers issued ahead of
+        # compile regions] in regions.py).
+        self.region_ahead: Optional[CompiledEntry] = None
         self.full_shapes = tuple(joined_shapes(group.specs))
         self.local_rows = tuple(p.local_rows for p in group.fsdp_params)
         key, split_key = group.key, self.split_key
@@ -159,6 +163,17 @@ class CompiledEntry:
             reduce_dtype=first.reduce_dtype, sync=sync, reduce_by_all_to_all=group.reduce_by_all_to_all,
             divide_factor=group.specs[0].divide_factor, replicate_group_name=group.replicate_group_name,
             replicas=group.specs[0].replicas, live=self.live_flag)
+
+    def issue_ahead_op(self, after: Optional[torch.Tensor]) -> torch.Tensor:
+        """This region's gather, issued after ``after`` is computed (traced into
+        the outer graph) for its region's ``regather`` to take; returns the
+        token the region that runs before it takes as an input."""
+        group = self.group
+        first = group.fsdp_params[0]
+        return IssueAhead.call(
+            shards=[p.to_canonical(self.region_shards[p.index]) for p in group.fsdp_params],
+            full_shapes=list(self.full_shapes), group_name=group.group_name, world_size=group.specs[0].world_size,
+            module_key=group.key, param_dtype=first.param_dtype, after=after)
 
     @property
     def live(self) -> bool:

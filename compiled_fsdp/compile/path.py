@@ -121,6 +121,7 @@ class TorchCompilePath(CompiledPath):
             entry_of(g).reset()
             if entry_of(g).in_region:
                 regions.refresh(g)
+        regions.predict_order(ctx.groups())
 
     def on_backward(self, ctx: RootContext) -> None:
         install.open_backward_window()
@@ -176,6 +177,7 @@ class TorchCompilePath(CompiledPath):
             replicate_group_name=group.replicate_group_name,
             replicas=param.spec.replicas,
             divide_factor=param.spec.divide_factor,
+            take_ahead=in_region,
             **_post_forward(group),
         )
         if own and entry.handoff_next is not None and not entry.handoff_traced:

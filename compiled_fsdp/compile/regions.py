@@ -33,12 +33,40 @@ prototype"):
    Passing it needs Dynamo's ``enable_invoke_subgraph_regional_compile``
    ("for testing only"), set only while the region is made.
 
+[Note: Gathers issued ahead of compile regions]
+A region's gathers are lowered inside its own graph, so alone it can overlap
+them only with its own compute: each region began by waiting for its gather.
+No tensor can pass a gather from one region's graph to the next (a region
+is traced once for every block; Dynamo reuses it only if nothing in it
+differs between blocks and it has no side effect), so the gather passes
+through the registry instead, as the backward re-gathers of blocks compiled
+on their own do ([Note: Backward re-gathers prefetched across graphs] in
+core/registry.py):
+
+- a read inside a region marks its bucket ``take_ahead``, and the lowering
+  gathers it with ``compiled_fsdp::regather``, which takes a gather issued
+  for the same shards (and still at their versions) if one is pending, and
+  otherwise gathers now;
+- before the outer graph calls region i it traces
+  ``compiled_fsdp::issue_ahead`` on region i+1's shards (``predict_order``:
+  the regions in the model's order), which issues that gather if a
+  ``regather`` took the bucket before (none in the first step) and does not
+  wait for it.
+
+Both ops are opaque to Inductor, which orders the collectives it knows but
+not these: so ``issue_ahead`` takes the previous region's input (``after``)
+and returns a token the region takes, and the pin (passes/pin.py) keeps it
+between the owned collectives before and after it, so every rank issues the
+same collectives in the same order (without them the ranks' Inductor
+schedules, which differ with uneven shards, mismatched a gather). A wrong
+prediction costs a gather waited for and dropped at the iteration's end.
+
 Regions are for ``torch.compile(model)``: a block compiled on its own
 (``block.compile()``) compiles once already, and runs its plain forward
 (its reads are not a region's). A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
 at a graph break inside one (no fallback to inlining on 2.13 or 2.15), to
-which ``annotate_break`` adds what to do. Not yet: the gathers handed from
-block to block (each region gathers at its start and waits for it), the
+which ``annotate_break`` adds what to do. Not yet: the backward's re-gathers
+issued ahead (each region's backward gathers at its start and waits), the
 eager fallback of a block that breaks the graph inside its region, and tests
 under mixed precision, no-sync, HSDP and other shard dims (each read goes
 through the same marker as outside a region).
@@ -55,7 +83,7 @@ from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import entry_of
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["annotate_break", "make_region", "move_region_grads", "refresh"]
+__all__ = ["annotate_break", "make_region", "move_region_grads", "predict_order", "refresh"]
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -69,7 +97,7 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
 def _region_of(forward: Callable) -> Callable:
     from torch._higher_order_ops.invoke_subgraph import NestedCompileRegionOptions
 
-    def body(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def body(module: nn.Module, token: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return forward(module, *args, **kwargs)
 
     with torch._dynamo.config.patch(enable_invoke_subgraph_regional_compile=True):
@@ -108,14 +136,28 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
         region = _region_of(plain)
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if self.__dict__["_fsdp_region_entry"].active:  # (block.compile(): one frame per block already)
+            entry = self.__dict__["_fsdp_region_entry"]
+            if entry.active:  # (block.compile(): one frame per block already)
                 return plain(self, *args, **kwargs)
-            return region(self, *args, **kwargs)
+            after = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if entry.region_ahead is not None and torch.compiler.is_dynamo_compiling():
+                token = entry.region_ahead.issue_ahead_op(after)
+            else:
+                token = torch.empty(0)
+            return region(self, token, *args, **kwargs)
 
         region_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region": True,
                                                   "__module__": cls.__module__})
         install.SESSION.region_classes[cls] = region_cls
     module.__class__ = region_cls
+
+
+def predict_order(groups: list[FSDPParamGroup]) -> None:
+    """Each region's next, in the model's order: the one whose gather the
+    outer graph issues before calling it."""
+    entries = [entry_of(g) for g in groups if entry_of(g).in_region]
+    for entry, after in zip(entries, [*entries[1:], None]):
+        entry.region_ahead = after
 
 
 def refresh(group: FSDPParamGroup) -> None:

@@ -231,6 +231,10 @@ class Unshard(_ParamMarker, _OneParameter):
     post_forward_group_name: Optional[str] = _arg("str?", None)
     post_forward_size: int = _arg("int", 0)
     post_forward_rank: int = _arg("int", 0)
+    # Gathered through ``regather``, which takes a gather issued ahead for the
+    # same shards ([Note: Gathers issued ahead of compile regions] in
+    # compile/regions.py).
+    take_ahead: bool = _arg("bool", False)
 
     @property
     def post_forward(self) -> Optional[tuple[str, int, int]]:
@@ -381,4 +385,17 @@ class Regather(Marker):
     param_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
 
 
-MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext, Regather)
+@dataclasses.dataclass(frozen=True)
+class IssueAhead(Regather):
+    """The all-gather of a module expected to run soon, issued now and not
+    waited, for its ``regather`` to take (only a bucket some ``regather``
+    took before). See [Note: Gathers issued ahead of compile regions] in
+    compile/regions.py."""
+
+    NAME: ClassVar[str] = "issue_ahead"
+
+    # What it must follow (the previous region's output): the ranks' order.
+    after: Any = _arg("Tensor?", None)
+
+
+MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext, Regather, IssueAhead)

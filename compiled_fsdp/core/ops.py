@@ -77,9 +77,9 @@ from compiled_fsdp.core.layout import (
     split_specs,
     unpack_gathered,
 )
-from compiled_fsdp.core.marker import GatherNext, ReduceGrad, ReduceNext, Regather, Unshard
+from compiled_fsdp.core.marker import GatherNext, IssueAhead, ReduceGrad, ReduceNext, Regather, Unshard
 
-__all__ = ["gather_next", "reduce_grad", "reduce_next", "regather", "unshard"]
+__all__ = ["gather_next", "issue_ahead", "reduce_grad", "reduce_next", "regather", "unshard"]
 
 
 
@@ -343,3 +343,28 @@ def _regather_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = Regather.bind(args, kwargs)
     total = sum(s.shard_numel for s in _regather_specs(m))
     return m.shards[0].new_empty([m.world_size * total], dtype=m.param_dtype or m.shards[0].dtype)
+
+
+@torch.library.custom_op(IssueAhead.qualname(), mutates_args=(), schema=IssueAhead.schema(),
+                         tags=compat.cudagraph_unsafe_tags())
+def issue_ahead(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """Issue the gather of ``shards`` for a later ``regather`` to take (if a
+    ``regather`` took this bucket before). Returns an empty tensor: what the
+    pin orders ([Note: Inductor reorders for peak memory] in passes/pin.py)."""
+    m = IssueAhead.bind(args, kwargs)
+    shards = list(m.shards)
+    key = shards_key(shards)
+    gathers = registry.CORE.backward_gathers
+    if gathers.wanted(key):
+        gathers.issue(key, issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
+                                        counted=False), shard_versions(shards))
+    return m.shards[0].new_empty([0])
+
+
+@issue_ahead.register_fake
+def _issue_ahead_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return IssueAhead.bind(args, kwargs).shards[0].new_empty([0])
+
+
+# Its effect is the registry's: its output unused, never dead code.
+torch.fx.node.has_side_effect(issue_ahead._opoverload)
