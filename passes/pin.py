@@ -66,8 +66,8 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         return chain_tag(n) is not None or n.target is ISSUE_AHEAD
 
     def is_compute(n: fx.Node) -> bool:
-        # (a higher-order op's call, a compile region's, cannot be wrapped in ``control_deps``)
-        return not owned(n) and not isinstance(n.target, torch._ops.HigherOrderOperator)
+        # (a compile region's call cannot be wrapped in ``control_deps``)
+        return not owned(n) and n.target is not torch.ops.higher_order.invoke_subgraph
 
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for i, n in enumerate(nodes):
