@@ -42,13 +42,18 @@ def _inputs(step: int, world: int) -> list[torch.Tensor]:
 
 
 def _train(rank: int, world: int, shard: Callable[[nn.Module], None], backend: str,
-           configure: Callable[[nn.Module], None] = lambda m: None) -> tuple[dict, list]:
+           configure: Callable[[nn.Module], None] = lambda m: None,
+           dtype: torch.dtype = torch.float32) -> tuple[dict, list]:
     """3 Adam steps, each rank on its own batch; returns the full parameters
-    and the reference's (one process, the mean loss over the ranks' batches)."""
+    and the reference's (one process, the mean loss over the ranks' batches).
+    ``dtype``: the sharded model is cast to it after ``fully_shard``, the
+    reference and the batches before."""
     torch.manual_seed(42)
     model = TwiceInner()
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(dtype)
     shard(model)
+    if dtype != torch.float32:
+        model.to(dtype)
     configure(model)
     if backend != "eager":
         for m in (model.inner, model):  # every sharded module compiled in place, as FSDP2's tests do
@@ -56,7 +61,7 @@ def _train(rank: int, world: int, shard: Callable[[nn.Module], None], backend: s
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for step in range(3):
-        xs = _inputs(step, world)
+        xs = [x.to(dtype) for x in _inputs(step, world)]
         model(xs[rank]).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -96,6 +101,24 @@ def test_every_module_compiled(backend: str) -> None:
         # Intel machines this was written on; 7.5e-9 (one ulp: the reference's
         # own float order) on the AMD EPYC of 2026-11-26, at the commit before too.
         assert res["fsdp2"] == 0.0 and res["ref"] <= 1e-8, res
+
+
+def _to_dtype(rank: int, world: int, backend: str) -> dict:
+    ours, diffs = _train(rank, world, _ours, backend, dtype=torch.float64)
+    theirs, _ = _train(rank, world, _theirs, "eager", dtype=torch.float64)
+    return {"ref": max(diffs), "fsdp2": max((ours[n] - theirs[n]).abs().max().item() for n in ours),
+            "dtypes": sorted({str(p.dtype) for p in ours.values()})}
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_to_dtype_after_fully_shard(backend: str) -> None:
+    """``model.to(torch.float64)`` after ``fully_shard`` (PyTorch's
+    test_to_float64_after_init): the model trains in float64, bitwise equal
+    to FSDP2 doing the same and within 1e-15 of a float64 reference. Before,
+    the gathered parameters stayed float32 and the forward failed on mixed
+    dtypes ([Note: module.to(dtype) after fully_shard] in runtime/param.py)."""
+    for res in run_distributed(_to_dtype, 2, backend):
+        assert res["fsdp2"] == 0.0 and res["ref"] <= 1e-15 and res["dtypes"] == ["torch.float64"], res
 
 
 class Block(nn.Module):

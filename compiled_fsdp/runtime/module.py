@@ -67,6 +67,19 @@ class FSDPModule:
             "fully_shard, or save and load its state dict (torch.distributed.checkpoint)."
         )
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module._apply`` (``.to``, ``.double()``, ...), then the group's
+        parameters follow their shards' new dtype: [Note: module.to(dtype)
+        after fully_shard] in param.py."""
+        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        state = get_fsdp_state(self)  # type: ignore[arg-type]
+        group = state.param_group if state is not None else None
+        if group is not None and any(p.sharded.dtype != p.orig_dtype for p in group.fsdp_params):
+            group.reshard()
+            for p in group.fsdp_params:
+                p.follow_dtype()
+        return ret
+
     def _get_fsdp_state(self) -> FSDPState:
         """This module's fully_shard state (FSDP2's accessor of that name)."""
         return self._state("_get_fsdp_state")

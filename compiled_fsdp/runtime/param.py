@@ -190,6 +190,7 @@ class FSDPParam:
         self.orig_dtype = param.dtype
         # See [Note: Mixed precision] in policy.py.
         mp_policy = mp_policy.for_param(param)
+        self.mp_policy = mp_policy  # (resolved for this parameter: ``follow_dtype``)
         self.param_dtype = mp_policy.compute_dtype(param.dtype)
         self.reduce_dtype = mp_policy.grad_reduce_dtype(param.dtype)
         # (on a dp_mesh_dims mesh, grad_placements keeps its gradient Partial over the dp dims)
@@ -377,6 +378,28 @@ class FSDPParam:
             mine.copy_(local)
         for m, n in self.owners:
             m._parameters[n] = self.sharded
+
+    def follow_dtype(self) -> bool:
+        """[Note: module.to(dtype) after fully_shard]
+        ``nn.Module._apply`` (``module.to(torch.float64)``, ``.double()``)
+        casts the registered shard in place (``param.data = ...``), as for
+        FSDP2's: the dtypes derived from it follow (compute and reduce, per
+        the policy), and an unsharded buffer of the old dtype is dropped.
+        Returns whether it changed. Tested by
+        tests/test_fsdp2_api.py::test_to_dtype_after_fully_shard."""
+        dtype = self.sharded.dtype
+        if dtype == self.orig_dtype:
+            return False
+        if self.extension is not None:
+            raise NotImplementedError(
+                f"compiled_fsdp: {self.fqn!r} is a tensor subclass with an all-gather extension; casting it "
+                "after fully_shard is not supported: cast the module before fully_shard.")
+        self.orig_dtype = dtype
+        self.param_dtype = self.mp_policy.compute_dtype(dtype)
+        self.reduce_dtype = self.mp_policy.grad_reduce_dtype(dtype)
+        self.unsharded = None
+        self.grad_sink = None
+        return True
 
     @property
     def on_meta(self) -> bool:
