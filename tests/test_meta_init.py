@@ -149,3 +149,71 @@ def _forward_on_meta_rank(rank: int, world: int) -> str:
 def test_forward_on_meta_raises_on_every_rank() -> None:
     for msg in run_distributed(_forward_on_meta_rank, 2, timeout=120):
         assert "meta device" in msg and "to_empty" in msg, msg
+
+
+class _NormAfter(nn.Module):
+    """PyTorch's test_reset_sharded_param_in_lazy_init: the root's own
+    parameter, left on meta by ``to_empty`` of the children only, is assigned
+    anew (a new ``nn.Parameter``) by the user's init, from the sharded children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def init_weight_norm(self) -> None:
+        with torch.no_grad():
+            norm = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(self.layer2.weight, dim=1)
+        self.weight_norm = nn.Parameter(norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+
+
+def _assigned_rank(rank: int, world: int, which: str, backend: str) -> dict:
+    """Two SGD steps on one batch every rank shares (so the mean gradient is
+    the single-process one): the losses and the parameters, and the same
+    for the single-process reference (``which`` "ref")."""
+    from torch.distributed import fsdp as torch_fsdp
+
+    weights = [torch.arange(9.0).reshape(3, 3) / (i + 2) for i in range(2)]
+    with torch.device("meta" if which != "ref" else "cpu"):
+        model = _NormAfter()
+    if which != "ref":
+        shard = fully_shard if which == "ours" else torch_fsdp.fully_shard
+        for m in (model.layer1, model.layer2, model):
+            shard(m)
+        model.layer1.to_empty(device="cpu")
+        model.layer2.to_empty(device="cpu")
+    with torch.no_grad():
+        for w, p in zip(weights, (model.layer1.weight, model.layer2.weight)):
+            (p.to_local() if which != "ref" else p).copy_(torch.chunk(w, world)[rank] if which != "ref" else w)
+    model.init_weight_norm()
+    run = model if backend == "eager" else torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = run(torch.ones(3, 3))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = {n: p.full_tensor() if which != "ref" else p.detach() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": {n.replace("_orig_mod.", ""): p.tolist() for n, p in full.items()}}
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_parameter_assigned_anew_before_lazy_init(backend: str) -> None:
+    """A parameter the user's init replaced with a new ``nn.Parameter`` after
+    ``fully_shard`` (its shard still on meta: PyTorch's
+    test_reset_sharded_param_in_lazy_init) becomes the parameter at the
+    root's lazy init, as in FSDP2 (``FSDPParam.reset_sharded_param``): an
+    optimizer made after the init steps it. After two SGD steps, losses and
+    parameters bitwise the single-process reference's; the first loss is
+    FSDP2's. Before, lazy init refused it as still on meta."""
+    ref = run_distributed(_assigned_rank, 1, "ref", "eager")[0]
+    theirs = run_distributed(_assigned_rank, 2, "fsdp2", "eager")
+    for ours in run_distributed(_assigned_rank, 2, "ours", backend):
+        assert ours == ref, (ours, ref)
+        assert ours["losses"][0] == theirs[0]["losses"][0]

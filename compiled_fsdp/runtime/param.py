@@ -187,6 +187,7 @@ class FSDPParam:
         replicas = mesh.size(0) if mesh.ndim == 2 else mesh.size() // shard_size
         self.spec = ShardSpec(tuple(self.to_canonical(param).shape), shard_size, replicas=replicas)
         self.local_rows = self.spec.local_dim0(rank)
+        self.shard_rank = rank
         self.orig_dtype = param.dtype
         # See [Note: Mixed precision] in policy.py.
         mp_policy = mp_policy.for_param(param)
@@ -362,20 +363,38 @@ class FSDPParam:
         """After ``load_state_dict(assign=True)`` or ``module._apply`` put another
         tensor where our parameter was registered: copy its local rows into ours
         and register our parameter again, so the optimizer and the collectives
-        keep seeing one tensor."""
+        keep seeing one tensor. Also at the root's lazy init, for a parameter
+        the user's init assigned anew, whole (``module.w = nn.Parameter(...)``
+        after ``fully_shard``, as FSDP2 allows): this rank's rows of it, into
+        a shard still on meta as into one with storage."""
         module, name = self.owners[0]
         current = module._parameters.get(name)
         if current is self.sharded or current is None:
             return
         local = current.to_local() if isinstance(current, DTensor) else current
         mine = self.local_shard()
+        if tuple(local.shape) != tuple(mine.shape) and self.dtensor_spec is None and self.annotated is None \
+                and tuple(current.shape) == self.full_shape:  # (a whole one, or placed otherwise)
+            whole = current.full_tensor() if isinstance(current, DTensor) else current
+            local = self.local_of(whole.detach(), self.shard_rank)
         if tuple(local.shape) != tuple(mine.shape):
             raise ValueError(
                 f"compiled_fsdp: parameter {self.fqn!r} was replaced by a tensor of shape "
                 f"{tuple(current.shape)}; expected a DTensor shard of {self.full_shape}."
             )
         with torch.no_grad():
-            mine.copy_(local)
+            if mine.is_meta:  # (ours never held values: the new one is the parameter, as in FSDP2)
+                adopt = isinstance(current, DTensor) and current.to_local().shape == mine.shape \
+                    and current.dtype == mine.dtype and current.requires_grad == self.sharded.requires_grad \
+                    and current.placements == self.sharded.placements \
+                    and current.device_mesh == self.sharded.device_mesh
+                new = current if adopt else nn.Parameter(self.to_dtensor(local.detach().to(mine.dtype).clone()),
+                                                         requires_grad=self.sharded.requires_grad)
+                RUNTIME.shards.pop(id(self.sharded), None)
+                self.sharded = new
+                RUNTIME.shards[id(new)] = self
+            else:
+                mine.copy_(local)
         for m, n in self.owners:
             m._parameters[n] = self.sharded
 

@@ -167,6 +167,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
             if st.deferred_error is not None:
                 raise ValueError(st.deferred_error)
             if st.param_group is not None:
+                for p in st.param_group.fsdp_params:  # (assigned anew by the user's init)
+                    p.reset_sharded_param()
                 st.param_group.check_materialized(fqns[st.module])
         ctx = RootContext(self)
         ctx.states = states
