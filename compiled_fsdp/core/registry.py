@@ -68,7 +68,9 @@ class BackwardGathers:
     is also taken only if its shards are as they were when it was issued (their
     version counters, which every in-place write bumps: an optimizer step): a
     stale one is waited for and dropped, and the shards gathered anew, so no
-    order of calls can read parameters from before an update.
+    order of calls can read parameters from before an update. Compile regions
+    use the same map for their forward gathers ([Note: Gathers issued ahead
+    of compile regions] in compile/regions.py).
     Tested by tests/test_handoff.py::test_backward_regathers_prefetched and
     ::test_a_stale_prefetched_regather_is_not_taken."""
 
