@@ -280,36 +280,3 @@ def test_backward_regathers_prefetched(bf16: bool, explicit: bool) -> None:
         order = ["layers.1"] if explicit else ["layers.1", "layers.0"]
         assert res["after"] == [(0, []), (2, order), (2, order)], res["after"]
 
-
-def test_a_stale_prefetched_regather_is_not_taken() -> None:
-    """A gather issued ahead for a backward re-gather is served only while its
-    shards are as they were when it was issued: after an in-place write (an
-    optimizer step) the re-gather waits for it, drops it and gathers the
-    shards anew ([Note: Backward re-gathers prefetched across graphs]). One
-    process (a group of one: the gather is the pack), the op as a graph calls it."""
-    from compiled_fsdp.core import ops
-    from compiled_fsdp.core.layout import ShardSpec
-    from compiled_fsdp.core.registry import CORE
-
-    gathers = CORE.backward_gathers
-    gathers.reset()
-    shard = torch.arange(6.0).reshape(2, 3)
-    key = ops.shards_key([shard])
-
-    def regather() -> torch.Tensor:
-        return torch.ops.compiled_fsdp.regather([shard], [2, 3], "", 1, 0, None)
-
-    def issue() -> None:
-        gathers.issue(key, ops.issue_gather([shard], [ShardSpec((2, 3), 1)], None, "", 0, counted=False),
-                      ops.shard_versions([shard]))
-
-    regather()  # (the op's first run: its bucket becomes wanted)
-    assert gathers.wanted(key)
-    issue()
-    assert torch.equal(regather(), torch.arange(6.0)) and (gathers.taken, gathers.stale) == (1, 0)
-    issue()
-    with torch.no_grad():
-        shard.mul_(0.5)
-    assert torch.equal(regather(), torch.arange(6.0) * 0.5) and (gathers.taken, gathers.stale) == (1, 1)
-    assert not gathers.pending
-    gathers.reset()

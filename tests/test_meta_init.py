@@ -217,3 +217,27 @@ def test_parameter_assigned_anew_before_lazy_init(backend: str) -> None:
     for ours in run_distributed(_assigned_rank, 2, "ours", backend):
         assert ours == ref, (ours, ref)
         assert ours["losses"][0] == theirs[0]["losses"][0]
+
+
+def _assigned_plain_rank(rank: int, world: int) -> str:
+    with torch.device("meta"):
+        model = _NormAfter()
+    for m in (model.layer1, model.layer2, model):
+        fully_shard(m)
+    model.layer1.to_empty(device="cpu")
+    model.layer2.to_empty(device="cpu")
+    model.weight_norm = nn.Parameter(torch.ones(3))  # (a plain tensor: no rank's rows)
+    try:
+        model(torch.ones(3, 3))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_parameter_assigned_anew_as_a_plain_tensor_is_refused() -> None:
+    """Assigned anew as a plain tensor (not a DTensor placed as the old one),
+    the parameter cannot be taken without losing an optimizer made meanwhile:
+    every rank refuses it at lazy init, saying what to do."""
+    for message in run_distributed(_assigned_plain_rank, 2):
+        assert "'weight_norm', still on meta, was replaced after fully_shard by a Parameter" in message, message
+        assert "initialize the parameter in place" in message

@@ -164,8 +164,8 @@ class CompiledEntry:
             divide_factor=group.specs[0].divide_factor, replicate_group_name=group.replicate_group_name,
             replicas=group.specs[0].replicas, live=self.live_flag)
 
-    def issue_ahead_op(self, after: Optional[torch.Tensor]) -> torch.Tensor:
-        """This region's gather, issued after ``after`` is computed (traced into
+    def issue_ahead_op(self, after: list[torch.Tensor]) -> torch.Tensor:
+        """This region's gather, issued after ``after`` are computed (traced into
         the outer graph) for its region's ``regather`` to take; returns the
         token the region that runs before it takes as an input."""
         group = self.group
@@ -207,7 +207,7 @@ class CompiledEntry:
             return False
         registry.CORE.backward_gathers.issue(key, ops.issue_gather(
             shards, list(group.specs), group.fsdp_params[0].param_dtype, group.group_name, group.key,
-            counted=False), ops.shard_versions(shards), kept)
+            counted=False), kept)
         return True
 
     def reset(self) -> None:

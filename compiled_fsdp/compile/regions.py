@@ -54,8 +54,9 @@ core/registry.py):
   wait for it.
 
 Both ops are opaque to Inductor, which orders the collectives it knows but
-not these: so ``issue_ahead`` takes the previous region's input (``after``)
-and returns a token the region takes, and the pin (passes/pin.py) keeps it
+not these: so ``issue_ahead`` takes every tensor the region before it takes
+(``after``: the output of the one before that among them) and returns a
+token that region takes, and the pin (passes/pin.py) keeps it
 between the owned collectives before and after it, so every rank issues the
 same collectives in the same order (without them the ranks' Inductor
 schedules, which differ with uneven shards, mismatched a gather). A wrong
@@ -139,11 +140,12 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             entry = self.__dict__["_fsdp_region_entry"]
             if entry.active:  # (block.compile(): one frame per block already)
                 return plain(self, *args, **kwargs)
-            after = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if entry.region_ahead is not None and torch.compiler.is_dynamo_compiling():
+                after = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
                 token = entry.region_ahead.issue_ahead_op(after)
-            else:
-                token = torch.empty(0)
+            else:  # (the token's like, so that the last region's call is the others')
+                token = entry.region_shards[0].new_empty([0]) if entry.region_shards[0] is not None \
+                    else torch.empty(0)
             return region(self, token, *args, **kwargs)
 
         region_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region": True,

@@ -385,7 +385,7 @@ class Regather(Marker):
     param_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class IssueAhead(Regather):
     """The all-gather of a module expected to run soon, issued now and not
     waited, for its ``regather`` to take (only a bucket some ``regather``
@@ -394,8 +394,9 @@ class IssueAhead(Regather):
 
     NAME: ClassVar[str] = "issue_ahead"
 
-    # What it must follow (the previous region's output): the ranks' order.
-    after: Any = _arg("Tensor?", None)
+    # What it must follow (every tensor the region before it takes, so the
+    # previous region's output): the ranks' order.
+    after: Any = _arg("Tensor[]")
 
 
 MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext, Regather, IssueAhead)

@@ -315,12 +315,6 @@ def shards_key(shards: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(s.data_ptr() for s in shards)
 
 
-def shard_versions(shards: list[torch.Tensor]) -> tuple[int, ...]:
-    """The shards' version counters (shared by every view and detached alias
-    of a tensor): a gather issued at other versions read older values."""
-    return tuple(s._version for s in shards)
-
-
 def _regather_specs(m: Regather) -> list[ShardSpec]:
     return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size)
 
@@ -331,7 +325,7 @@ def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
     """The gathered bucket of ``shards``, waited: prefetched, or gathered now."""
     m = Regather.bind(args, kwargs)
     shards = list(m.shards)
-    gathered = registry.CORE.backward_gathers.take(shards_key(shards), shard_versions(shards))
+    gathered = registry.CORE.backward_gathers.take(shards_key(shards))
     if gathered is None:
         gathered = issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
                                 counted=False)
@@ -357,7 +351,7 @@ def issue_ahead(*args: Any, **kwargs: Any) -> torch.Tensor:
     gathers = registry.CORE.backward_gathers
     if gathers.wanted(key):
         gathers.issue(key, issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
-                                        counted=False), shard_versions(shards))
+                                        counted=False))
     return m.shards[0].new_empty([0])
 
 

@@ -64,57 +64,52 @@ class BackwardGathers:
     same order, so all issue the same gathers. A gather issued when the root's
     forward ended (``kept``: [Note: Prefetch order] in runtime/context.py) outlives
     the end of a backward that did not take it (a chunked loss's backward
-    through the head alone) and is dropped when the next step begins. A gather
-    is also taken only if its shards are as they were when it was issued (their
-    version counters, which every in-place write bumps: an optimizer step): a
-    stale one is waited for and dropped, and the shards gathered anew, so no
-    order of calls can read parameters from before an update. Compile regions
-    use the same map for their forward gathers ([Note: Gathers issued ahead
-    of compile regions] in compile/regions.py).
-    Tested by tests/test_handoff.py::test_backward_regathers_prefetched and
-    ::test_a_stale_prefetched_regather_is_not_taken."""
+    through the head alone) and is dropped when the next step begins, before
+    anything could take it after an optimizer step. (A shard's version counter
+    cannot tell a stale gather: a DTensor's in-place ops, the optimizer's, do
+    not bump its local tensor's.) Keys are storage addresses: ``forget`` drops
+    them all when shards move (``module._apply``, a parameter assigned anew),
+    so that an address reused on one rank only never makes the ranks' gathers
+    differ. Compile regions use the same map for their forward gathers
+    ([Note: Gathers issued ahead of compile regions] in compile/regions.py).
+    Tested by tests/test_handoff.py::test_backward_regathers_prefetched."""
 
     def __init__(self) -> None:
         self.takers: set[tuple[int, ...]] = set()
-        # key -> (the gather, its shards' versions when it was issued)
-        self.pending: dict[tuple[int, ...], tuple[torch.Tensor, tuple[int, ...]]] = {}
+        self.pending: dict[tuple[int, ...], torch.Tensor] = {}
         self.kept: set[tuple[int, ...]] = set()  # pending ones that outlive a backward's end
         self.taken = 0  # regathers served by a pending gather (for the tests and the benchmarks)
-        self.stale = 0  # pending gathers not served: their shards were written since
 
     def reset(self) -> None:
         self.drop_pending()
         self.takers.clear()
-        self.taken = self.stale = 0
+        self.taken = 0
+
+    def forget(self) -> None:
+        """Shards moved: no key holds any more (pending gathers waited and dropped)."""
+        self.drop_pending()
+        self.takers.clear()
 
     def wanted(self, key: tuple[int, ...]) -> bool:
         return key in self.takers and key not in self.pending
 
-    def issue(self, key: tuple[int, ...], gathered: torch.Tensor, versions: tuple[int, ...],
-              kept: bool = False) -> None:
-        self.pending[key] = (gathered, versions)
+    def issue(self, key: tuple[int, ...], gathered: torch.Tensor, kept: bool = False) -> None:
+        self.pending[key] = gathered
         if kept:
             self.kept.add(key)
 
-    def take(self, key: tuple[int, ...], versions: tuple[int, ...]) -> Optional[torch.Tensor]:
-        """The gather pending for ``key`` if its shards are still at ``versions``."""
+    def take(self, key: tuple[int, ...]) -> Optional[torch.Tensor]:
         self.takers.add(key)
         self.kept.discard(key)
-        pending = self.pending.pop(key, None)
-        if pending is None:
-            return None
-        gathered, issued_at = pending
-        if issued_at != versions:  # (written since: stale)
-            torch.ops._c10d_functional.wait_tensor(gathered)
-            self.stale += 1
-            return None
-        self.taken += 1
+        gathered = self.pending.pop(key, None)
+        if gathered is not None:
+            self.taken += 1
         return gathered
 
     def drop_pending(self, but_kept: bool = False) -> None:
         """Wait for and drop the pending gathers (``but_kept``: all but the kept)."""
         for key in [k for k in self.pending if not (but_kept and k in self.kept)]:
-            torch.ops._c10d_functional.wait_tensor(self.pending.pop(key)[0])
+            torch.ops._c10d_functional.wait_tensor(self.pending.pop(key))
         if not but_kept:
             self.kept.clear()
 

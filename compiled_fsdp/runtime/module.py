@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional
 
 import torch.nn as nn
 
+from compiled_fsdp.core import registry
 from compiled_fsdp.runtime.state import FSDPState, get_fsdp_state, iter_fsdp_states
 
 __all__ = ["FSDPModule", "GradientReductionHandle", "ManagedByAncestor", "UnshardHandle",
@@ -72,6 +73,7 @@ class FSDPModule:
         parameters follow their shards' new dtype: [Note: module.to(dtype)
         after fully_shard] in param.py."""
         ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        registry.CORE.backward_gathers.forget()  # (the shards may live elsewhere now)
         state = get_fsdp_state(self)  # type: ignore[arg-type]
         group = state.param_group if state is not None else None
         if group is not None and any(p.sharded.dtype != p.orig_dtype for p in group.fsdp_params):

@@ -116,7 +116,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from compiled_fsdp.core import compat
+from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
 from compiled_fsdp.runtime.annotated import annotated_layout
 from compiled_fsdp.runtime.ext_gather import Extension
@@ -384,15 +384,19 @@ class FSDPParam:
             )
         with torch.no_grad():
             if mine.is_meta:  # (ours never held values: the new one is the parameter, as in FSDP2)
-                adopt = isinstance(current, DTensor) and current.to_local().shape == mine.shape \
-                    and current.dtype == mine.dtype and current.requires_grad == self.sharded.requires_grad \
-                    and current.placements == self.sharded.placements \
-                    and current.device_mesh == self.sharded.device_mesh
-                new = current if adopt else nn.Parameter(self.to_dtensor(local.detach().to(mine.dtype).clone()),
-                                                         requires_grad=self.sharded.requires_grad)
+                if not (isinstance(current, DTensor) and current.to_local().shape == mine.shape
+                        and current.dtype == mine.dtype and current.placements == self.sharded.placements
+                        and current.device_mesh == self.sharded.device_mesh):
+                    raise ValueError(
+                        f"compiled_fsdp: parameter {self.fqn!r}, still on meta, was replaced after fully_shard "
+                        f"by a {type(current).__name__} of shape {tuple(current.shape)} and dtype {current.dtype}; "
+                        f"it becomes the parameter only as a DTensor placed as the old one "
+                        f"({self.sharded.placements}, {mine.dtype}): compute it from the sharded parameters, "
+                        "or materialize the module with to_empty() and initialize the parameter in place.")
                 RUNTIME.shards.pop(id(self.sharded), None)
-                self.sharded = new
-                RUNTIME.shards[id(new)] = self
+                self.sharded = current
+                RUNTIME.shards[id(current)] = self
+                registry.CORE.backward_gathers.forget()
             else:
                 mine.copy_(local)
         for m, n in self.owners:
