@@ -45,7 +45,7 @@ core/registry.py):
 
 - a read inside a region marks its bucket ``take_ahead``, and the lowering
   gathers it with ``compiled_fsdp::regather``, which takes a gather issued
-  for the same shards (and still at their versions) if one is pending, and
+  for the same shards if one is pending (issued in this forward), and
   otherwise gathers now;
 - before the outer graph calls region i it traces
   ``compiled_fsdp::issue_ahead`` on region i+1's shards (``predict_order``:
