@@ -85,7 +85,7 @@ import torch
 from torch import nn
 
 from compiled_fsdp.compile import frames
-from compiled_fsdp.core import ops, registry
+from compiled_fsdp.core import ops
 from compiled_fsdp.core.layout import joined_shapes
 from compiled_fsdp.core.marker import GatherNext, IssueAhead
 from compiled_fsdp.runtime.param import FSDPParam
@@ -201,14 +201,8 @@ class CompiledEntry:
         (see [Note: Backward re-gathers prefetched across graphs] in
         core/registry.py). Returns whether it was issued."""
         group = self.group
-        shards = [p.canonical_shard() for p in group.fsdp_params]
-        key = ops.shards_key(shards)
-        if not registry.CORE.backward_gathers.wanted(key):
-            return False
-        registry.CORE.backward_gathers.issue(key, ops.issue_gather(
-            shards, list(group.specs), group.fsdp_params[0].param_dtype, group.group_name, group.key,
-            counted=False), kept)
-        return True
+        return ops.issue_if_wanted([p.canonical_shard() for p in group.fsdp_params], list(group.specs),
+                                   group.fsdp_params[0].param_dtype, group.group_name, group.key, kept)
 
     def reset(self) -> None:
         """At an iteration's start: not compiled yet, nothing handed over."""

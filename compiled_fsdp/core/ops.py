@@ -315,6 +315,19 @@ def shards_key(shards: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(s.data_ptr() for s in shards)
 
 
+def issue_if_wanted(shards: list[torch.Tensor], specs: list[ShardSpec], param_dtype: Optional[torch.dtype],
+                    group_name: str, module_key: int, kept: bool = False) -> bool:
+    """Issue the gather of ``shards`` for a ``regather`` to take, not waited,
+    if one took this bucket before and none is pending; returns whether it
+    was issued ([Note: Backward re-gathers prefetched across graphs] in registry.py)."""
+    key = shards_key(shards)
+    gathers = registry.CORE.backward_gathers
+    if not gathers.wanted(key):
+        return False
+    gathers.issue(key, issue_gather(shards, specs, param_dtype, group_name, module_key, counted=False), kept)
+    return True
+
+
 def _regather_specs(m: Regather) -> list[ShardSpec]:
     return split_specs(m.full_shapes, [s.dim() for s in m.shards], m.world_size)
 
@@ -346,12 +359,7 @@ def issue_ahead(*args: Any, **kwargs: Any) -> torch.Tensor:
     ``regather`` took this bucket before). Returns an empty tensor: what the
     pin orders ([Note: Inductor reorders for peak memory] in passes/pin.py)."""
     m = IssueAhead.bind(args, kwargs)
-    shards = list(m.shards)
-    key = shards_key(shards)
-    gathers = registry.CORE.backward_gathers
-    if gathers.wanted(key):
-        gathers.issue(key, issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
-                                        counted=False))
+    issue_if_wanted(list(m.shards), _regather_specs(m), m.param_dtype, m.group_name, m.module_key)
     return m.shards[0].new_empty([0])
 
 
