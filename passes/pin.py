@@ -51,6 +51,9 @@ from .cost_model import ISSUES, WAIT
 from .graph import chain_tag
 
 ISSUE_AHEAD = torch.ops.compiled_fsdp.issue_ahead.default
+REGATHER = torch.ops.compiled_fsdp.regather.default
+# Our ops that issue collectives Inductor does not know for collectives.
+OPAQUE = (ISSUE_AHEAD, REGATHER)
 
 
 def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
@@ -63,7 +66,7 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
     def owned(n: fx.Node) -> bool:
         # (a gather issued ahead of a compile region is ours too: [Note:
         # Gathers issued ahead of compile regions] in compiled_fsdp/compile/regions.py)
-        return chain_tag(n) is not None or n.target is ISSUE_AHEAD
+        return chain_tag(n) is not None or n.target in OPAQUE
 
     def is_compute(n: fx.Node) -> bool:
         # (a compile region's call cannot be wrapped in ``control_deps``)
@@ -71,7 +74,7 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
 
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for i, n in enumerate(nodes):
-        if not owned(n) or n.target not in (*ISSUES, ISSUE_AHEAD, WAIT):
+        if not owned(n) or n.target not in (*ISSUES, *OPAQUE, WAIT):
             continue
         if n.target is WAIT:
             prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)
@@ -86,7 +89,7 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
                 if nxt is not None and n not in nxt.all_input_nodes:
                     deps.setdefault(nxt, OrderedSet()).add(n)
         else:
-            if n.target is ISSUE_AHEAD:  # (Inductor orders the collectives it knows; this one it does not)
+            if n.target in OPAQUE:  # (Inductor orders the collectives it knows; these it does not)
                 before = next((p for p in reversed(nodes[:i]) if p.target in ISSUES and owned(p)), None)
                 if before is not None:
                     deps.setdefault(n, OrderedSet()).add(before)

@@ -123,10 +123,10 @@ class CompiledEntry:
         # as compile regions] in regions.py).
         self.in_region = False
         self.region_shards: list[Optional[torch.Tensor]] = [None] * len(group.fsdp_params)
-        # The region expected to run after this one, whose gather the outer
-        # graph issues before calling this one ([Note: Gathers issued ahead of
-        # compile regions] in regions.py).
-        self.region_ahead: Optional[CompiledEntry] = None
+        # The regions whose gathers the outer graph issues before calling this
+        # one: the one expected to run after it (and the first region's own)
+        # ([Note: Gathers issued ahead of compile regions] in regions.py).
+        self.region_ahead: list[CompiledEntry] = []
         self.full_shapes = tuple(joined_shapes(group.specs))
         self.local_rows = tuple(p.local_rows for p in group.fsdp_params)
         key, split_key = group.key, self.split_key
@@ -203,6 +203,10 @@ class CompiledEntry:
         group = self.group
         return ops.issue_if_wanted([p.canonical_shard() for p in group.fsdp_params], list(group.specs),
                                    group.fsdp_params[0].param_dtype, group.group_name, group.key, kept)
+
+    def bucket_key(self) -> tuple[int, ...]:
+        """The registry's key of this module's whole bucket (``ops.shards_key``)."""
+        return ops.shards_key([p.canonical_shard() for p in self.group.fsdp_params])
 
     def reset(self) -> None:
         """At an iteration's start: not compiled yet, nothing handed over."""

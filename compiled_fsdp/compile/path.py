@@ -310,6 +310,10 @@ class TorchCompilePath(CompiledPath):
 
     def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
         in_regions = [g for g in ctx.groups() if entry_of(g).in_region]
+        if in_regions and _backward_follows(output):
+            # (the last region's backward gathers first: while the loss computes,
+            # as [Note: Prefetch order]'s; [Note: Gathers issued ahead of compile regions])
+            entry_of(in_regions[-1]).issue_backward_gather(kept=True)
         _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, in_regions)
                                  if in_regions else None)
 
@@ -434,6 +438,13 @@ def _move_region_grads_later(groups: list[FSDPParamGroup]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(partial(regions.move_region_grads, groups))
 
 
+def _backward_follows(output: Any) -> list[torch.Tensor]:
+    """The outputs a backward can start from (none under ``no_grad``)."""
+    if not torch.is_grad_enabled():
+        return []
+    return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPParamGroup],
                              before_graph: Optional[Callable[[], None]] = None) -> None:
     """After a compiled forward of ``groups``: when its backward starts, check
@@ -444,8 +455,8 @@ def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPPar
     Accumulation without sync in graphs] in core/ops.py. The first compiled
     backward of the iteration (the compiled root's, or the last block's)
     also agrees with the other ranks that it starts."""
-    outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not torch.is_grad_enabled() or not outs:
+    outs = _backward_follows(output)
+    if not outs:
         return
     traced = [(g, g.reduce_grads) for g in groups]
     root = _root(ctx)

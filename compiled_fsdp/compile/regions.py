@@ -51,7 +51,19 @@ core/registry.py):
   ``compiled_fsdp::issue_ahead`` on region i+1's shards (``predict_order``:
   the regions in the model's order), which issues that gather if a
   ``regather`` took the bucket before (none in the first step) and does not
-  wait for it.
+  wait for it; before the first region, on its own shards first (issued by
+  itself, it waited behind the second region's on the link: 36 ms a step in
+  RESULTS' setting);
+- in backward, no outer graph runs between the regions' backwards (AOTAutograd
+  calls them from the outer backward, whose calls take no token), so the
+  chain runs at run time instead: ``_partition`` sets ``issue_next`` on the
+  re-gathers of a region's backward graph, and each, having taken or issued
+  its own gather, issues the gather of the region before it in the model
+  (``BackwardGathers.then``, filled by ``predict_order``): FSDP2's backward
+  prefetch. The first region's backward in each backward (the last
+  block's) takes the gather issued when the root's compiled forward
+  returned (``CompiledPath.after_compiled_root``), so that it uses the link
+  while the loss computes, as [Note: Prefetch order]'s eager forward end does.
 
 Both ops are opaque to Inductor, which orders the collectives it knows but
 not these: so ``issue_ahead`` takes every tensor the region before it takes
@@ -66,8 +78,7 @@ Regions are for ``torch.compile(model)``: a block compiled on its own
 (``block.compile()``) compiles once already, and runs its plain forward
 (its reads are not a region's). A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
 at a graph break inside one (no fallback to inlining on 2.13 or 2.15), to
-which ``annotate_break`` adds what to do. Not yet: the backward's re-gathers
-issued ahead (each region's backward gathers at its start and waits), the
+which ``annotate_break`` adds what to do. Not yet: the
 eager fallback of a block that breaks the graph inside its region, and tests
 under mixed precision, no-sync, HSDP and other shard dims (each read goes
 through the same marker as outside a region).
@@ -82,6 +93,8 @@ import torch.nn as nn
 
 from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import entry_of
+from compiled_fsdp.core import registry
+from compiled_fsdp.core.marker import Regather
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
 __all__ = ["annotate_break", "make_region", "move_region_grads", "predict_order", "refresh"]
@@ -92,7 +105,13 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     install.run_joint(joint, units_for_explain=False)
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    regather = Regather.op().default
+    for node in backward.graph.nodes:  # (the backward's: [Note: Gathers issued ahead of compile regions])
+        if node.target is regather:
+            node.update_kwarg("issue_next", True)
+    backward.recompile()
+    return forward, backward
 
 
 def _region_of(forward: Callable) -> Callable:
@@ -140,10 +159,12 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             entry = self.__dict__["_fsdp_region_entry"]
             if entry.active:  # (block.compile(): one frame per block already)
                 return plain(self, *args, **kwargs)
-            if entry.region_ahead is not None and torch.compiler.is_dynamo_compiling():
+            token = None
+            if torch.compiler.is_dynamo_compiling():
                 after = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-                token = entry.region_ahead.issue_ahead_op(after)
-            else:  # (the token's like, so that the last region's call is the others')
+                for ahead in entry.region_ahead:  # (one after the other: the token orders them)
+                    token = ahead.issue_ahead_op(after if token is None else [token, *after])
+            if token is None:  # (the token's like, so that the last region's call is the others')
                 token = entry.region_shards[0].new_empty([0]) if entry.region_shards[0] is not None \
                     else torch.empty(0)
             return region(self, token, *args, **kwargs)
@@ -156,10 +177,17 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 
 def predict_order(groups: list[FSDPParamGroup]) -> None:
     """Each region's next, in the model's order: the one whose gather the
-    outer graph issues before calling it."""
+    outer graph issues before calling it; and backward, the one whose gather
+    a region's backward re-gather issues (the one before it)."""
     entries = [entry_of(g) for g in groups if entry_of(g).in_region]
+    then = registry.CORE.backward_gathers.then
+    then.clear()
     for entry, after in zip(entries, [*entries[1:], None]):
-        entry.region_ahead = after
+        entry.region_ahead = [after] if after is not None else []
+        if after is not None:
+            then[after.bucket_key()] = entry.issue_backward_gather
+    if entries:  # (the first region's own first: issued ahead of the next, not queued behind it)
+        entries[0].region_ahead.insert(0, entries[0])
 
 
 def refresh(group: FSDPParamGroup) -> None:

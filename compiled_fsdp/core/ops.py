@@ -338,10 +338,14 @@ def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
     """The gathered bucket of ``shards``, waited: prefetched, or gathered now."""
     m = Regather.bind(args, kwargs)
     shards = list(m.shards)
-    gathered = registry.CORE.backward_gathers.take(shards_key(shards))
+    gathers = registry.CORE.backward_gathers
+    key = shards_key(shards)
+    gathered = gathers.take(key)
     if gathered is None:
         gathered = issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
                                 counted=False)
+    if m.issue_next:
+        gathers.issue_next(key)
     return torch.ops._c10d_functional.wait_tensor(gathered)
 
 

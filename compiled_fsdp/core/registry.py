@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -79,16 +79,25 @@ class BackwardGathers:
         self.pending: dict[tuple[int, ...], torch.Tensor] = {}
         self.kept: set[tuple[int, ...]] = set()  # pending ones that outlive a backward's end
         self.taken = 0  # regathers served by a pending gather (for the tests and the benchmarks)
+        # A bucket -> what issues the gather of the module whose backward is
+        # expected next, for a ``regather`` with ``issue_next`` (compile regions).
+        self.then: dict[tuple[int, ...], Callable[[], object]] = {}
 
     def reset(self) -> None:
-        self.drop_pending()
-        self.takers.clear()
+        self.forget()
         self.taken = 0
 
     def forget(self) -> None:
         """Shards moved: no key holds any more (pending gathers waited and dropped)."""
         self.drop_pending()
         self.takers.clear()
+        self.then.clear()
+
+    def issue_next(self, key: tuple[int, ...]) -> None:
+        """The gather chained after bucket ``key``'s (``then``), if any."""
+        issue = self.then.get(key)
+        if issue is not None:
+            issue()
 
     def wanted(self, key: tuple[int, ...]) -> bool:
         return key in self.takers and key not in self.pending
