@@ -41,6 +41,7 @@ def _train(rank: int, world: int, backend: str, checkpoint: str) -> dict:
     torch.manual_seed(0)
     ref = tiny()
     model = copy.deepcopy(ref)
+    compiled_fsdp.config.comm.block_regions = backend == "regions"
     _shard(model, _hsdp_mesh(world))
     placements = {tuple(p.placements) for p in model.parameters()}
     capture = GraphCapture()
@@ -72,10 +73,11 @@ def _train(rank: int, world: int, backend: str, checkpoint: str) -> dict:
         dist.barrier()
     return {"diff": diff, "counts": counts, "placements": placements,
             "graphs": (len(capture.forward), len(capture.backward)),
-            "handed_in": sum(len(handed_in_waits(g)) for g in capture.forward)}
+            "handed_in": sum(len(handed_in_waits(g)) for g in capture.forward),
+            "regions": sum(any("compile region" in u for u in r.units) for r in compiled_fsdp.explain(model))}
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "blocks"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "blocks", "regions"])
 def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
     """Parameters within 1e-5 of the reference (4 ranks sum in another order
     than one process); DTensors ``(Replicate(), Shard(0))``. Eager: per step
@@ -87,7 +89,9 @@ def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
     the gathers are handed to the next block's graph, and every reduction,
     the handed-over ones (``reduce_next``) included, is also all-reduced over
     the replicas (before, HSDP groups handed nothing over). (The all-reduce
-    and the reduce-scatter lowered by Inductor: test_replicate[inductor].)"""
+    and the reduce-scatter lowered by Inductor: test_replicate[inductor].)
+    ``regions``: the whole model compiled (aot_eager), its blocks compile
+    regions ([Note: Blocks as compile regions]): no eager collective."""
     checkpoint = str(tmp_path / "ckpt") if backend == "eager" else ""
     for res in run_distributed(_train, 4, backend, checkpoint, timeout=900):
         # (1e-5: 5.1e-6 on the AMD EPYC of 2026-11-26 at the commit before too; Intel: < 1e-6)
@@ -97,6 +101,8 @@ def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
             if backend == "eager":
                 assert eager == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}, eager
                 assert not graph, graph
+            elif backend == "regions":  # (the regions' collectives: inside their subgraphs)
+                assert not eager, eager
             elif backend == "blocks":  # the root's, and the handoff to layers.0 and its reduce
                 assert eager == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}, eager
                 assert graph["bw_all_reduce"] == graph["bw_reduce_scatter"] == 1, graph
@@ -104,8 +110,9 @@ def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
                 assert not eager, eager
                 assert graph["bw_all_reduce"] == graph["bw_reduce_scatter"] >= 1, graph
                 assert graph["fw_all_gather"] >= 1 and "fw_all_reduce" not in graph, graph
-        if backend == "aot_eager":
+        if backend in ("aot_eager", "regions"):
             assert res["graphs"] == (1, 1), res
+        assert res["regions"] == (2 if backend == "regions" else 0), res
         if backend == "blocks":
             assert res["handed_in"] >= 1, res
     if checkpoint:

@@ -30,8 +30,10 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
     a forward with sync on and no backward before the last micro-batch;
     "blocks" compiles each block on its own; "untraced_last" runs the last
     micro-batch under ``torch.compiler.set_stance("force_eager")``, where
-    Dynamo runs every frame eagerly."""
+    Dynamo runs every frame eagerly; "regions" makes the blocks compile
+    regions (``config.comm.block_regions``)."""
     variants = set(variant.split("+"))
+    compiled_fsdp.config.comm.block_regions = "regions" in variants
     build, make_batch, loss_fn = gpt_case(True)  # tied, uneven rows
     ref = build()
     if "frozen" in variants:
@@ -92,6 +94,7 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
         out["param"].append(max(max_diff(p, specs[id(p)].local(named_ref[n].detach(), rank))
                                 for n, p in model.named_parameters()))
     out["is_fsdp_module"] = [isinstance(m, FSDPModule) for m in (model, *model.layers, model.norm)]
+    out["regions"] = [any("compile region" in u for u in r.units) for r in compiled_fsdp.explain(model)]
     fsdp_params = [(f"{st.param_group.fqn}.{fp.fqn}".lstrip("."), fp)
                    for st in compiled_fsdp.iter_fsdp_states(model) if st.param_group
                    for fp in st.param_group.fsdp_params]
@@ -140,6 +143,18 @@ def test_compiled_accumulation_without_sync(bf16: bool, variant: str) -> None:
         assert res["sinks"] == res["trainable"]
         if variant == "frozen":
             assert "layers.0.mlp.up.weight" not in res["sinks"] and "layers.1.mlp.up.weight" in res["sinks"]
+
+
+def test_compiled_accumulation_without_sync_regions() -> None:
+    """The same with the blocks as compile regions ([Note: Blocks as compile
+    regions] in compiled_fsdp/compile/regions.py), bf16 parameters reduced in
+    fp32: bitwise equal to the reference, no eager collective, the kept
+    gradients taken by the regions' reductions in the synced backward."""
+    for res in run_distributed(_accumulate_rank, 2, 3, False, "aot_eager", True, "regions", timeout=600):
+        assert max(res["grad"]) == 0.0 and max(res["param"]) == 0.0, res
+        assert res["grad_none_before_sync"]
+        assert res["counts"] == [{}] * 3
+        assert res["regions"] == [False, True, True], res["regions"]  # (the root, then its two blocks)
 
 
 def test_accumulation_without_sync_blocks_compiled_on_their_own() -> None:

@@ -94,12 +94,16 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     ref, model = Model(), Model()
+    compiled_fsdp.config.comm.block_regions = mode == "regions"
     _shard(model, fully_shard)
+    compiled_fsdp.config.comm.block_regions = False
     if mode == "blocks":  # each block compiled on its own: the gathers handed from block to block
         for layer in model.layers:
             layer.compile(backend="aot_eager", fullgraph=True)
-    run = model if mode in ("eager", "blocks") else torch.compile(model, backend=mode, fullgraph=True)
+    backend = "aot_eager" if mode == "regions" else mode
+    run = model if mode in ("eager", "blocks") else torch.compile(model, backend=backend, fullgraph=True)
     out = _train(rank, world, model, ref, run)
+    out["regions"] = sum(any("compile region" in u for u in r.units) for r in compiled_fsdp.explain(model))
     w1 = model.layers[0].w1
     out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
     out["w1_local"] = tuple(w1.to_local().shape)
@@ -136,13 +140,14 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["eager", "aot_eager", "blocks", "inductor"])
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "blocks", "regions", "inductor"])
 def test_experts_sharded_on_their_largest_dim(mode: str, tmp_path: Any) -> None:
     """4 ranks. Expert weights ``Shard(2)`` / ``Shard(1)`` (their largest
     dim), matrices ``Shard(1)``, the odd one uneven (6 columns over 4 ranks:
     2, 2, 2, 0): bitwise to the reference (each rank's gradients summed in
     rank order) eager, under aot_eager and with each block compiled on its
-    own (the gathers handed from block to block), within 1e-5 under Inductor;
+    own (the gathers handed from block to block) and compiled whole with its
+    blocks as compile regions (aot_eager), within 1e-5 under Inductor;
     compiled whole with ``fullgraph=True``: no eager collective; blocks: the
     eager root's gather and reduce, and the first block's. Beside FSDP2 with the same placements (its
     ``Shard(1)`` must divide evenly): the same placements, and the same
@@ -158,10 +163,11 @@ def test_experts_sharded_on_their_largest_dim(mode: str, tmp_path: Any) -> None:
         assert res["placements"]["layers.0.proj.bias"] == "(Shard(dim=0),)", res["placements"]
         assert res["w1_local"] == (E, D, H // 4), res
         assert res["proj_local"] in {(D, 2), (D, 0)}, res
-        if mode in ("aot_eager", "inductor"):
+        if mode in ("aot_eager", "regions", "inductor"):
             assert res["counts"] == [{}] * 3, res["counts"]
         elif mode == "blocks":
             assert res["counts"] == [{"all_gather": 2, "reduce_scatter": 2}] * 3, res["counts"]
+        assert res["regions"] == (2 if mode == "regions" else 0), res["regions"]
         # (FSDP2 sums 4 ranks' gradients in gloo's order, not the rank order)
         assert res["fsdp2_worst"] < 1e-6 and res["ours_even_worst"] == 0.0, res  # (both eager)
         assert res["same_placements"] and res["vs_fsdp2"] < 1e-6, res
