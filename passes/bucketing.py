@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch.fx as fx
 
-from .graph import node_order
+from .graph import node_order, region_calls
 
 T = TypeVar("T")
 
@@ -89,7 +89,11 @@ def merge_small_buckets(graph: fx.Graph, buckets: list, threshold: int,
     def position(b: Any) -> int:
         return pick(order[m] for s in b.slots for m in s.markers)
 
-    groups = group_small(sorted(buckets, key=position), lambda b: b.nbytes, threshold,
-                         lambda group, b: _compatible(group[0], b))
+    regions = region_calls(graph)  # (a compile region's call between two buckets parts them)
+
+    def joins(group: list, b: Any) -> bool:
+        return _compatible(group[0], b) and not any(position(group[-1]) < at < position(b) for at in regions)
+
+    groups = group_small(sorted(buckets, key=position), lambda b: b.nbytes, threshold, joins)
     merged = [g[0] if len(g) == 1 else combine(g) for g in groups]
     return sorted(merged, key=lambda b: (b.module_key, b.unit))

@@ -285,6 +285,14 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def region_calls(graph: fx.Graph) -> list[int]:
+    """The positions of the calls of compile regions (``invoke_subgraph``), each
+    of which reads another module's parameters inside its own graph ([Note:
+    Blocks as compile regions] in compiled_fsdp/compile/regions.py): where the
+    outer graph's units and buckets must not join across."""
+    return [i for i, n in enumerate(graph.nodes) if n.target is torch.ops.higher_order.invoke_subgraph]
+
+
 def stable_topological_sort(graph: fx.Graph) -> int:
     """Reorders nodes so every node follows its inputs, moving as few as
     possible (a node is only delayed until its inputs exist). Returns the

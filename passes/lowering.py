@@ -57,6 +57,7 @@ from .graph import (
     marker_kept,
     node_order,
     parse_marker,
+    region_calls,
     stable_topological_sort,
     through_identity_views,
 )
@@ -295,6 +296,7 @@ def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -
     """The units of each application with a gather bucket; see [Note: Units]."""
     order = node_order(graph)
     first_reads = {p.module_key: [min(order[m] for m in s.markers) for s in p.slots] for p in gathers}
+    regions = region_calls(graph)
     if not overlap.units:
         return [Unit(p.module_key, 0, tuple(s.args.param_index for s in p.slots), ("<whole module>",), p.nbytes,
                      p.slots[0].args.reshards, "one unit: config.overlap.units is off")
@@ -305,7 +307,7 @@ def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -
     for plan in gathers:
         size = {s.args.param_index: plan.slot_bytes(s) for s in plan.slots}
         uses = slot_uses({s.args.param_index: s.markers for s in plan.slots}, size.__getitem__, order)
-        others = sorted(at for key, ats in first_reads.items() if key != plan.module_key for at in ats)
+        others = sorted([*regions, *(at for key, ats in first_reads.items() if key != plan.module_key for at in ats)])
         inputs.append((plan, uses, others))
 
     def choose(merge_below: int, largest: int | None) -> list[Unit]:

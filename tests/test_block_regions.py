@@ -82,6 +82,7 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
     res["graphs"] = graphs
     res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
                       for r in compiled_fsdp.explain(model_of[0])]
+    res["root_units"] = compiled_fsdp.explain(model_of[0])[0].units
     res["joint"] = sorted((r.lowering.count("gather"), r.lowering.count("reduce")) for r in rec.joint)
     return res
 
@@ -100,7 +101,10 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
     issued ahead of it ([Note: Gathers issued ahead of compile regions]),
     and every block's backward takes a gather issued ahead: the last
     block's, issued when the root's forward returned, the others' by the
-    backward of the block after them."""
+    backward of the block after them. The root's units are cut at the
+    regions' calls, as at the blocks' reads in one graph: the final norm
+    joins the head (with the root's reads before the regions, it was
+    gathered again in backward)."""
     for res in run_distributed(_regions_rank, 2, backend, timeout=900):
         assert_close(res, tol)
         assert res["counts"] == [{}] * 3
@@ -110,6 +114,10 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         # (the region's joint graph: its block's bucket; the outer one: the root's units)
         assert (1, 1) in res["joint"] and len(res["joint"]) == 2, res["joint"]
         assert res["explain"][0][:2] == ("", "compiled")  # (the root: the outer graph's units)
+        # (the final norm joins the head, not the root's reads before the regions: kept for
+        # backward, not gathered again; the regions' calls part the outer graph's units)
+        last = res["root_units"][-1]
+        assert last.startswith("unit 2: norm, head,") and "kept from forward to backward" in last, last
         assert res["explain"][1:] == [(f"layers.{i}", "compiled", "a compile region") for i in range(BLOCKS)]
 
 

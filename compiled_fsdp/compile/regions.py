@@ -65,6 +65,12 @@ core/registry.py):
   returned (``CompiledPath.after_compiled_root``), so that it uses the link
   while the loss computes, as [Note: Prefetch order]'s eager forward end does.
 
+The outer graph reads no block's parameters (the regions do), so the passes
+take each region's call for another module's reads: the root's units are cut
+there (``region_calls`` in passes/graph.py), as at the blocks' reads in one
+graph, and no two buckets merge across one. Without it the final norm joined
+the root's first reads, not the head: resharded, gathered again in backward.
+
 Both ops are opaque to Inductor, which orders the collectives it knows but
 not these: so ``issue_ahead`` takes every tensor the region before it takes
 (``after``: the output of the one before that among them) and returns a
