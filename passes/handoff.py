@@ -223,7 +223,7 @@ def _apply_reads(graph: fx.Graph, h: HandedIn, backward: set[fx.Node]) -> None:
             # (taken from the gather prefetched when the graph's backward began,
             # if one was: [Note: Backward re-gathers prefetched across graphs])
             g = rb(Regather.op().default, shards, joined_shapes(specs), args.group_name,
-                   args.world_size, args.module_key, args.param_dtype)
+                   args.world_size, args.module_key, args.param_dtype, backward=True)
             again = dict(zip(indices, emit_unpack(rb, g, specs)))
     for i in indices:
         for m in h.reads[i]:

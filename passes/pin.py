@@ -90,11 +90,12 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
                     deps.setdefault(nxt, OrderedSet()).add(n)
         else:
             if n.target in OPAQUE:  # (Inductor orders the collectives it knows; these it does not)
-                before = next((p for p in reversed(nodes[:i]) if p.target in ISSUES and owned(p)), None)
-                if before is not None:
+                # (and against each other: two in a row, a region's units' re-gathers)
+                before = next((p for p in reversed(nodes[:i]) if p.target in (*ISSUES, *OPAQUE) and owned(p)), None)
+                if before is not None and before not in n.all_input_nodes:
                     deps.setdefault(n, OrderedSet()).add(before)
-                after = next((q for q in nodes[i + 1:] if q.target in ISSUES and owned(q)), None)
-                if after is not None:
+                after = next((q for q in nodes[i + 1:] if q.target in (*ISSUES, *OPAQUE) and owned(q)), None)
+                if after is not None and n not in after.all_input_nodes:
                     deps.setdefault(after, OrderedSet()).add(n)
             if both_ways:
                 prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)

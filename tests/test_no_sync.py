@@ -12,6 +12,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from compiled_fsdp.core.registry import CORE
 from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 
 from _dist import run_distributed
@@ -95,6 +96,7 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
                                 for n, p in model.named_parameters()))
     out["is_fsdp_module"] = [isinstance(m, FSDPModule) for m in (model, *model.layers, model.norm)]
     out["regions"] = [any("compile region" in u for u in r.units) for r in compiled_fsdp.explain(model)]
+    out["taken"] = CORE.backward_gathers.taken
     fsdp_params = [(f"{st.param_group.fqn}.{fp.fqn}".lstrip("."), fp)
                    for st in compiled_fsdp.iter_fsdp_states(model) if st.param_group
                    for fp in st.param_group.fsdp_params]
@@ -155,6 +157,7 @@ def test_compiled_accumulation_without_sync_regions() -> None:
         assert res["grad_none_before_sync"]
         assert res["counts"] == [{}] * 3
         assert res["regions"] == [False, True, True], res["regions"]  # (the root, then its two blocks)
+        assert res["taken"] > 0  # (gathers issued ahead of the regions were taken)
 
 
 def test_accumulation_without_sync_blocks_compiled_on_their_own() -> None:

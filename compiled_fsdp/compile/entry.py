@@ -85,7 +85,7 @@ import torch
 from torch import nn
 
 from compiled_fsdp.compile import frames
-from compiled_fsdp.core import ops
+from compiled_fsdp.core import ops, registry
 from compiled_fsdp.core.layout import joined_shapes
 from compiled_fsdp.core.marker import GatherNext, IssueAhead
 from compiled_fsdp.runtime.param import FSDPParam
@@ -202,9 +202,10 @@ class CompiledEntry:
         core/registry.py). Returns whether it was issued."""
         group = self.group
         return ops.issue_if_wanted([p.canonical_shard() for p in group.fsdp_params], list(group.specs),
-                                   group.fsdp_params[0].param_dtype, group.group_name, group.key, kept)
+                                   group.fsdp_params[0].param_dtype, group.group_name, group.key,
+                                   backward=True, kept=kept)
 
-    def bucket_key(self) -> tuple[int, ...]:
+    def bucket_key(self) -> registry.BucketKey:
         """The registry's key of this module's whole bucket (``ops.shards_key``)."""
         return ops.shards_key([p.canonical_shard() for p in self.group.fsdp_params])
 

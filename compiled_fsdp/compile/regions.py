@@ -56,8 +56,8 @@ core/registry.py):
   RESULTS' setting);
 - in backward, no outer graph runs between the regions' backwards (AOTAutograd
   calls them from the outer backward, whose calls take no token), so the
-  chain runs at run time instead: ``_partition`` sets ``issue_next`` on the
-  re-gathers of a region's backward graph, and each, having taken or issued
+  chain runs at run time instead: ``_partition`` marks the re-gathers of a
+  region's backward graph ``backward``, and each, having taken or issued
   its own gather, issues the gather of the region before it in the model
   (``BackwardGathers.then``, filled by ``predict_order``): FSDP2's backward
   prefetch. The first region's backward in each backward (the last
@@ -70,6 +70,8 @@ take each region's call for another module's reads: the root's units are cut
 there (``region_calls`` in passes/graph.py), as at the blocks' reads in one
 graph, and no two buckets merge across one. Without it the final norm joined
 the root's first reads, not the head: resharded, gathered again in backward.
+(A region of the user's own parts them too: it reads other parameters, or
+none, and only merges are lost.)
 
 Both ops are opaque to Inductor, which orders the collectives it knows but
 not these: so ``issue_ahead`` takes every tensor the region before it takes
@@ -118,7 +120,7 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
     regather = Regather.op().default
     for node in backward.graph.nodes:  # (the backward's: [Note: Gathers issued ahead of compile regions])
         if node.target is regather:
-            node.update_kwarg("issue_next", True)
+            node.update_kwarg("backward", True)
     backward.recompile()
     return forward, backward
 
@@ -189,12 +191,12 @@ def predict_order(groups: list[FSDPParamGroup]) -> None:
     outer graph issues before calling it; and backward, the one whose gather
     a region's backward re-gather issues (the one before it)."""
     entries = [entry_of(g) for g in groups if entry_of(g).in_region]
-    then = registry.CORE.backward_gathers.then
-    then.clear()
+    gathers = registry.CORE.backward_gathers
+    gathers.then.clear()
     for entry, after in zip(entries, [*entries[1:], None]):
         entry.region_ahead = [after] if after is not None else []
         if after is not None:
-            then[after.bucket_key()] = entry.issue_backward_gather
+            gathers.chain(after.bucket_key(), entry.issue_backward_gather)
     if entries:  # (the first region's own first: issued ahead of the next, not queued behind it)
         entries[0].region_ahead.insert(0, entries[0])
 

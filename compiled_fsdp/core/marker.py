@@ -383,10 +383,10 @@ class Regather(Marker):
     world_size: int = _arg("int")
     module_key: int = _arg("int")
     param_dtype: Optional[torch.dtype] = _arg("ScalarType?", None)
-    # A compile region's backward re-gather: having taken its own, it issues
-    # the gather of the region whose backward runs next ([Note: Gathers
-    # issued ahead of compile regions] in compile/regions.py).
-    issue_next: bool = _arg("bool", False)
+    # A backward re-gather: it takes only gathers issued for a backward, and
+    # then issues the one the registry chains after its own (a compile
+    # region's: [Note: Gathers issued ahead of compile regions] in compile/regions.py).
+    backward: bool = _arg("bool", False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

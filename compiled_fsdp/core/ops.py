@@ -309,20 +309,23 @@ def _reduce_next_fake(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------
 
 
-def shards_key(shards: list[torch.Tensor]) -> tuple[int, ...]:
-    """Which bucket a list of shards is: where each one's data lives (a graph
-    reads its module's shards by value, whatever module it was compiled for)."""
-    return tuple(s.data_ptr() for s in shards)
+def shards_key(shards: list[torch.Tensor]) -> registry.BucketKey:
+    """Which bucket a list of shards is: where each one's data lives, its
+    storage and offset (a graph reads its module's shards by value, whatever
+    module it was compiled for). Not the address: every empty shard has 0,
+    and two buckets of empty shards on one rank only would be one there."""
+    return tuple((s.untyped_storage()._cdata, s.storage_offset()) for s in shards)
 
 
 def issue_if_wanted(shards: list[torch.Tensor], specs: list[ShardSpec], param_dtype: Optional[torch.dtype],
-                    group_name: str, module_key: int, kept: bool = False) -> bool:
+                    group_name: str, module_key: int, *, backward: bool, kept: bool = False) -> bool:
     """Issue the gather of ``shards`` for a ``regather`` to take, not waited,
-    if one took this bucket before and none is pending; returns whether it
-    was issued ([Note: Backward re-gathers prefetched across graphs] in registry.py)."""
+    if one of its kind (``backward`` or not) took this bucket before and none
+    is pending; returns whether it was issued ([Note: Backward re-gathers
+    prefetched across graphs] in registry.py)."""
     key = shards_key(shards)
     gathers = registry.CORE.backward_gathers
-    if not gathers.wanted(key):
+    if not gathers.wanted(key, backward):
         return False
     gathers.issue(key, issue_gather(shards, specs, param_dtype, group_name, module_key, counted=False), kept)
     return True
@@ -335,16 +338,17 @@ def _regather_specs(m: Regather) -> list[ShardSpec]:
 @torch.library.custom_op(Regather.qualname(), mutates_args=(), schema=Regather.schema(),
                          tags=compat.cudagraph_unsafe_tags())
 def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """The gathered bucket of ``shards``, waited: prefetched, or gathered now."""
+    """The gathered bucket of ``shards``, waited: prefetched, or gathered now;
+    a ``backward`` one then issues the gather chained after it."""
     m = Regather.bind(args, kwargs)
     shards = list(m.shards)
     gathers = registry.CORE.backward_gathers
     key = shards_key(shards)
-    gathered = gathers.take(key)
+    gathered = gathers.take(key, m.backward)
     if gathered is None:
         gathered = issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
                                 counted=False)
-    if m.issue_next:
+    if m.backward:
         gathers.issue_next(key)
     return torch.ops._c10d_functional.wait_tensor(gathered)
 
@@ -363,7 +367,7 @@ def issue_ahead(*args: Any, **kwargs: Any) -> torch.Tensor:
     ``regather`` took this bucket before). Returns an empty tensor: what the
     pin orders ([Note: Inductor reorders for peak memory] in passes/pin.py)."""
     m = IssueAhead.bind(args, kwargs)
-    issue_if_wanted(list(m.shards), _regather_specs(m), m.param_dtype, m.group_name, m.module_key)
+    issue_if_wanted(list(m.shards), _regather_specs(m), m.param_dtype, m.group_name, m.module_key, backward=False)
     return m.shards[0].new_empty([0])
 
 

@@ -42,6 +42,10 @@ class MarkerOwner(Protocol):
         (-1: the whole bucket): the runtime agrees on it with the other ranks."""
 
 
+# A bucket: its shards' storages and offsets (``ops.shards_key``).
+BucketKey = tuple[tuple[int, int], ...]
+
+
 class BackwardGathers:
     """[Note: Backward re-gathers prefetched across graphs]
     A block compiled on its own that reshards after forward gathers its
@@ -55,9 +59,10 @@ class BackwardGathers:
     compile layer issues them (``issue``) in the eager pre-backward hook of a
     block's graph: that block's own gather if not yet issued, then the gather
     of the block before it in the forward order, as FSDP2's backward prefetch
-    does. Only buckets whose ``regather`` has run once (``takers``) are
-    issued: a graph that re-gathers a subset of its parameters, or none, is
-    never sent one. A gather left pending at the end of backward is waited
+    does. Only buckets whose backward ``regather`` has run once (``takers``,
+    per kind: a compile region's forward takes through the same op) are
+    issued for a backward: a graph that re-gathers a subset of its
+    parameters, or none (kept from forward), is never sent one. A gather left pending at the end of backward is waited
     for and dropped (``drop_pending``). What is gathered is one pack of the
     shards with the layout functions of [Note: Bucket layout], so taking it is
     bitwise the graph's own gather. Every rank runs the same program over the
@@ -67,21 +72,23 @@ class BackwardGathers:
     through the head alone) and is dropped when the next step begins, before
     anything could take it after an optimizer step. (A shard's version counter
     cannot tell a stale gather: a DTensor's in-place ops, the optimizer's, do
-    not bump its local tensor's.) Keys are storage addresses: ``forget`` drops
+    not bump its local tensor's.) Keys are storages: ``forget`` drops
     them all when shards move (``module._apply``, a parameter assigned anew),
-    so that an address reused on one rank only never makes the ranks' gathers
-    differ. Compile regions use the same map for their forward gathers
-    ([Note: Gathers issued ahead of compile regions] in compile/regions.py).
+    so that a storage reused on one rank only never makes the ranks' gathers
+    differ. Compile regions use the same map for their forward gathers, and
+    chain their backward ones (``then``: [Note: Gathers issued ahead of
+    compile regions] in compile/regions.py).
     Tested by tests/test_handoff.py::test_backward_regathers_prefetched."""
 
     def __init__(self) -> None:
-        self.takers: set[tuple[int, ...]] = set()
-        self.pending: dict[tuple[int, ...], torch.Tensor] = {}
-        self.kept: set[tuple[int, ...]] = set()  # pending ones that outlive a backward's end
+        self.takers: set[tuple[bool, BucketKey]] = set()  # (backward, bucket)
+        self.pending: dict[BucketKey, torch.Tensor] = {}
+        self.kept: set[BucketKey] = set()  # pending ones that outlive a backward's end
         self.taken = 0  # regathers served by a pending gather (for the tests and the benchmarks)
         # A bucket -> what issues the gather of the module whose backward is
-        # expected next, for a ``regather`` with ``issue_next`` (compile regions).
-        self.then: dict[tuple[int, ...], Callable[[], object]] = {}
+        # expected next, for a backward ``regather`` (compile regions). Weak:
+        # the registry outlives models.
+        self.then: dict[BucketKey, weakref.WeakMethod] = {}
 
     def reset(self) -> None:
         self.forget()
@@ -93,22 +100,27 @@ class BackwardGathers:
         self.takers.clear()
         self.then.clear()
 
-    def issue_next(self, key: tuple[int, ...]) -> None:
+    def chain(self, key: BucketKey, issue: Callable[[], object]) -> None:
+        """After the backward ``regather`` of ``key``, call ``issue`` (a bound method)."""
+        self.then[key] = weakref.WeakMethod(issue)  # type: ignore[arg-type]
+
+    def issue_next(self, key: BucketKey) -> None:
         """The gather chained after bucket ``key``'s (``then``), if any."""
-        issue = self.then.get(key)
+        ref = self.then.get(key)
+        issue = ref() if ref is not None else None
         if issue is not None:
             issue()
 
-    def wanted(self, key: tuple[int, ...]) -> bool:
-        return key in self.takers and key not in self.pending
+    def wanted(self, key: BucketKey, backward: bool) -> bool:
+        return (backward, key) in self.takers and key not in self.pending
 
-    def issue(self, key: tuple[int, ...], gathered: torch.Tensor, kept: bool = False) -> None:
+    def issue(self, key: BucketKey, gathered: torch.Tensor, kept: bool = False) -> None:
         self.pending[key] = gathered
         if kept:
             self.kept.add(key)
 
-    def take(self, key: tuple[int, ...]) -> Optional[torch.Tensor]:
-        self.takers.add(key)
+    def take(self, key: BucketKey, backward: bool) -> Optional[torch.Tensor]:
+        self.takers.add((backward, key))
         self.kept.discard(key)
         gathered = self.pending.pop(key, None)
         if gathered is not None:
