@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import compiled_fsdp
 from compiled_fsdp import fully_shard
 from examples.gpt import Block
 
@@ -168,6 +169,8 @@ class _Checkpointed(torch.nn.Module):
 
 def _checkpointed_rank(rank: int, world: int, backend: str) -> dict:
     build, make_batch, loss = gpt_case(False)
+    compiled_fsdp.config.comm.block_regions = backend == "regions"
+    backend = "aot_eager" if backend == "regions" else backend
 
     def build_checkpointed():
         model = build()
@@ -180,17 +183,21 @@ def _checkpointed_rank(rank: int, world: int, backend: str) -> dict:
         fully_shard(model)
 
     wrap = None if backend == "none" else (lambda m: torch.compile(m, backend=backend, fullgraph=True))
-    return run_parity(rank, build_checkpointed, shard, make_batch, loss, wrap=wrap)
+    return run_parity(rank, build_checkpointed, shard, make_batch, loss, wrap=wrap,
+                      after_step=lambda m: sum(any("compile region" in u for u in r.units)
+                                               for r in compiled_fsdp.explain(m)))
 
 
-@pytest.mark.parametrize("backend", ["none", "aot_eager"])
+@pytest.mark.parametrize("backend", ["none", "aot_eager", "regions"])
 def test_activation_checkpointing(backend: str) -> None:
     """Each block under ``torch.utils.checkpoint``: the recomputation in
     backward reads the parameters the forward read (eager: exposed again at
-    the block's pre-backward; compiled: the recomputed region's gathers),
-    bitwise equal to the reference."""
+    the block's pre-backward; compiled: the recomputed region's gathers;
+    ``regions``: each checkpointed block a compile region, [Note: Blocks as
+    compile regions]), bitwise equal to the reference."""
     for res in run_distributed(_checkpointed_rank, 2, backend):
         assert_close(res, 0.0)
+        assert (res["after"][-1] > 0) == (backend == "regions"), res["after"]
 
 
 def _two_forwards_rank(rank: int, world: int, case: str) -> dict:
