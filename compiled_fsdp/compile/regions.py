@@ -92,8 +92,10 @@ Tested by tests/test_block_regions.py; with bf16 parameters and no-sync
 accumulation by tests/test_no_sync.py::test_compiled_accumulation_without_sync_regions,
 under HSDP by tests/test_hsdp.py::test_hsdp_2x2_matches_reference[regions], sharded
 on dims 1 and 2 (one rank's shard empty) by
-tests/test_shard_dim.py::test_experts_sharded_on_their_largest_dim[regions]:
-each bitwise equal to its single-process reference.
+tests/test_shard_dim.py::test_experts_sharded_on_their_largest_dim[regions], each
+block under ``torch.utils.checkpoint`` by
+tests/test_eager_parity.py::test_activation_checkpointing[regions]: each
+bitwise equal to its single-process reference.
 """
 from __future__ import annotations
 
