@@ -205,9 +205,9 @@ def test_last_block_kept_from_forward() -> None:
     gathers nothing, so nothing is issued for it when the root's forward
     returns (a gather issued there would stay pending, kept, past the
     optimizer step: before backward gathers were told from forward ones, it
-    was); from the second step the forward takes 3 gathers issued ahead and
-    the first block's backward the one the second block's issued."""
+    was): the second block's is, the first backward that gathers. From the
+    second step the forward takes 3 gathers issued ahead and the backward 2."""
     for res in run_distributed(_last_kept_rank, 2, timeout=900):
         assert_close(res, 0.0)
         assert res["counts"] == [{}] * 3
-        assert res["after"] == [(0, 0), (4, 0), (8, 0)], res["after"]
+        assert res["after"] == [(0, 0), (5, 0), (10, 0)], res["after"]

@@ -311,9 +311,12 @@ class TorchCompilePath(CompiledPath):
     def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
         in_regions = [g for g in ctx.groups() if entry_of(g).in_region]
         if in_regions and _backward_follows(output):
-            # (the last region's backward gathers first: while the loss computes,
-            # as [Note: Prefetch order]'s; [Note: Gathers issued ahead of compile regions])
-            entry_of(in_regions[-1]).issue_backward_gather(kept=True)
+            # (the gather the regions' backward takes first, while the loss computes, as
+            # [Note: Prefetch order]'s: the last region's whose backward gathers;
+            # [Note: Gathers issued ahead of compile regions])
+            for g in reversed(in_regions):
+                if entry_of(g).issue_backward_gather(kept=True):
+                    break
         _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, in_regions)
                                  if in_regions else None)
 

@@ -60,10 +60,11 @@ core/registry.py):
   region's backward graph ``backward``, and each, having taken or issued
   its own gather, issues the gather of the region before it in the model
   (``BackwardGathers.then``, filled by ``predict_order``): FSDP2's backward
-  prefetch. The first region's backward in each backward (the last
-  block's) takes the gather issued when the root's compiled forward
-  returned (``CompiledPath.after_compiled_root``), so that it uses the link
-  while the loss computes, as [Note: Prefetch order]'s eager forward end does.
+  prefetch. The first region's backward in each backward that gathers (the
+  last block's, or the one before it where the last is kept from forward)
+  takes the gather issued when the root's compiled forward returned
+  (``CompiledPath.after_compiled_root``), so that it uses the link while the
+  loss computes, as [Note: Prefetch order]'s eager forward end does.
 
 The outer graph reads no block's parameters (the regions do), so the passes
 take each region's call for another module's reads: the root's units are cut
