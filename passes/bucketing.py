@@ -92,7 +92,8 @@ def merge_small_buckets(graph: fx.Graph, buckets: list, threshold: int,
     regions = region_calls(graph)  # (a compile region's call between two buckets parts them)
 
     def joins(group: list, b: Any) -> bool:
-        return _compatible(group[0], b) and not any(position(group[-1]) < at < position(b) for at in regions)
+        lo, hi = position(group[-1]), position(b)
+        return _compatible(group[0], b) and not any(lo < at < hi for at in regions)
 
     groups = group_small(sorted(buckets, key=position), lambda b: b.nbytes, threshold, joins)
     merged = [g[0] if len(g) == 1 else combine(g) for g in groups]

@@ -296,13 +296,14 @@ def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -
     """The units of each application with a gather bucket; see [Note: Units]."""
     order = node_order(graph)
     first_reads = {p.module_key: [min(order[m] for m in s.markers) for s in p.slots] for p in gathers}
-    regions = region_calls(graph)
     if not overlap.units:
         return [Unit(p.module_key, 0, tuple(s.args.param_index for s in p.slots), ("<whole module>",), p.nbytes,
                      p.slots[0].args.reshards, "one unit: config.overlap.units is off")
                 for p in gathers]
 
-    # Per application: its parameters' uses, and where the others' are first read.
+    # Per application: its parameters' uses, and where the others' are first read
+    # (a compile region's call reads others' parameters too).
+    regions = region_calls(graph)
     inputs = []
     for plan in gathers:
         size = {s.args.param_index: plan.slot_bytes(s) for s in plan.slots}

@@ -12,6 +12,12 @@ import compiled_fsdp
 from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 
 
+def in_regions(model: nn.Module) -> list[bool]:
+    """Per sharded module (``explain()``'s order), whether it ran as a compile
+    region ([Note: Blocks as compile regions] in compiled_fsdp/compile/regions.py)."""
+    return [any("compile region" in u for u in r.units) for r in compiled_fsdp.explain(model)]
+
+
 def reference_grads(ref: nn.Module, loss_of: Callable[[int], torch.Tensor], ranks: int) -> None:
     """The reference's gradients as the sharded job reduces them: each
     rank's batch apart (``loss_of(rank)``), summed in rank order, averaged."""

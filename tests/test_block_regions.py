@@ -15,7 +15,7 @@ from compiled_fsdp import fully_shard
 from examples.gpt import GPT, Block, GPTConfig
 
 from _dist import run_distributed
-from _parity import assert_close, run_parity
+from _parity import assert_close, in_regions, run_parity
 
 BLOCKS = 3
 
@@ -165,8 +165,7 @@ def _own_frames_rank(rank: int, world: int) -> dict:
         return model
 
     return run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=compile_blocks,
-                      after_step=lambda m: [any("compile region" in u for u in r.units)
-                                            for r in compiled_fsdp.explain(m)])
+                      after_step=in_regions)
 
 
 def test_blocks_compiled_on_their_own_run_their_plain_forward() -> None:

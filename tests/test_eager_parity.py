@@ -11,7 +11,7 @@ from examples.gpt import Block
 
 from _dist import run_distributed
 from _models import ChunkedHead, Twice, chunked_head_batch, gpt_case, twice_batch, twice_loss
-from _parity import assert_close, full_params, run_parity
+from _parity import assert_close, full_params, in_regions, run_parity
 
 
 def _shard_nested(model, **kwargs) -> None:  # noqa: ANN001
@@ -184,8 +184,7 @@ def _checkpointed_rank(rank: int, world: int, backend: str) -> dict:
 
     wrap = None if backend == "none" else (lambda m: torch.compile(m, backend=backend, fullgraph=True))
     return run_parity(rank, build_checkpointed, shard, make_batch, loss, wrap=wrap,
-                      after_step=lambda m: sum(any("compile region" in u for u in r.units)
-                                               for r in compiled_fsdp.explain(m)))
+                      after_step=lambda m: sum(in_regions(m)))
 
 
 @pytest.mark.parametrize("backend", ["none", "aot_eager", "regions"])

@@ -25,7 +25,7 @@ from compiled_fsdp.tools.models import batch, loss_fn, tiny
 from _dist import run_distributed
 from _graphs import GraphCapture, handed_in_waits
 from _models import BreakGPT
-from _parity import full_diff, full_params
+from _parity import full_diff, full_params, in_regions
 
 
 def _hsdp_mesh(world: int):
@@ -75,7 +75,7 @@ def _train(rank: int, world: int, backend: str, checkpoint: str) -> dict:
     return {"diff": diff, "counts": counts, "placements": placements,
             "graphs": (len(capture.forward), len(capture.backward)),
             "handed_in": sum(len(handed_in_waits(g)) for g in capture.forward),
-            "regions": sum(any("compile region" in u for u in r.units) for r in compiled_fsdp.explain(model)),
+            "regions": sum(in_regions(model)),
             "taken": CORE.backward_gathers.taken}
 
 

@@ -18,6 +18,7 @@ from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 from _dist import run_distributed
 from _graphs import GraphCapture
 from _models import gpt_case
+from _parity import in_regions
 
 
 def _local(spec, full: Optional[torch.Tensor], rank: int) -> Optional[torch.Tensor]:  # noqa: ANN001
@@ -95,7 +96,7 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
         out["param"].append(max(max_diff(p, specs[id(p)].local(named_ref[n].detach(), rank))
                                 for n, p in model.named_parameters()))
     out["is_fsdp_module"] = [isinstance(m, FSDPModule) for m in (model, *model.layers, model.norm)]
-    out["regions"] = [any("compile region" in u for u in r.units) for r in compiled_fsdp.explain(model)]
+    out["regions"] = in_regions(model)
     out["taken"] = CORE.backward_gathers.taken
     fsdp_params = [(f"{st.param_group.fqn}.{fp.fqn}".lstrip("."), fp)
                    for st in compiled_fsdp.iter_fsdp_states(model) if st.param_group
