@@ -9,6 +9,10 @@ with ``--depths`` blocks on 2 gloo ranks, 1 thread each, every configuration
 in fresh processes:
 
   compute_compiled      the unsharded model, ``torch.compile(model)``
+  compute_compiled_regions
+                        the same, each block a ``torch.compiler.nested_compile_region``
+                        (torch's own compile regions: what a whole-model
+                        compile costs before anything is sharded)
   fsdp2_compiled        FSDP2 per block and root, ``torch.compile(model)``
   fsdp2_compiled_blocks FSDP2 per block and root, ``block.compile()`` per block
                         (torchtitan's pattern)
@@ -57,8 +61,8 @@ from workloads import compile_rank  # noqa: E402
 
 from _dist import run_distributed  # noqa: E402
 
-KINDS = ["compute_compiled", "fsdp2_compiled", "fsdp2_compiled_blocks", "ours_compiled", "ours_compiled_regions",
-         "ours_compiled_blocks", "ours_compiled_blocks_nohandoff"]
+KINDS = ["compute_compiled", "compute_compiled_regions", "fsdp2_compiled", "fsdp2_compiled_blocks", "ours_compiled",
+         "ours_compiled_regions", "ours_compiled_blocks", "ours_compiled_blocks_nohandoff"]
 
 
 def measure(kind: str, depth: int, args: argparse.Namespace) -> dict:

@@ -151,7 +151,14 @@ def _build(kind: str, n_layers: int = 8, tag: str = "", dim: int = 512,
         for block in model.layers:
             block.compile()
         return model, model
-    compiled = kind.startswith("ours_compiled") or kind.removesuffix("_bf16").endswith("compiled")
+    if kind == "compute_compiled_regions":  # torch's own compile regions, nothing sharded
+        cls = type(model.layers[0])
+        region = type(cls.__name__, (cls,), {"forward": torch.compiler.nested_compile_region(cls.forward),
+                                             "__module__": cls.__module__})
+        for block in model.layers:
+            block.__class__ = region
+    compiled = kind.startswith("ours_compiled") or kind.removesuffix("_bf16").removesuffix("_regions").endswith(
+        "compiled")
     return model, (torch.compile(model) if compiled else model)
 
 

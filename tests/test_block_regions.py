@@ -210,3 +210,39 @@ def test_last_block_kept_from_forward() -> None:
         assert_close(res, 0.0)
         assert res["counts"] == [{}] * 3
         assert res["after"] == [(0, 0), (5, 0), (10, 0)], res["after"]
+
+
+def _setting_rank(rank: int, world: int) -> dict:
+    from compiled_fsdp.tools.models import batch, loss_fn
+
+    compiled_fsdp.config.comm.block_regions = True
+    model = _build()
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    tokens = batch(model.cfg, 2, rank)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    grads = []
+    for factor in (None, None, 1.0):  # (the same parameters each time: no optimizer step)
+        if factor is not None:
+            for m in model.modules():
+                if isinstance(m, compiled_fsdp.FSDPModule):
+                    m.set_gradient_divide_factor(factor)
+        loss_fn(compiled(tokens), tokens).backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters() if n.startswith("layers.")})
+        model.zero_grad(set_to_none=True)
+    return {"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames,
+            "mean": max((grads[1][n] - g).abs().max().item() for n, g in grads[0].items()),
+            "sum": max((grads[2][n] / world - g).abs().max().item() for n, g in grads[0].items())}
+
+
+def test_a_setting_changed_between_steps_recompiles() -> None:
+    """A region's reads take their settings from one guarded key ([Note: A
+    region's read settings] in regions.py): ``set_gradient_divide_factor(1.0)``
+    after two steps changes it, the frame is traced again, and the blocks'
+    gradients come out as the sum over ranks, exactly ``world`` times the
+    mean (without the guard the reused graph would still divide: the mean)."""
+    for res in run_distributed(_setting_rank, 2, timeout=900):
+        assert res["mean"] == 0.0 and res["sum"] == 0.0, res
+        assert res["graphs"] == 2, res

@@ -79,7 +79,7 @@ Tested by tests/test_handoff.py.
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -91,7 +91,26 @@ from compiled_fsdp.core.marker import GatherNext, IssueAhead
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["CompiledEntry", "entry_of"]
+__all__ = ["CompiledEntry", "entry_of", "param_settings"]
+
+
+def param_settings(param: FSDPParam) -> dict[str, Any]:
+    """A read's marker arguments that are the parameter's and its group's
+    settings (the same at every read until a setter changes one)."""
+    group = param.group
+    spec = param.spec
+    settings = dict(
+        full_shape=list(spec.full_shape), group_name=group.group_name, world_size=spec.world_size,
+        param_index=param.index, local_rows=param.local_rows,
+        # The user's policy; the passes apply [Note: The reshard rule] per unit.
+        reshard_after_forward=group.reshard_after_forward, reduce_group_name=group.reduce_group_name,
+        param_dtype=param.param_dtype, reduce_dtype=param.reduce_dtype, outermost=group.outermost,
+        reduce_by_all_to_all=group.reduce_by_all_to_all, replicate_group_name=group.replicate_group_name,
+        replicas=spec.replicas, divide_factor=spec.divide_factor)
+    if group.post_forward_args is not None:  # ([Note: Resharding to a smaller group] in runtime/param_group.py)
+        name, size, rank = group.post_forward_args
+        settings.update(post_forward_group_name=name, post_forward_size=size, post_forward_rank=rank)
+    return settings
 
 
 class CompiledEntry:
@@ -123,6 +142,8 @@ class CompiledEntry:
         # as compile regions] in regions.py).
         self.in_region = False
         self.region_shards: list[Optional[torch.Tensor]] = [None] * len(group.fsdp_params)
+        # Its parameters' ``param_settings``, encoded ([Note: A region's read settings] in regions.py).
+        self.region_key = ""
         # The regions whose gathers the outer graph issues before calling this
         # one: the one expected to run after it (and the first region's own)
         # ([Note: Gathers issued ahead of compile regions] in regions.py).

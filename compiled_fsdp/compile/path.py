@@ -30,7 +30,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from torch.utils._pytree import tree_flatten
 
 from compiled_fsdp.compile import frames, install, regions
-from compiled_fsdp.compile.entry import CompiledEntry, entry_of
+from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings
 from compiled_fsdp.core import (
     compat,
     ops,  # noqa: F401 (registers torch.ops.compiled_fsdp)
@@ -154,31 +154,18 @@ class TorchCompilePath(CompiledPath):
                 "call the model through its root module (the sinks are made there)."
             )
         local = entry.region_shards[param.index] if in_region else param.sharded.to_local()
+        # (in a region, one guard on the encoded settings: [Note: A region's read settings] in regions.py)
+        settings = dict(regions.read_settings(entry.region_key, param.index)) if in_region else param_settings(param)
         full = Unshard.call(  # (canonical: [Note: Shard dims] in runtime/param.py)
             shard=param.to_canonical(local),
-            full_shape=list(param.spec.full_shape),
-            group_name=group.group_name,
-            world_size=param.spec.world_size,
             module_key=ENTRY_KEY if own or in_region else group.key,
-            param_index=param.index,
-            local_rows=param.local_rows,
-            # The user's policy; the passes apply [Note: The reshard rule] per unit.
-            reshard_after_forward=group.reshard_after_forward,
-            reduce_group_name=group.reduce_group_name,
-            param_dtype=param.param_dtype,
-            reduce_dtype=param.reduce_dtype,
             kept=kept,
             sync=sync,
-            outermost=group.outermost,
             gathered=gathered,
             bucket_offset=param.bucket_offset if gathered is not None else 0,
             bucket_numel=group.bucket_numel if gathered is not None else 0,
-            reduce_by_all_to_all=group.reduce_by_all_to_all,
-            replicate_group_name=group.replicate_group_name,
-            replicas=param.spec.replicas,
-            divide_factor=param.spec.divide_factor,
             take_ahead=in_region,
-            **_post_forward(group),
+            **settings,
         )
         if own and entry.handoff_next is not None and not entry.handoff_traced:
             # After this module's own first read, so that its own gather
@@ -331,15 +318,6 @@ class TorchCompilePath(CompiledPath):
             p.sharded.grad = None
             p.drop_kept_grad()
         root.regrad_none = []
-
-
-def _post_forward(group: FSDPParamGroup) -> dict[str, Any]:
-    """The marker's arguments of an int ``reshard_after_forward`` ([Note:
-    Resharding to a smaller group] in runtime/param_group.py); none otherwise."""
-    if group.post_forward_args is None:
-        return {}
-    name, size, rank = group.post_forward_args
-    return {"post_forward_group_name": name, "post_forward_size": size, "post_forward_rank": rank}
 
 
 def _ensure_window(ctx: Any) -> None:

@@ -100,18 +100,19 @@ bitwise equal to its single-process reference.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from compiled_fsdp.compile import install
-from compiled_fsdp.compile.entry import entry_of
+from compiled_fsdp.compile.entry import entry_of, param_settings
 from compiled_fsdp.core import registry
 from compiled_fsdp.core.marker import Regather
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["annotate_break", "make_region", "move_region_grads", "predict_order", "refresh"]
+__all__ = ["annotate_break", "make_region", "move_region_grads", "predict_order", "read_settings", "refresh"]
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -204,10 +205,43 @@ def predict_order(groups: list[FSDPParamGroup]) -> None:
         entries[0].region_ahead.insert(0, entries[0])
 
 
+# [Note: A region's read settings]
+# Dynamo reuses a region's graph for the next block after evaluating, on that
+# block, every guard the first trace installed. A read's settings (shapes,
+# group names, dtypes, the policy) reached through the group and the
+# parameter's spec were about 35 guards a parameter, each on a source 8-10
+# attributes deep: 800 guards a block, re-evaluated per block (0.15 s under
+# cProfile). So a read inside a region takes them from ``read_settings``,
+# which Dynamo calls at trace time and takes as constants
+# (``assume_constant_result``: no guards), given one string that encodes
+# them all (``region_key``, made by ``refresh`` before each step's tracing).
+# That one string is guarded: a setter that changes a setting changes the
+# key, and the frame recompiles. Tested by
+# tests/test_block_regions.py::test_a_setting_changed_between_steps_recompiles.
+
+
+def _encode(settings: list[dict[str, Any]]) -> str:
+    plain = [{k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for k, v in s.items()}
+             for s in settings]
+    return json.dumps(plain, sort_keys=True)
+
+
+@torch._dynamo.assume_constant_result
+def read_settings(key: str, index: int) -> tuple[tuple[str, Any], ...]:
+    """Parameter ``index``'s ``param_settings`` from its region's key, as
+    pairs (a dict made by Dynamo from a constant has no source to guard its
+    keys on: ``dict()`` them in the traced code)."""
+    return tuple((k, getattr(torch, v) if k.endswith("_dtype") and v is not None else v)
+                 for k, v in json.loads(key)[index].items())
+
+
 def refresh(group: FSDPParamGroup) -> None:
     """Makes each parameter's alias again where its local shard's storage
-    changed, or whether it requires grad (2)."""
-    shards = entry_of(group).region_shards
+    changed, or whether it requires grad (2); and the key of the reads'
+    settings ([Note: A region's read settings])."""
+    entry = entry_of(group)
+    entry.region_key = _encode([param_settings(p) for p in group.fsdp_params])
+    shards = entry.region_shards
     for p in group.fsdp_params:
         local = p.local_shard()
         alias = shards[p.index]
