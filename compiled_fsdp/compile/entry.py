@@ -141,6 +141,10 @@ class CompiledEntry:
         # aliasing its local shard that a read inside it takes ([Note: Blocks
         # as compile regions] in regions.py).
         self.in_region = False
+        # Whether a read in a graph takes ``region_shards``, not the DTensor's
+        # local tensor: every group's, in a model with regions ([Note: No
+        # DTensor inputs beside regions] in regions.py).
+        self.reads_alias = False
         self.region_shards: list[Optional[torch.Tensor]] = [None] * len(group.fsdp_params)
         # Its parameters' ``param_settings``, encoded ([Note: A region's read settings] in regions.py).
         self.region_key = ""

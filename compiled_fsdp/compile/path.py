@@ -117,9 +117,11 @@ class TorchCompilePath(CompiledPath):
         frames.arm()  # (again after a torch._dynamo.reset())
         install.close_backward_windows()
         _root(ctx).backward_checked = False
+        aliased = any(entry_of(g).in_region for g in ctx.groups())
         for g in ctx.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             entry_of(g).reset()
-            if entry_of(g).in_region:
+            entry_of(g).reads_alias = aliased
+            if aliased:
                 regions.refresh(g)
         regions.predict_order(ctx.groups())
 
@@ -153,7 +155,7 @@ class TorchCompilePath(CompiledPath):
                 f"compiled_fsdp: {param.fqn!r} has gradient sync off but no gradient sink; "
                 "call the model through its root module (the sinks are made there)."
             )
-        local = entry.region_shards[param.index] if in_region else param.sharded.to_local()
+        local = entry.region_shards[param.index] if entry.reads_alias and not own else param.sharded.to_local()
         # (in a region, one guard on the encoded settings: [Note: A region's read settings] in regions.py)
         settings = dict(regions.read_settings(entry.region_key, param.index)) if in_region else param_settings(param)
         full = Unshard.call(  # (canonical: [Note: Shard dims] in runtime/param.py)
@@ -304,8 +306,9 @@ class TorchCompilePath(CompiledPath):
             for g in reversed(in_regions):
                 if entry_of(g).issue_backward_gather(kept=True):
                     break
-        _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, in_regions)
-                                 if in_regions else None)
+        aliased = [g for g in ctx.groups() if entry_of(g).reads_alias]
+        _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, aliased)
+                                 if aliased else None)
 
     def end_forward(self, ctx: RootContext) -> None:
         _drop_unread_handoffs(ctx)
