@@ -306,9 +306,7 @@ class TorchCompilePath(CompiledPath):
             for g in reversed(in_regions):
                 if entry_of(g).issue_backward_gather(kept=True):
                     break
-        aliased = [g for g in ctx.groups() if entry_of(g).reads_alias]
-        _watch_compiled_backward(ctx, output, ctx.groups(), partial(_move_region_grads_later, aliased)
-                                 if aliased else None)
+        _watch_compiled_backward(ctx, output, ctx.groups())
 
     def end_forward(self, ctx: RootContext) -> None:
         _drop_unread_handoffs(ctx)
@@ -415,11 +413,6 @@ def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
                     ctx.prefetch(target, "backward")
             elif entry_of(group).issue_backward_gather() and target is not state:
                 ctx.prefetched.append(("backward", group.fqn))
-
-
-def _move_region_grads_later(groups: list[FSDPParamGroup]) -> None:
-    """When the backward ends ([Note: Blocks as compile regions] in regions.py)."""
-    torch.autograd.Variable._execution_engine.queue_callback(partial(regions.move_region_grads, groups))
 
 
 def _backward_follows(output: Any) -> list[torch.Tensor]:

@@ -23,10 +23,12 @@ prototype"):
    ``region_shards``), not the ``DTensor``: AOTAutograd flattens a DTensor
    input of ``invoke_subgraph`` while the subgraph still calls
    ``to_local()`` on it (an error on 2.13 and 2.15). The alias's gradient,
-   the reduced shard, moves into the ``DTensor``'s ``.grad`` when the
-   backward ends (``move_region_grads``), adding to what is there, as
-   autograd would. An alias is made again whenever the local shard's storage
-   changed (``refresh``, each step before tracing: DCP, ``to_empty``).
+   the reduced shard, moves into the ``DTensor``'s ``.grad`` as soon as
+   autograd accumulates it (a post-accumulate-grad hook on the alias,
+   ``_move_grad``), adding to what is there, as autograd would; whatever
+   traced the forward, whole or in part. An alias is made again whenever the local shard's storage
+   changed (``refresh``, each step before tracing: DCP, ``to_empty``), and
+   a gradient a raised backward left on one is dropped there.
 3. ``joint_custom_pass`` sees only the outer joint graph, where the regions
    are already partitioned: the region's own partitioner (``_partition``)
    runs the joint passes on its joint graph, then the min-cut partitioner.
@@ -101,6 +103,7 @@ bitwise equal to its single-process reference.
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -108,11 +111,12 @@ import torch.nn as nn
 
 from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import entry_of, param_settings
-from compiled_fsdp.core import registry
+from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.marker import Regather
+from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["annotate_break", "make_region", "move_region_grads", "predict_order", "read_settings", "refresh"]
+__all__ = ["annotate_break", "make_region", "predict_order", "read_settings", "refresh"]
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -230,7 +234,9 @@ def predict_order(groups: list[FSDPParamGroup]) -> None:
 # its schema (``invoke_subgraph``'s mutation check): three traces a region
 # call instead of two. Measured under cProfile at 8 blocks: 26 schema
 # traces, 18 after. The aliases' gradients move into the ``DTensor``s'
-# ``.grad`` when the backward ends, as the regions' do. Tested by
+# ``.grad`` as the regions' do (2). Hooks a user puts on such a ``DTensor``
+# parameter do not see the gradient arrive, nor does
+# ``torch.autograd.grad(loss, param)``: as for every region's parameter. Tested by
 # tests/test_block_regions.py::test_identical_blocks_compile_once (no
 # ``DTensor`` among the outer graph's inputs).
 
@@ -260,18 +266,20 @@ def refresh(group: FSDPParamGroup) -> None:
     for p in group.fsdp_params:
         local = p.local_shard()
         alias = shards[p.index]
+        if alias is not None:
+            alias.grad = None  # (left by a backward that raised)
         if alias is None or alias.data_ptr() != local.data_ptr() or alias.shape != local.shape \
                 or alias.dtype != local.dtype or alias.requires_grad != p.sharded.requires_grad:
-            shards[p.index] = local.detach().requires_grad_(p.sharded.requires_grad)
+            alias = shards[p.index] = local.detach().requires_grad_(p.sharded.requires_grad)
+            if alias.requires_grad:
+                alias.register_post_accumulate_grad_hook(partial(_move_grad, p))
 
 
-def move_region_grads(groups: list[FSDPParamGroup]) -> None:
-    """The aliases' gradients into their ``DTensor``s' (2); run when a backward ends."""
-    for group in groups:
-        shards = entry_of(group).region_shards
-        for p in group.fsdp_params:
-            alias = shards[p.index]
-            if alias is None or alias.grad is None:
-                continue
-            grad, alias.grad = alias.grad, None
-            p.add_grad(p.to_canonical(grad))
+def _move_grad(param: FSDPParam, alias: torch.Tensor) -> None:
+    """The alias's gradient into its ``DTensor``'s ``.grad`` (2); none
+    without sync, where the graph returns none for it."""
+    grad, alias.grad = alias.grad, None
+    if grad is None:
+        return
+    with compat.no_spmd_typecheck():  # (as the eager runtime's reductions: [Note: spmd_types parameters])
+        param.add_grad(param.to_canonical(grad))
