@@ -258,10 +258,11 @@ def read_settings(key: str, index: int) -> tuple[tuple[str, Any], ...]:
 
 def refresh(group: FSDPParamGroup) -> None:
     """Makes each parameter's alias again where its local shard's storage
-    changed, or whether it requires grad (2); and the key of the reads'
-    settings ([Note: A region's read settings])."""
+    changed, or whether it requires grad (2); and, for a region, the key of
+    its reads' settings ([Note: A region's read settings])."""
     entry = entry_of(group)
-    entry.region_key = _encode([param_settings(p) for p in group.fsdp_params])
+    if entry.in_region:  # (the others' reads guard their settings themselves)
+        entry.region_key = _encode([param_settings(p) for p in group.fsdp_params])
     shards = entry.region_shards
     for p in group.fsdp_params:
         local = p.local_shard()
