@@ -87,7 +87,7 @@ from torch import nn
 from compiled_fsdp.compile import frames
 from compiled_fsdp.core import ops, registry
 from compiled_fsdp.core.layout import joined_shapes
-from compiled_fsdp.core.marker import GatherNext, IssueAhead
+from compiled_fsdp.core.marker import GatherNext
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
@@ -146,7 +146,8 @@ class CompiledEntry:
         # DTensor inputs beside regions] in regions.py).
         self.reads_alias = False
         self.region_shards: list[Optional[torch.Tensor]] = [None] * len(group.fsdp_params)
-        # Its parameters' ``param_settings``, encoded ([Note: A region's read settings] in regions.py).
+        # Its parameters' ``param_settings`` and its issue-ahead's arguments,
+        # encoded ([Note: A region's read settings] in regions.py).
         self.region_key = ""
         # The regions whose gathers the outer graph issues before calling this
         # one: the one expected to run after it (and the first region's own)
@@ -188,17 +189,6 @@ class CompiledEntry:
             reduce_dtype=first.reduce_dtype, sync=sync, reduce_by_all_to_all=group.reduce_by_all_to_all,
             divide_factor=group.specs[0].divide_factor, replicate_group_name=group.replicate_group_name,
             replicas=group.specs[0].replicas, live=self.live_flag)
-
-    def issue_ahead_op(self, after: list[torch.Tensor]) -> torch.Tensor:
-        """This region's gather, issued after ``after`` are computed (traced into
-        the outer graph) for its region's ``regather`` to take; returns the
-        token the region that runs before it takes as an input."""
-        group = self.group
-        first = group.fsdp_params[0]
-        return IssueAhead.call(
-            shards=[p.to_canonical(self.region_shards[p.index]) for p in group.fsdp_params],
-            full_shapes=list(self.full_shapes), group_name=group.group_name, world_size=group.specs[0].world_size,
-            module_key=group.key, param_dtype=first.param_dtype, after=after)
 
     @property
     def live(self) -> bool:
