@@ -91,7 +91,7 @@ from compiled_fsdp.core.marker import GatherNext
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["CompiledEntry", "entry_of", "param_settings"]
+__all__ = ["CompiledEntry", "entry_of", "param_settings", "read_kept", "read_syncs"]
 
 
 def param_settings(param: FSDPParam) -> dict[str, Any]:
@@ -111,6 +111,25 @@ def param_settings(param: FSDPParam) -> dict[str, Any]:
         name, size, rank = group.post_forward_args
         settings.update(post_forward_group_name=name, post_forward_size=size, post_forward_rank=rank)
     return settings
+
+
+def read_syncs(param: FSDPParam) -> bool:
+    """Whether a read's gradient is reduced in the graph (else kept in its
+    sink: [Note: Accumulation without sync in graphs] in core/ops.py)."""
+    return param.group.reduce_grads or not param.sharded.requires_grad
+
+
+def read_kept(param: FSDPParam, sync: bool, sink: bool) -> Optional[torch.Tensor]:
+    """A read's ``kept`` argument: with sync, the gradient its sink kept (or
+    None); without, the sink itself. ``sink``: whether it has one."""
+    if not sink:
+        if not sync:
+            raise RuntimeError(
+                f"compiled_fsdp: {param.fqn!r} has gradient sync off but no gradient sink; "
+                "call the model through its root module (the sinks are made there)."
+            )
+        return None
+    return param.grad_sink.grad if sync else param.grad_sink
 
 
 class CompiledEntry:

@@ -30,7 +30,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from torch.utils._pytree import tree_flatten
 
 from compiled_fsdp.compile import frames, install, regions
-from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings
+from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import (
     compat,
     ops,  # noqa: F401 (registers torch.ops.compiled_fsdp)
@@ -131,43 +131,36 @@ class TorchCompilePath(CompiledPath):
     # -- a parameter read: see [Note: Parameter property] -----------------------
     def traced_read(self, param: FSDPParam) -> torch.Tensor:
         group = param.group
-        if group.gathers_eagerly:
-            # See [Note: Extension groups run the eager runtime].
-            torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))
         entry: CompiledEntry = group.compiled
         comptime(_ensure_window)  # see [Note: Passes installed while compiling] in install.py
         own = entry.active  # see [Note: Blocks compiled on their own] in entry.py
-        # Inside a compile region: no per-block record, ENTRY_KEY, the alias
-        # of the local shard (see [Note: Blocks as compile regions] in regions.py).
-        in_region = entry.in_region and not own
-        if not in_region:  # At trace time; see [Note: Fallback decision rule] in frames.py.
-            comptime(entry.record_entry_trace[param.index] if own else entry.record_trace[param.index])
+        if entry.in_region and not own:
+            # Inside a compile region (never an extension group's): its
+            # settings from one guarded key ([Note: A region's read settings] in regions.py).
+            return regions.traced_read(entry, param)
+        if group.gathers_eagerly:
+            # See [Note: Extension groups run the eager runtime].
+            torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))
+        # At trace time; see [Note: Fallback decision rule] in frames.py.
+        comptime(entry.record_entry_trace[param.index] if own else entry.record_trace[param.index])
         # See [Note: Gathers handed to the next block's graph] in entry.py
         # (read before handing over: a module called again next reads the new one).
         gathered = entry.handoff_in if own else None
         # Read while tracing, so Dynamo guards on it: see [Note: Accumulation
         # without sync in graphs] in core/ops.py. A handed-over gather's issuer
         # keeps or reduces the gradient instead.
-        sync = gathered is not None or group.reduce_grads or not param.sharded.requires_grad
-        kept = None if gathered is not None else param.kept_grad() if sync else param.grad_sink
-        if not sync and kept is None:
-            raise RuntimeError(
-                f"compiled_fsdp: {param.fqn!r} has gradient sync off but no gradient sink; "
-                "call the model through its root module (the sinks are made there)."
-            )
+        sync = gathered is not None or read_syncs(param)
+        kept = None if gathered is not None else read_kept(param, sync, param.grad_sink is not None)
         local = entry.region_shards[param.index] if entry.reads_alias and not own else param.sharded.to_local()
-        # (in a region, one guard on the encoded settings: [Note: A region's read settings] in regions.py)
-        settings = dict(regions.read_settings(entry.region_key, param.index)) if in_region else param_settings(param)
         full = Unshard.call(  # (canonical: [Note: Shard dims] in runtime/param.py)
             shard=param.to_canonical(local),
-            module_key=ENTRY_KEY if own or in_region else group.key,
+            module_key=ENTRY_KEY if own else group.key,
             kept=kept,
             sync=sync,
             gathered=gathered,
             bucket_offset=param.bucket_offset if gathered is not None else 0,
             bucket_numel=group.bucket_numel if gathered is not None else 0,
-            take_ahead=in_region,
-            **settings,
+            **param_settings(param),
         )
         if own and entry.handoff_next is not None and not entry.handoff_traced:
             # After this module's own first read, so that its own gather

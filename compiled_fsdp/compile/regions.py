@@ -110,13 +110,13 @@ import torch
 import torch.nn as nn
 
 from compiled_fsdp.compile import install
-from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings
+from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import compat, registry
-from compiled_fsdp.core.marker import IssueAhead, Regather
-from compiled_fsdp.runtime.param import FSDPParam
+from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Regather, Unshard
+from compiled_fsdp.runtime.param import FSDPParam, from_canonical, to_canonical
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["annotate_break", "make_region", "predict_order", "read_settings", "refresh"]
+__all__ = ["annotate_break", "make_region", "predict_order", "read_settings", "refresh", "traced_read"]
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -220,7 +220,13 @@ def predict_order(groups: list[FSDPParamGroup]) -> None:
 # (``assume_constant_result``: no guards), given one string that encodes
 # them all (``region_key``, made by ``refresh`` before each step's tracing).
 # That one string is guarded: a setter that changes a setting changes the
-# key, and the frame recompiles. The issue-ahead the outer graph traces
+# key, and the frame recompiles. The key also holds what the read decides
+# by (``_read_flags``: sync or not, whether a gradient sink exists, the shard
+# dim, whether a DTensor wraps the result), so the region's read
+# (``traced_read`` here) reaches only the entry, the parameter's index, its
+# alias and, where one exists, its sink: each attribute read on the way
+# through the parameter and its group was a guard of its own, on a source
+# through that parameter (12 parameters a block). The issue-ahead the outer graph traces
 # before each region call (``_issue_ahead``) takes its arguments from the
 # same key, all but its group's key (the reads' must not differ between
 # blocks): traced through the group and its specs, they cost 55 ms a block
@@ -257,11 +263,20 @@ def _ahead_settings(group: FSDPParamGroup) -> dict[str, Any]:
                 canonical=all(p.shard_dim == 0 for p in group.fsdp_params))
 
 
+def _read_flags(param: FSDPParam) -> dict[str, Any]:
+    """What else a read inside a region decides by: whether it reduces its
+    gradient in the graph, whether it has a gradient sink, its shard dim,
+    and whether the module reads the gathered tensor as it is (no DTensor
+    or annotated parameter around it)."""
+    return dict(sync=read_syncs(param), sink=param.grad_sink is not None, shard_dim=param.shard_dim,
+                plain=param.dtensor_spec is None and param.annotated is None)
+
+
 def _encode(group: FSDPParamGroup) -> str:
     def plain(settings: dict[str, Any]) -> dict[str, Any]:
         return {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for k, v in settings.items()}
 
-    return json.dumps({"reads": [plain(param_settings(p)) for p in group.fsdp_params],
+    return json.dumps({"reads": [plain({**param_settings(p), **_read_flags(p)}) for p in group.fsdp_params],
                        "ahead": plain(_ahead_settings(group))}, sort_keys=True)
 
 
@@ -274,8 +289,23 @@ def _decode(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 @torch._dynamo.assume_constant_result
 def read_settings(key: str, index: int) -> tuple[tuple[str, Any], ...]:
-    """Parameter ``index``'s ``param_settings`` from its region's key."""
+    """Parameter ``index``'s ``param_settings`` and ``_read_flags`` from its region's key."""
     return _decode(json.loads(key)["reads"][index])
+
+
+def traced_read(entry: CompiledEntry, param: FSDPParam) -> torch.Tensor:
+    """A read inside a compile region, traced (path.py's ``traced_read``
+    otherwise): the alias of the local shard (2), ``ENTRY_KEY``, no per-block
+    record (1), its gather taken from one issued ahead, and everything else
+    from the region's key ([Note: A region's read settings])."""
+    index = param.index
+    settings = dict(read_settings(entry.region_key, index))
+    sync, sink = settings.pop("sync"), settings.pop("sink")
+    shard_dim, plain = settings.pop("shard_dim"), settings.pop("plain")
+    full = Unshard.call(shard=to_canonical(entry.region_shards[index], shard_dim), module_key=ENTRY_KEY,
+                        kept=read_kept(param, sync, sink), sync=sync, take_ahead=True, **settings)
+    full = full if shard_dim == 0 else from_canonical(full, shard_dim).contiguous()
+    return full if plain else param.to_compute(full)
 
 
 @torch._dynamo.assume_constant_result

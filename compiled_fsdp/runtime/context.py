@@ -158,12 +158,12 @@ class RootContext:
         self.root_ran = True
         self.forward_order, self.post_forward_order = [], []
         self.step += 1
-        compiled_path().on_step(self)  # before any tracing
         for g in self.groups():  # see [Note: Gradient accumulation without sync] in module.py
             if not g.reduce_grads:
                 for p in g.fsdp_params:
                     if p.sharded.requires_grad:
                         p.ensure_grad_sink()
+        compiled_path().on_step(self)  # before any tracing (after the sinks: a region's key says which exist)
 
     def end_iteration(self) -> None:
         """See [Note: Roots and iterations] and [Note: Several backwards of one forward]."""

@@ -234,11 +234,11 @@ class FSDPParam:
     def to_canonical(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (the parameter, its shard or a gradient, in the parameter's
         layout) with the shard dim first: a view ([Note: Shard dims])."""
-        return t if self.shard_dim == 0 else t.movedim(self.shard_dim, 0)
+        return to_canonical(t, self.shard_dim)
 
     def from_canonical(self, t: torch.Tensor) -> torch.Tensor:
         """``to_canonical`` undone: a view."""
-        return t if self.shard_dim == 0 else t.movedim(0, self.shard_dim)
+        return from_canonical(t, self.shard_dim)
 
     def local_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s piece of ``full`` (a tensor of the parameter's shape), as
@@ -492,6 +492,16 @@ class FSDPParam:
                 "(do not apply fully_shard to that module separately)."
             )
         return self.sharded
+
+
+def to_canonical(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
+    """``t`` with ``shard_dim`` first: a view ([Note: Shard dims])."""
+    return t if shard_dim == 0 else t.movedim(shard_dim, 0)
+
+
+def from_canonical(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
+    """``to_canonical`` undone: a view."""
+    return t if shard_dim == 0 else t.movedim(0, shard_dim)
 
 
 def _compute_device(device_type: str) -> torch.device:
