@@ -27,6 +27,8 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
                          benchmarks/depth.py measures compile time against depth
   ..._blocks_nohandoff   the same without the handoff (config.comm.hand_over_gathers):
                          each block's graph gathers and reduces its own
+  ours_compiled_regions  torch.compile(model) with each block a compile region
+                         (config.comm.block_regions; only when named, --only)
   ours_eager             compiled_fsdp's eager hook runtime
   ours_eager_single      the eager runtime on one fully_shard(model)
   ..._nocheck            ours_compiled, ours_eager without the checks that
@@ -111,6 +113,8 @@ TRAIN_KINDS = ["ours_compiled", "ours_compiled_nosched", "ours_compiled_composed
                "ours_compiled_bf16", "fsdp2_eager_bf16", "fsdp2_compiled_bf16", "compute_compiled_bf16"]
 # HSDP on a (2, world/2) mesh, both FSDPs: only when named with --only (they need --world 4).
 HSDP_KINDS = ["ours_compiled_hsdp", "ours_eager_hsdp", "fsdp2_eager_hsdp", "fsdp2_compiled_hsdp"]
+# Only when named, as HSDP_KINDS: the blocks as compile regions (config.comm.block_regions).
+NAMED_KINDS = [*HSDP_KINDS, "ours_compiled_regions"]
 
 
 def _summary(rounds: list[list[dict]]) -> dict:
@@ -247,8 +251,8 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results: dict = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "configs": {}}
-    kinds = [k for k in TRAIN_KINDS + ["comm_only", "overlap_limit"] + HSDP_KINDS
-             if (k in args.only if args.only else k not in HSDP_KINDS)]
+    kinds = [k for k in TRAIN_KINDS + ["comm_only", "overlap_limit"] + NAMED_KINDS
+             if (k in args.only if args.only else k not in NAMED_KINDS)]
     raw: dict[str, list[list[dict]]] = {k: [] for k in kinds}
     for rnd in range(args.rounds):
         for kind in kinds:
@@ -274,7 +278,8 @@ def main() -> None:
     for num, den in (("ours_compiled", "fsdp2_eager"), ("ours_compiled", "ours_compiled_composed"),
                      ("ours_compiled", "ours_compiled_nosched"), ("ours_compiled_single", "ours_compiled"),
                      ("ours_compiled_single_nounits", "ours_compiled"),
-                     ("ours_compiled", "ours_compiled_nounits"), ("ours_eager_single", "ours_eager")):
+                     ("ours_compiled", "ours_compiled_nounits"), ("ours_eager_single", "ours_eager"),
+                     ("ours_compiled_regions", "ours_compiled")):
         if {num, den} <= cfg.keys():
             ratios[f"step_peak {num} / {den}"] = cfg[num]["step_peak_mb"] / cfg[den]["step_peak_mb"]
             ratios[f"tensor_peak {num} / {den}"] = cfg[num]["tensor_peak_mb"] / cfg[den]["tensor_peak_mb"]
