@@ -13,7 +13,7 @@ region, in the outer graph. Three things make a sharded block's trace fit
 every block (each found by trying: RESULTS, "Blocks as compile regions: a
 prototype"):
 
-1. A read inside a region (``traced_read`` in path.py) emits a marker keyed
+1. A read inside a region (``traced_read`` here) emits a marker keyed
    ``ENTRY_KEY``, with no per-block ``comptime`` record: keyed by its group,
    the next block failed the guard on ``group.key``, each block got its own
    subgraph, and Dynamo inlined every single-use subgraph (today's one graph).
