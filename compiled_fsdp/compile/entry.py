@@ -129,7 +129,7 @@ def read_kept(param: FSDPParam, sync: bool, sink: bool) -> Optional[torch.Tensor
                 "call the model through its root module (the sinks are made there)."
             )
         return None
-    return param.grad_sink.grad if sync else param.grad_sink
+    return param.kept_grad() if sync else param.grad_sink
 
 
 class CompiledEntry:
@@ -165,8 +165,8 @@ class CompiledEntry:
         # DTensor inputs beside regions] in regions.py).
         self.reads_alias = False
         self.region_shards: list[Optional[torch.Tensor]] = [None] * len(group.fsdp_params)
-        # Its parameters' ``param_settings`` and its issue-ahead's arguments,
-        # encoded ([Note: A region's read settings] in regions.py).
+        # Its reads' ``param_settings`` and flags and its issue-ahead's
+        # arguments, encoded ([Note: A region's read settings] in regions.py).
         self.region_key = ""
         # The regions whose gathers the outer graph issues before calling this
         # one: the one expected to run after it (and the first region's own)
