@@ -297,9 +297,17 @@ class CompileSession:
         self.dynamo_lock = threading.Lock()
         self._split_keys: dict[Hashable, set[int]] = {}  # split key -> the group keys recorded under it
         # A sharded module class -> its region subclass ([Note: Blocks as
-        # compile regions] in regions.py). Kept by reset(): a class is stateless,
-        # and a second subclass would be a second region to compile.
-        self.region_classes: dict[type, type] = {}
+        # compile regions] in regions.py); (a root's class, "root") -> its
+        # subclass that falls back from a region that breaks the graph. Kept by
+        # reset(): a class is stateless, and a second subclass would be a
+        # second region to compile.
+        self.region_classes: dict[Any, type] = {}
+        # Sharded module classes that broke the graph inside their region,
+        # and the class whose region Dynamo is tracing, if any ([Note: A
+        # region that breaks the graph] in regions.py). Kept by reset(), as
+        # region_classes.
+        self.broken_regions: set[type] = set()
+        self.region_traced: Optional[type] = None
         self._watched: dict[int, int] = {}  # key -> id of the owner whose death forgets it
 
     def record_trace(self, key: int, param_index: int, frame: int, split_key: Optional[Hashable]) -> None:

@@ -109,8 +109,8 @@ class TorchCompilePath(CompiledPath):
     def make_region(self, module: torch.nn.Module, group: FSDPParamGroup) -> None:
         regions.make_region(module, group)
 
-    def annotate_failed_forward(self, module: torch.nn.Module, exc: BaseException) -> None:
-        regions.annotate_break(module, exc)
+    def make_region_root(self, module: torch.nn.Module) -> None:
+        regions.make_region_root(module)
 
     def on_step(self, ctx: RootContext) -> None:
         registry.CORE.backward_gathers.drop_pending()  # (what the last step kept and did not take)

@@ -89,8 +89,8 @@ Regions are for ``torch.compile(model)``: a block compiled on its own
 (``block.compile()``) compiles once already, and runs its plain forward
 (its reads are not a region's). A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
 at a graph break inside one (no fallback to inlining on 2.13 or 2.15), to
-which ``annotate_break`` adds what to do. Not yet: the
-eager fallback of a block that breaks the graph inside its region.
+the blocks of that class stop being regions and fall back ([Note: A region
+that breaks the graph]).
 Tested by tests/test_block_regions.py; with bf16 parameters and no-sync
 accumulation by tests/test_no_sync.py::test_compiled_accumulation_without_sync_regions,
 under HSDP by tests/test_hsdp.py::test_hsdp_2x2_matches_reference[regions], sharded
@@ -103,20 +103,24 @@ bitwise equal to its single-process reference.
 from __future__ import annotations
 
 import json
+import warnings
 from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._dynamo.comptime import comptime
 
 from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Regather, Unshard
+from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param import FSDPParam, from_canonical, to_canonical
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
+from compiled_fsdp.runtime.state import get_fsdp_state
 
-__all__ = ["annotate_break", "make_region", "predict_order", "read_settings", "refresh", "traced_read"]
+__all__ = ["make_region", "make_region_root", "predict_order", "read_settings", "refresh", "traced_read"]
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -143,36 +147,28 @@ def _region_of(forward: Callable) -> Callable:
         return torch.compiler.nested_compile_region(body, options=NestedCompileRegionOptions(partitioner=_partition))
 
 
-def annotate_break(module: nn.Module, exc: BaseException) -> None:
-    """A forward that raised: Dynamo's error at a graph break inside a region
-    gets a note naming the setting (added once, on the outermost module)."""
-    from torch._dynamo.exc import UncapturedHigherOrderOpError
-
-    regions = sorted({getattr(type(m), "_fsdp_base_class", type(m)).__name__ for m in module.modules()
-                      if getattr(type(m), "_fsdp_region", False)})
-    if not isinstance(exc, UncapturedHigherOrderOpError) or not regions or getattr(exc, "_fsdp_region_note", False):
-        return
-    exc._fsdp_region_note = True  # type: ignore[attr-defined]
-    exc.add_note(f"compiled_fsdp: config.comm.block_regions made the sharded modules of class {regions} "
-                 "compile regions, and a region must be traced whole: Dynamo broke the graph inside one. "
-                 "Remove the graph break, or set compiled_fsdp.config.comm.block_regions = False before "
-                 "fully_shard (a block that breaks the graph then falls back to the eager runtime).")
-
-
 def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
     """Gives ``module`` (its parameters ``group``) its class's region subclass
     (made once per class). A module compiled on its own (its entry's
     ``active``, set by its pre-forward hook) runs its plain forward."""
+    cls = type(module)
+    if cls in install.SESSION.broken_regions:  # ([Note: A region that breaks the graph])
+        return
     entry = entry_of(group)
     entry.in_region = True
     module.__dict__["_fsdp_region_entry"] = entry
-    cls = type(module)
     if getattr(cls, "_fsdp_region", False):
         return
     region_cls = install.SESSION.region_classes.get(cls)
     if region_cls is None:
         plain = cls.forward
         region = _region_of(plain)
+
+        def tracing(ctx: Any) -> None:  # (at trace time, through comptime)
+            install.SESSION.region_traced = cls
+
+        def traced(ctx: Any) -> None:
+            install.SESSION.region_traced = None
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             entry = self.__dict__["_fsdp_region_entry"]
@@ -186,12 +182,97 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             if token is None:  # (the token's like, so that the last region's call is the others')
                 token = entry.region_shards[0].new_empty([0]) if entry.region_shards[0] is not None \
                     else torch.empty(0)
-            return region(self, token, *args, **kwargs)
+            if not torch.compiler.is_dynamo_compiling():
+                return region(self, token, *args, **kwargs)
+            comptime(tracing)
+            out = region(self, token, *args, **kwargs)
+            comptime(traced)
+            return out
 
         region_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region": True,
                                                   "__module__": cls.__module__})
         install.SESSION.region_classes[cls] = region_cls
     module.__class__ = region_cls
+
+
+# [Note: A region that breaks the graph]
+# A region must be traced whole: at a graph break inside one Dynamo raises
+# ``UncapturedHigherOrderOpError`` (``invoke_subgraph`` never falls back to
+# eager, on 2.11-2.15). So the root whose blocks are regions runs its
+# ``forward`` through ``_falling_back``, a frame Dynamo runs as Python
+# (``compat.not_a_frame_itself``), which calls the user's forward, the frame
+# ``torch.compile(model)`` compiles. Each region call records its class
+# while Dynamo traces it (``region_traced``, through ``comptime``); where
+# that compile raises with a region's class recorded, the modules of that
+# class stop being regions (their class and entry as without
+# ``block_regions``; the class is kept in ``broken_regions``, so later
+# ``fully_shard`` calls leave it alone), the step's compile state is made
+# again (``on_step``: the issue-ahead order, the aliases) and the forward is
+# called again: Dynamo then inlines those blocks, breaks the graph around
+# their calls and they fall back to the eager runtime, as any block that
+# breaks the graph does ([Note: Fallback decision rule] in frames.py), while
+# the other classes stay regions. Every rank traces the same code, so every
+# rank takes the same decision. Tested by
+# tests/test_block_regions.py::test_a_region_that_breaks_the_graph_falls_back.
+
+
+def make_region_root(module: nn.Module) -> None:
+    """Gives ``module``, a root some of whose sharded modules are regions,
+    a ``forward`` that falls back from a region that breaks the graph
+    ([Note: A region that breaks the graph]); made once per class."""
+    cls = type(module)
+    if getattr(cls, "_fsdp_region_root", False) \
+            or not any(getattr(type(m), "_fsdp_region", False) for m in module.modules()):
+        return
+    root_cls = install.SESSION.region_classes.get((cls, "root"))
+    if root_cls is None:
+        plain = cls.forward
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_dynamo_compiling():  # (inlined: traced as it is)
+                return plain(self, *args, **kwargs)
+            return _falling_back(self, plain, args, kwargs)
+
+        compat.not_a_frame_itself(forward, _falling_back)
+        root_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region_root": True,
+                                               "__module__": cls.__module__})
+        install.SESSION.region_classes[(cls, "root")] = root_cls
+    module.__class__ = root_cls
+
+
+def _falling_back(root: nn.Module, plain: Callable, args: tuple, kwargs: dict) -> Any:
+    from torch._dynamo.exc import UncapturedHigherOrderOpError
+
+    session = install.SESSION
+    callback = compat.frame_callback()
+    while True:
+        session.region_traced = None
+        try:
+            return plain(root, *args, **kwargs)
+        except UncapturedHigherOrderOpError:
+            broken, session.region_traced = session.region_traced, None
+            if broken is None:
+                raise
+            _leave_regions(root, broken)
+            compat.restore_frame_callback(callback)  # (so that the forward is compiled again)
+
+
+def _leave_regions(root: nn.Module, cls: type) -> None:
+    """The modules of ``cls`` below ``root`` are no longer regions."""
+    region_cls = install.SESSION.region_classes[cls]
+    install.SESSION.broken_regions.add(cls)
+    for m in root.modules():
+        if type(m) is region_cls:
+            m.__class__ = cls
+            m.__dict__.pop("_fsdp_region_entry").in_region = False
+    name = getattr(cls, "_fsdp_base_class", cls).__name__
+    warnings.warn(f"compiled_fsdp: the sharded modules of class {name!r} break the graph inside their "
+                  "compile region (config.comm.block_regions); they run as plain modules from now on, and "
+                  "fall back to the eager runtime where the graph breaks. compiled_fsdp.explain(model) "
+                  "says which.", stacklevel=3)
+    ctx = get_fsdp_state(root).ctx
+    if ctx is not None:
+        compiled_path().on_step(ctx)
 
 
 def predict_order(groups: list[FSDPParamGroup]) -> None:
@@ -290,7 +371,17 @@ def _decode(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 @torch._dynamo.assume_constant_result
 def read_settings(key: str, index: int) -> tuple[tuple[str, Any], ...]:
     """Parameter ``index``'s ``param_settings`` and ``_read_flags`` from its region's key."""
-    return _decode(json.loads(key)["reads"][index])
+    return _decode(json.loads(_made(key))["reads"][index])
+
+
+def _made(key: str) -> str:
+    if not key:  # (made by the root's pre-forward hook, run as Python: see [Note: Hooks under Dynamo])
+        raise RuntimeError(
+            "compiled_fsdp: a compile region (config.comm.block_regions) is traced inside a graph that also "
+            "traces its sharded root's call, so the root's pre-forward never ran to prepare it. Compile the "
+            "sharded root itself (torch.compile(model) or model.compile()), or set "
+            "compiled_fsdp.config.comm.block_regions = False before fully_shard.")
+    return key
 
 
 def traced_read(entry: CompiledEntry, param: FSDPParam) -> torch.Tensor:
@@ -310,7 +401,7 @@ def traced_read(entry: CompiledEntry, param: FSDPParam) -> torch.Tensor:
 
 @torch._dynamo.assume_constant_result
 def _ahead_of(key: str) -> tuple[tuple[str, Any], ...]:
-    return _decode(json.loads(key)["ahead"])
+    return _decode(json.loads(_made(key))["ahead"])
 
 
 def _issue_ahead(entry: CompiledEntry, after: list[torch.Tensor]) -> torch.Tensor:

@@ -246,6 +246,35 @@ def never_a_frame(*functions: Callable[..., Any]) -> None:
         set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
+def not_a_frame_itself(*functions: Callable[..., Any]) -> None:
+    """Dynamo's frame evaluation runs these functions as Python but
+    evaluates the frames they call as any other (compiled under
+    ``torch.compile``); tracing still inlines them where a traced frame
+    calls them."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    for fn in functions:
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+
+
+def frame_callback() -> Any:
+    """Dynamo's frame-evaluation callback of this thread (None outside ``torch.compile``)."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback()
+
+
+def restore_frame_callback(callback: Any) -> None:
+    """Sets this thread's frame-evaluation callback back to ``callback``:
+    a compile that raised leaves it unset for the rest of the compiled
+    call (2.11 and 2.15 alike), so that a frame called again from Python
+    would run uncompiled. The compiled call restores its own on return."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    set_eval_frame(callback)
+
+
 # --- Inductor ---------------------------------------------------------------
 
 def _sequence_of_post_grad_passes() -> bool:

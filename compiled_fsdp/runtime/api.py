@@ -438,6 +438,8 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         if group is not None and group.block_regions and not group.gathers_eagerly \
                 and len(iter_fsdp_states(module)) == 1:
             compiled_path().make_region(module, group)
+        elif options.block_regions and len(iter_fsdp_states(module)) > 1:
+            compiled_path().make_region_root(module)
     compiled_path().on_fully_shard(group)
 
 

@@ -39,8 +39,9 @@ class CompiledPath:
         """``fully_shard`` made ``module`` (its class already the sharded one,
         its parameters ``group``) a compile region: see ``config.comm.block_regions``."""
 
-    def annotate_failed_forward(self, module: "torch.nn.Module", exc: BaseException) -> None:
-        """``module``'s forward raised ``exc``: add what the compile layer knows of it."""
+    def make_region_root(self, module: "torch.nn.Module") -> None:
+        """``fully_shard`` made ``module`` a root over sharded modules, some
+        of which may be compile regions."""
 
     def on_step(self, ctx: "RootContext") -> None:
         """A root's forward starts a step (eager or compiled), before anything is traced."""

@@ -358,7 +358,6 @@ def _annotate_failed_forward(module: nn.Module, args: Any, output: Any) -> None:
         exc = sys.exc_info()[1]
         if exc is not None:
             annotate_error(exc)
-            compiled_path().annotate_failed_forward(module, exc)
 
 
 # See [Note: Hooks under Dynamo]: skip these frames and every frame they call.
