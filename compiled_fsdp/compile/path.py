@@ -292,14 +292,8 @@ class TorchCompilePath(CompiledPath):
 
     def after_compiled_root(self, ctx: RootContext, output: Any) -> None:
         in_regions = [g for g in ctx.groups() if entry_of(g).in_region]
-        if in_regions and _backward_follows(output):
-            # (the gather the regions' backward takes first, while the loss computes, as
-            # [Note: Prefetch order]'s: the last region's whose backward gathers;
-            # [Note: Gathers issued ahead of compile regions])
-            for g in reversed(in_regions):
-                if entry_of(g).issue_backward_gather(kept=True):
-                    break
-        _watch_compiled_backward(ctx, output, ctx.groups())
+        _watch_compiled_backward(ctx, output, ctx.groups(),
+                                 partial(_issue_first_region_gather, in_regions) if in_regions else None)
 
     def end_forward(self, ctx: RootContext) -> None:
         _drop_unread_handoffs(ctx)
@@ -381,6 +375,17 @@ def _graph_reduced_groups(ctx: RootContext) -> list[FSDPParamGroup]:
         if st.param_group is not None and st.param_group.reduce_grads
         and st.last_path() not in (Path.FALLBACK, Path.UNTRACED)
     ]
+
+
+def _issue_first_region_gather(in_regions: list[FSDPParamGroup]) -> None:
+    """When the root's compiled backward begins (the loss's done): the gather
+    the regions' backward takes first, the last region's whose backward
+    gathers, so that it uses the link while the head's backward computes, as
+    one graph's first backward gather does ([Note: Gathers issued ahead of
+    compile regions] in regions.py)."""
+    for g in reversed(in_regions):
+        if entry_of(g).issue_backward_gather(kept=True):
+            break
 
 
 def _issue_backward_gathers(ctx: RootContext, state: FSDPState) -> None:
