@@ -174,6 +174,47 @@ def test_a_region_that_breaks_the_graph_falls_back(in_place: bool) -> None:
         assert len(res["warnings"]) == 1 and "'BreakBlock'" in res["warnings"][0], res["warnings"]
 
 
+def _partly_run_rank(rank: int, world: int) -> dict:
+    from _models import BreakBlock, BreakGPT, gpt_batch, gpt_loss
+
+    compiled_fsdp.config.comm.block_regions = True
+    model = BreakGPT("between")  # (a break in the root's forward, between its blocks)
+    model.layers[1].__class__ = BreakBlock
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    tokens = gpt_batch(model.cfg, 2, 0)
+    out: dict = {}
+    try:
+        compiled(tokens)
+    except Exception as exc:  # noqa: BLE001 (the message is the result)
+        out["error"] = "\n".join([type(exc).__name__, *getattr(exc, "__notes__", [])])
+    losses = []
+    for _ in range(2):
+        compiled_fsdp.reset_collective_counts()
+        loss = gpt_loss(compiled(tokens), tokens)
+        loss.backward()
+        losses.append(loss.item())
+        out["counts"] = compiled_fsdp.collective_counts()
+    out["paths"] = [(r.fqn, r.path) for r in compiled_fsdp.explain(model)]
+    out["finite"] = all(torch.isfinite(torch.tensor(losses)).tolist())
+    return out
+
+
+def test_a_region_that_breaks_after_part_of_the_step_ran_is_not_run_twice() -> None:
+    """A break in the root's forward before the breaking block: the compile
+    that raises is the resume function's, after the first part of the
+    forward ran, so the forward is not called again (a step is never run
+    twice): the error stands, on every rank, with a note; the next steps run
+    layers.1 as a plain module that falls back ([Note: A region that breaks
+    the graph])."""
+    for res in run_distributed(_partly_run_rank, 2, timeout=900):
+        assert "UncapturedHigherOrderOpError" in res["error"] and "not run again" in res["error"], res
+        assert res["paths"] == [("", "compiled"), ("layers.0", "compiled"), ("layers.1", "fallback")], res
+        assert res["counts"] == {"all_gather": 2, "reduce_scatter": 1} and res["finite"], res
+
+
 def _inlined_root_rank(rank: int, world: int) -> str:
     compiled_fsdp.config.comm.block_regions = True
     model = _build()

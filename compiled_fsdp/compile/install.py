@@ -302,13 +302,22 @@ class CompileSession:
         # reset(): a class is stateless, and a second subclass would be a
         # second region to compile.
         self.region_classes: dict[Any, type] = {}
-        # Sharded module classes that broke the graph inside their region,
-        # and the class whose region Dynamo is tracing, if any ([Note: A
-        # region that breaks the graph] in regions.py). Kept by reset(), as
-        # region_classes.
+        # Sharded module classes that broke the graph inside their region
+        # ([Note: A region that breaks the graph] in regions.py). Kept by
+        # reset(), as region_classes.
         self.broken_regions: set[type] = set()
-        self.region_traced: Optional[type] = None
+        self._tracing = threading.local()  # (each thread's: ``region_traced``)
         self._watched: dict[int, int] = {}  # key -> id of the owner whose death forgets it
+
+    @property
+    def region_traced(self) -> Optional[tuple[type, Any]]:
+        """The class whose compile region this thread's Dynamo is tracing, if
+        any, and the code of the frame it compiles."""
+        return getattr(self._tracing, "region", None)
+
+    @region_traced.setter
+    def region_traced(self, region: Optional[tuple[type, Any]]) -> None:
+        self._tracing.region = region
 
     def record_trace(self, key: int, param_index: int, frame: int, split_key: Optional[Hashable]) -> None:
         """A marker of ``key``'s parameter ``param_index`` traced in Dynamo

@@ -426,7 +426,8 @@ def _watch_compiled_backward(ctx: RootContext, output: Any, groups: list[FSDPPar
     that the gradient-sync flags are still those the graph was traced with,
     and drop the kept gradients the graph took (its backward holds its own
     reference). A forward whose backward never runs keeps them; then
-    ``before_graph`` runs (a block's backward gathers). See [Note:
+    ``before_graph`` runs (a block's backward gathers, or the regions'
+    first under a compiled root). See [Note:
     Accumulation without sync in graphs] in core/ops.py. The first compiled
     backward of the iteration (the compiled root's, or the last block's)
     also agrees with the other ranks that it starts."""

@@ -92,10 +92,9 @@ prediction costs a gather waited for and dropped at the iteration's end.
 
 Regions are for ``torch.compile(model)``: a block compiled on its own
 (``block.compile()``) compiles once already, and runs its plain forward
-(its reads are not a region's). A region must be traced whole: Dynamo raises ``UncapturedHigherOrderOpError``
-at a graph break inside one (no fallback to inlining on 2.13 or 2.15), to
-the blocks of that class stop being regions and fall back ([Note: A region
-that breaks the graph]).
+(its reads are not a region's). A region must be traced whole: at a graph
+break inside one the blocks of that class stop being regions and fall back
+([Note: A region that breaks the graph]).
 Tested by tests/test_block_regions.py; with bf16 parameters and no-sync
 accumulation by tests/test_no_sync.py::test_compiled_accumulation_without_sync_regions,
 under HSDP by tests/test_hsdp.py::test_hsdp_2x2_matches_reference[regions], sharded
@@ -170,7 +169,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
         region = _region_of(plain)
 
         def tracing(ctx: Any) -> None:  # (at trace time, through comptime)
-            install.SESSION.region_traced = cls
+            install.SESSION.region_traced = (cls, compat.outermost_traced_code(ctx))
 
         def traced(ctx: Any) -> None:
             install.SESSION.region_traced = None
@@ -203,28 +202,41 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # [Note: A region that breaks the graph]
 # A region must be traced whole: at a graph break inside one Dynamo raises
 # ``UncapturedHigherOrderOpError`` (``invoke_subgraph`` never falls back to
-# eager, on 2.11-2.15). So the root whose blocks are regions runs its
+# eager, on 2.11-2.15). So a sharded module with regions below it runs its
 # ``forward`` through ``_falling_back``, a frame Dynamo runs as Python
-# (``compat.not_a_frame_itself``), which calls the user's forward, the frame
-# ``torch.compile(model)`` compiles. Each region call records its class
-# while Dynamo traces it (``region_traced``, through ``comptime``); where
-# that compile raises with a region's class recorded, the modules of that
-# class stop being regions (their class and entry as without
-# ``block_regions``; the class is kept in ``broken_regions``, so later
-# ``fully_shard`` calls leave it alone), the step's compile state is made
-# again (``on_step``: the issue-ahead order, the aliases) and the forward is
-# called again: Dynamo then inlines those blocks, breaks the graph around
-# their calls and they fall back to the eager runtime, as any block that
-# breaks the graph does ([Note: Fallback decision rule] in frames.py), while
-# the other classes stay regions. Every rank traces the same code, so every
-# rank takes the same decision. Tested by
+# (``compat.not_a_frame_itself``), which calls the user's forward: for the
+# root, the frame ``torch.compile(model)`` (or ``model.compile()``)
+# compiles. Each region call records its class, and the code of the frame
+# being compiled, while Dynamo traces it (``region_traced``, through
+# ``comptime``). Where a compile raises with a region's class recorded, the
+# modules of that class stop being regions (their class and entry as
+# without ``block_regions``; the class is kept in ``broken_regions``, so
+# later ``fully_shard`` calls leave it alone), with one warning. Then:
+#
+# - where the compile that raised was the root's forward itself, nothing of
+#   the step has run yet: the step's compile state is made again
+#   (``on_step``: the issue-ahead order, the aliases) and the forward is
+#   called again. Dynamo now inlines those blocks, breaks the graph around
+#   their calls, and they fall back to the eager runtime, as any block that
+#   breaks the graph does ([Note: Fallback decision rule] in frames.py); the
+#   other classes stay regions;
+# - otherwise (a resume function after an earlier break, whose first part
+#   has run; a module other than the root) the error stands, with a note
+#   that the next step runs those modules as plain ones: a step is never
+#   run twice.
+#
+# Dynamo leaves its frame callback unset after a compile that raised, for
+# the rest of the compiled call: the retry sets it back, or the first step
+# ran eagerly. Every rank traces the same code, so every rank takes the
+# same decision. Tested by
 # tests/test_block_regions.py::test_a_region_that_breaks_the_graph_falls_back.
 
 
 def make_region_root(module: nn.Module) -> None:
-    """Gives ``module``, a root some of whose sharded modules are regions,
-    a ``forward`` that falls back from a region that breaks the graph
-    ([Note: A region that breaks the graph]); made once per class."""
+    """Gives ``module``, a sharded module some of whose sharded modules are
+    regions (the root, or one on the way to it), a ``forward`` that falls
+    back from a region that breaks the graph ([Note: A region that breaks
+    the graph]); made once per class."""
     cls = type(module)
     if getattr(cls, "_fsdp_region_root", False) \
             or not any(getattr(type(m), "_fsdp_region", False) for m in module.modules()):
@@ -245,7 +257,7 @@ def make_region_root(module: nn.Module) -> None:
     module.__class__ = root_cls
 
 
-def _falling_back(root: nn.Module, plain: Callable, args: tuple, kwargs: dict) -> Any:
+def _falling_back(module: nn.Module, plain: Callable, args: tuple, kwargs: dict) -> Any:
     from torch._dynamo.exc import UncapturedHigherOrderOpError
 
     session = install.SESSION
@@ -253,31 +265,37 @@ def _falling_back(root: nn.Module, plain: Callable, args: tuple, kwargs: dict) -
     while True:
         session.region_traced = None
         try:
-            return plain(root, *args, **kwargs)
-        except UncapturedHigherOrderOpError:
-            broken, session.region_traced = session.region_traced, None
-            if broken is None:
+            return plain(module, *args, **kwargs)
+        except UncapturedHigherOrderOpError as exc:
+            traced, session.region_traced = session.region_traced, None
+            if traced is None or not _leave_regions(module, traced[0]):
                 raise
-            _leave_regions(root, broken)
+            state = get_fsdp_state(module)
+            if traced[1] is not plain.__code__ or state is None or not state.is_root:
+                exc.add_note("compiled_fsdp: part of this forward had run when the error came, so it is not "
+                             "run again; from the next step on those modules are plain ones.")
+                raise
+            compiled_path().on_step(state.ctx)
             compat.restore_frame_callback(callback)  # (so that the forward is compiled again)
 
 
-def _leave_regions(root: nn.Module, cls: type) -> None:
-    """The modules of ``cls`` below ``root`` are no longer regions."""
+def _leave_regions(module: nn.Module, cls: type) -> int:
+    """The modules of ``cls`` below ``module`` are no longer regions; how many were."""
     region_cls = install.SESSION.region_classes[cls]
     install.SESSION.broken_regions.add(cls)
-    for m in root.modules():
+    left = 0
+    for m in module.modules():
         if type(m) is region_cls:
             m.__class__ = cls
             m.__dict__.pop("_fsdp_region_entry").in_region = False
-    name = getattr(cls, "_fsdp_base_class", cls).__name__
-    warnings.warn(f"compiled_fsdp: the sharded modules of class {name!r} break the graph inside their "
-                  "compile region (config.comm.block_regions); they run as plain modules from now on, and "
-                  "fall back to the eager runtime where the graph breaks. compiled_fsdp.explain(model) "
-                  "says which.", stacklevel=3)
-    ctx = get_fsdp_state(root).ctx
-    if ctx is not None:
-        compiled_path().on_step(ctx)
+            left += 1
+    if left:
+        name = getattr(cls, "_fsdp_base_class", cls).__name__
+        warnings.warn(f"compiled_fsdp: the sharded modules of class {name!r} break the graph inside their "
+                      "compile region (config.comm.block_regions); they run as plain modules from now on, "
+                      "and fall back to the eager runtime where the graph breaks. "
+                      "compiled_fsdp.explain(model) says which.", stacklevel=4)
+    return left
 
 
 def predict_order(groups: list[FSDPParamGroup]) -> None:

@@ -258,6 +258,15 @@ def not_a_frame_itself(*functions: Callable[..., Any]) -> None:
         set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
 
 
+def outermost_traced_code(ctx: Any) -> Any:
+    """The code object of the frame Dynamo compiles, from a ``comptime``
+    context anywhere inside it (through the inlined calls' parents)."""
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    while getattr(tx, "parent", None) is not None:
+        tx = tx.parent
+    return tx.f_code
+
+
 def frame_callback() -> Any:
     """Dynamo's frame-evaluation callback of this thread (None outside ``torch.compile``)."""
     from torch._C._dynamo.eval_frame import get_eval_frame_callback
