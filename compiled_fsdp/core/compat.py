@@ -258,6 +258,12 @@ def not_a_frame_itself(*functions: Callable[..., Any]) -> None:
         set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
 
 
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
+    """The hooks ``tensor.register_post_accumulate_grad_hook`` registered, in
+    order (autograd keeps them in an internal dict, None before the first)."""
+    return list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())
+
+
 def outermost_traced_code(ctx: Any) -> Any:
     """The code object of the frame Dynamo compiles, from a ``comptime``
     context anywhere inside it (through the inlined calls' parents)."""

@@ -300,7 +300,11 @@ class FSDPParam:
 
     def add_grad(self, grad: torch.Tensor) -> None:
         """Accumulate a reduced gradient of the local rows (canonical: [Note:
-        Shard dims]) into ``.grad`` (a DTensor with the parameter's spec)."""
+        Shard dims]) into ``.grad`` (a DTensor with the parameter's spec),
+        then run the parameter's post-accumulate-grad hooks, as FSDP2 does
+        once it sets a reduced gradient (optimizer in backward: tests/test_fsdp2_215.py::
+        test_optimizer_in_backward). Autograd does not run them: it never
+        accumulates into the sharded parameter here."""
         grad = self.from_canonical(grad)
         if self.offload:  # ([Note: CPU offload] in policy.py: blocking, so the optimizer may read it at once)
             grad = grad.to("cpu")
@@ -308,6 +312,8 @@ class FSDPParam:
             self.sharded.grad = self.to_dtensor(grad.clone(memory_format=torch.contiguous_format))
         else:
             self.sharded.grad._local_tensor += grad
+        for hook in compat.post_accumulate_grad_hooks(self.sharded):
+            hook(self.sharded)
 
     def ensure_grad_sink(self) -> torch.Tensor:
         """The gradient sink (created once, outside any traced code): a leaf of

@@ -172,6 +172,7 @@ class FSDPParamGroup:
         # This iteration's buckets whose autograd function has a gradient to
         # wait for, and those whose backward ran.
         self._applied_buckets: set[int] = set()
+        self._anchor: Optional[torch.Tensor] = None  # (see _grad_anchor)
         self._reduced_buckets: set[int] = set()
         self._pending_reduces: list[_PendingReduce] = []
         # Views handed to the module's code while it runs eagerly; see [Note: Parameter property].
@@ -372,13 +373,21 @@ class FSDPParamGroup:
 
     def _apply_bucket(self, bucket: int) -> None:
         indices = self.reduce_buckets[bucket]
-        shards = [self.fsdp_params[i].sharded for i in indices]
+        differentiable = any(self.fsdp_params[i].sharded.requires_grad for i in indices)
+        anchor = self._grad_anchor(self.fsdp_params[indices[0]].device) if differentiable else None
         with torch.enable_grad():  # (pre_forward decided: a first read under no_grad must not lose the gradient)
-            outs = UnshardFn.apply(self, bucket, *shards)
-        if any(s.requires_grad for s in shards):
+            outs = UnshardFn.apply(self, bucket, anchor)
+        if differentiable:
             self._applied_buckets.add(bucket)
         for i, out in zip(indices, outs):
             self._iter_views[i] = static_view(self.fsdp_params[i].to_compute(out))
+
+    def _grad_anchor(self, device: torch.device) -> torch.Tensor:
+        """The leaf that makes ``UnshardFn``'s outputs differentiable ([Note:
+        Eager autograd through UnshardFn]); made once."""
+        if self._anchor is None or self._anchor.device != device:
+            self._anchor = torch.empty(0, device=device, requires_grad=True)
+        return self._anchor
 
     def post_forward(self, reshard: bool, backward_follows: bool = True) -> None:
         self.exposed_views = None

@@ -3,7 +3,7 @@ the views it hands to module code.
 
 [Note: Eager autograd through UnshardFn]
 In eager mode a group's unsharded parameters are the outputs of an autograd
-function, ``UnshardFn``, whose inputs are the shards: one per reduce bucket
+function, ``UnshardFn``, one per reduce bucket
 (one bucket, the whole group, but for [Note: replicate's buckets] in
 replicate.py). Autograd runs its backward exactly once per backward pass, after
 every use of every parameter of the bucket has produced its gradient (a module
@@ -16,6 +16,14 @@ bucket the group reshards. The outputs are views of the unsharded buffers, so
 freeing a buffer's storage after forward (reshard) and refilling it before
 backward is seen by autograd's saved tensors; the refill preserves the version
 counter, as FSDP2 does.
+
+Its one input is a leaf of no elements that requires grad (the group's
+anchor, when any parameter of the bucket does), not the shards: with the
+shards as inputs, autograd's AccumulateGrad ran on each sharded parameter
+with no gradient and, with it, the parameter's post-accumulate-grad hooks,
+before the reduced gradient arrived (an optimizer in backward stepped on
+nothing; the hooks belong after ``add_grad``, as FSDP2 runs them:
+tests/test_fsdp2_215.py::test_optimizer_in_backward).
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ class UnshardFn(torch.autograd.Function):
     """See [Note: Eager autograd through UnshardFn]: one per reduce bucket."""
 
     @staticmethod
-    def forward(ctx: Any, group: BucketOwner, bucket: int, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, group: BucketOwner, bucket: int, anchor: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         # Weakly: the outputs' autograd node holds ctx from C++, where Python's
         # collector cannot see it, and a parameter keeps its unsharded view (an
         # output) alive: a strong group here made a cycle that kept every model
@@ -64,7 +72,7 @@ class UnshardFn(torch.autograd.Function):
         if group is not None:  # (None: the model was freed before this backward ran)
             with compat.no_spmd_typecheck():
                 group.post_backward(grads, ctx.bucket)
-        return (None,) * (2 + len(grads))
+        return None, None, None
 
 
 def static_view(view: torch.Tensor) -> torch.Tensor:
