@@ -349,9 +349,11 @@ def predict_order(groups: list[FSDPParamGroup]) -> None:
 # its schema (``invoke_subgraph``'s mutation check): three traces a region
 # call instead of two. Measured under cProfile at 8 blocks: 26 schema
 # traces, 18 after. The aliases' gradients move into the ``DTensor``s'
-# ``.grad`` as the regions' do (2). Hooks a user puts on such a ``DTensor``
-# parameter do not see the gradient arrive, nor does
-# ``torch.autograd.grad(loss, param)``: as for every region's parameter. Tested by
+# ``.grad`` as the regions' do (2). A tensor hook (``register_hook``) a user
+# puts on such a ``DTensor`` parameter does not see the gradient arrive, nor
+# does ``torch.autograd.grad(loss, param)``, as for every region's parameter;
+# its post-accumulate-grad hooks run when the gradient lands (``add_grad``),
+# as in the eager runtime and FSDP2. Tested by
 # tests/test_block_regions.py::test_identical_blocks_compile_once (no
 # ``DTensor`` among the outer graph's inputs).
 
