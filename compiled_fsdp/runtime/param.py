@@ -312,8 +312,9 @@ class FSDPParam:
             self.sharded.grad = self.to_dtensor(grad.clone(memory_format=torch.contiguous_format))
         else:
             self.sharded.grad._local_tensor += grad
-        for hook in compat.post_accumulate_grad_hooks(self.sharded):
-            hook(self.sharded)
+        with torch.no_grad():  # (as FSDP2's reduce: a hook may update the parameter in place)
+            for hook in compat.post_accumulate_grad_hooks(self.sharded):
+                hook(self.sharded)
 
     def ensure_grad_sink(self) -> torch.Tensor:
         """The gradient sink (created once, outside any traced code): a leaf of

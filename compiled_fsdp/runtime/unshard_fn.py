@@ -1,5 +1,5 @@
-"""The eager runtime's autograd function over a reduce bucket's shards, and
-the views it hands to module code.
+"""The eager runtime's autograd function for a reduce bucket's gathered
+parameters, and the views it hands to module code.
 
 [Note: Eager autograd through UnshardFn]
 In eager mode a group's unsharded parameters are the outputs of an autograd
@@ -8,8 +8,8 @@ function, ``UnshardFn``, one per reduce bucket
 replicate.py). Autograd runs its backward exactly once per backward pass, after
 every use of every parameter of the bucket has produced its gradient (a module
 called twice included: autograd sums the uses). That moment is the bucket's
-post-backward: it issues one bucketed reduction and returns no gradient to the
-shards; the reduced gradients are written to ``shard.grad`` when the reduction
+post-backward: it issues one bucketed reduction and returns no gradient to
+autograd; the reduced gradients are written to ``shard.grad`` when the reduction
 is awaited (at the latest in the root's end-of-backward callback, so every
 reduction has finished when ``backward()`` returns); after the group's last
 bucket the group reshards. The outputs are views of the unsharded buffers, so
@@ -23,7 +23,9 @@ shards as inputs, autograd's AccumulateGrad ran on each sharded parameter
 with no gradient and, with it, the parameter's post-accumulate-grad hooks,
 before the reduced gradient arrived (an optimizer in backward stepped on
 nothing; the hooks belong after ``add_grad``, as FSDP2 runs them:
-tests/test_fsdp2_215.py::test_optimizer_in_backward).
+tests/test_fsdp2_215.py::test_optimizer_in_backward). As in FSDP2,
+``loss.backward(inputs=sharded_params)`` therefore reaches no reduction, and
+a tensor hook (``register_hook``) on a sharded parameter sees no gradient.
 """
 from __future__ import annotations
 
