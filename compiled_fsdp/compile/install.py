@@ -297,11 +297,12 @@ class CompileSession:
         self.dynamo_lock = threading.Lock()
         self._split_keys: dict[Hashable, set[int]] = {}  # split key -> the group keys recorded under it
         # A sharded module class -> its region subclass ([Note: Blocks as
-        # compile regions] in regions.py); (a root's class, "root") -> its
-        # subclass that falls back from a region that breaks the graph. Kept by
-        # reset(): a class is stateless, and a second subclass would be a
-        # second region to compile.
-        self.region_classes: dict[Any, type] = {}
+        # compile regions] in regions.py), and a root's class -> its subclass
+        # that falls back from a region that breaks the graph ([Note: A region
+        # that breaks the graph]). Kept by reset(): a class is stateless, and a
+        # second subclass would be a second region to compile.
+        self.region_classes: dict[type, type] = {}
+        self.region_roots: dict[type, type] = {}
         # Sharded module classes that broke the graph inside their region
         # ([Note: A region that breaks the graph] in regions.py). Kept by
         # reset(), as region_classes.

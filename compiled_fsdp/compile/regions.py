@@ -241,7 +241,7 @@ def make_region_root(module: nn.Module) -> None:
     if getattr(cls, "_fsdp_region_root", False) \
             or not any(getattr(type(m), "_fsdp_region", False) for m in module.modules()):
         return
-    root_cls = install.SESSION.region_classes.get((cls, "root"))
+    root_cls = install.SESSION.region_roots.get(cls)
     if root_cls is None:
         plain = cls.forward
 
@@ -253,7 +253,7 @@ def make_region_root(module: nn.Module) -> None:
         compat.not_a_frame_itself(forward, _falling_back)
         root_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region_root": True,
                                                "__module__": cls.__module__})
-        install.SESSION.region_classes[(cls, "root")] = root_cls
+        install.SESSION.region_roots[cls] = root_cls
     module.__class__ = root_cls
 
 

@@ -239,23 +239,22 @@ def never_a_frame(*functions: Callable[..., Any]) -> None:
     call, as Python; tracing still inlines them where a traced frame calls
     them. For code that is the eager runtime when Dynamo did not inline it
     ([Note: Hooks under Dynamo] in runtime/state.py)."""
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    for fn in functions:
-        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    _run_as_python(functions, callees_too=True)
 
 
 def not_a_frame_itself(*functions: Callable[..., Any]) -> None:
-    """Dynamo's frame evaluation runs these functions as Python but
-    evaluates the frames they call as any other (compiled under
-    ``torch.compile``); tracing still inlines them where a traced frame
-    calls them."""
+    """As ``never_a_frame``, but the frames these functions call are
+    evaluated as any other (compiled under ``torch.compile``)."""
+    _run_as_python(functions, callees_too=False)
+
+
+def _run_as_python(functions: tuple[Callable[..., Any], ...], callees_too: bool) -> None:
     from torch._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
+    callees = FrameAction.SKIP if callees_too else FrameAction.DEFAULT
     for fn in functions:
-        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, callees))
 
 
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], None]]:
