@@ -15,7 +15,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
-from examples.gpt import GPT, Block, GPTConfig
+from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
 from _parity import assert_close, in_regions, run_parity
@@ -26,10 +26,6 @@ BLOCKS = 3
 def _build() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab=67, dim=24, n_layers=BLOCKS, n_heads=2, seq=16))
-
-
-class _RegionBlock(Block):
-    forward = torch.compiler.nested_compile_region(Block.forward)
 
 
 def _regions_rank(rank: int, world: int, backend: str) -> dict:
@@ -57,19 +53,6 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
             fully_shard(block)
         fully_shard(model)
 
-    compiled_refs: dict[int, Any] = {}
-
-    def ref_forward(ref: GPT, inputs: tuple) -> torch.Tensor:
-        """The reference compiled as the sharded model is (its blocks regions,
-        the same backend), so that only sharding tells them apart: Inductor
-        compiles a region's subgraph with other float orders than the
-        inlined graph, by about 1e-4 in the loss after an AdamW step here."""
-        if not compiled_refs:
-            for block in ref.layers:
-                block.__class__ = _RegionBlock
-            compiled_refs[0] = torch.compile(ref, backend=backend, fullgraph=True)
-        return compiled_refs[0](*inputs)
-
     model_of: list[GPT] = []
 
     def wrap(model: GPT) -> Any:
@@ -81,8 +64,7 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
     CORE.backward_gathers.reset()
     with recording() as rec:
         res = run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn,
-                         wrap=wrap,
-                         ref_forward=ref_forward, after_step=lambda m: CORE.backward_gathers.taken)
+                         wrap=wrap, after_step=lambda m: CORE.backward_gathers.taken)
     res["graphs"] = graphs
     res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
                       for r in compiled_fsdp.explain(model_of[0])]
@@ -91,14 +73,19 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
     return res
 
 
-@pytest.mark.parametrize("backend,tol", [("aot_eager", 0.0), ("inductor", 1e-6)])
+@pytest.mark.parametrize("backend,tol", [("aot_eager", 0.0), ("inductor", 2e-6)])
 def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
     """One Dynamo graph whose three blocks call one subgraph (traced once,
     partitioned and compiled once), the region's gathers and reductions
     lowered inside it (one bucket each), the root's in the outer graph; no
     eager collective. After 3 steps, equal to the single-process reference
-    compiled alike (its blocks regions): bitwise under ``aot_eager``, within
-    1e-6 under Inductor. Without [Note: Blocks as compile regions]'s three changes
+    (eager, unsharded): bitwise under ``aot_eager``; under Inductor within
+    2e-6 in the loss and the gradients (1e-6 measured), and within 1e-4 in
+    the parameters, where AdamW's first step turns a gradient the reference
+    has exactly 0 and Inductor's float order ~1e-10 into ~lr/40 (2.5e-5 on
+    one rank). Before [Note: A region returns no alias of its inputs] the
+    last block's saved input was overwritten by the final norm: 2e-3 in the
+    gradients in the first step. Without [Note: Blocks as compile regions]'s three changes
     Dynamo makes a subgraph per block and inlines each (none remains), or
     fails (a DTensor input), or the markers stay unlowered (eager collectives).
     From the second step on (once each bucket's re-gathers have run), every
@@ -111,7 +98,8 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
     gathered again in backward). The outer graph takes no DTensor: the
     root's reads take plain aliases too."""
     for res in run_distributed(_regions_rank, 2, backend, timeout=900):
-        assert_close(res, tol)
+        assert_close({**res, "param": [0.0]}, tol)  # (the loss and the gradients)
+        assert max(res["param"]) <= (1e-4 if backend == "inductor" else 0.0), res["param"]
         assert res["counts"] == [{}] * 3
         # (from the second step: BLOCKS in forward and BLOCKS in backward)
         assert res["after"] == [0, 2 * BLOCKS, 4 * BLOCKS], res["after"]

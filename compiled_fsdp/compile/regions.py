@@ -119,6 +119,7 @@ from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Regather, Unshard
+from compiled_fsdp.passes.aliasing import clone_outputs_aliasing_inputs
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param import FSDPParam, from_canonical, to_canonical
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -128,11 +129,15 @@ __all__ = ["make_region", "make_region_root", "predict_order", "read_settings", 
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-    """A region's joint graph: the joint passes, then the min-cut partitioner (3)."""
+    """A region's joint graph: the joint passes, then the min-cut partitioner
+    (3), then no output that aliases an activation ([Note: A region returns
+    no alias of its inputs] in passes/aliasing.py)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     install.run_joint(joint, units_for_explain=False)
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    clone_outputs_aliasing_inputs(forward)
+    clone_outputs_aliasing_inputs(backward)
     regather = Regather.op().default
     for node in backward.graph.nodes:  # (the backward's: [Note: Gathers issued ahead of compile regions])
         if node.target is regather:
