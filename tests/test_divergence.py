@@ -66,9 +66,10 @@ def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]
     sharding. Returns what was raised, where and when, and whether Dynamo
     could be reset afterwards."""
     compiled_fsdp.config.comm.check_timeout_s = BOUND_S
+    compiled_fsdp.config.comm.block_regions = mode == "regions"
     model = _build()
     model.graph_break = mode == "aot_eager_break"
-    mode = mode.removesuffix("_break")
+    mode = {"regions": "aot_eager"}.get(mode, mode).removesuffix("_break")
     _shard(model)
     if reset:
         torch._dynamo.reset()
@@ -94,7 +95,7 @@ def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]
     return {"type": None, "step": step}
 
 
-@pytest.mark.parametrize("mode", ["eager", "aot_eager", "aot_eager_break", "blocks"])
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "aot_eager_break", "blocks", "regions"])
 def test_rank_skips_a_block(mode: str) -> None:
     """Rank 1 skips layers.1 from the first step: both ranks raise, naming it
     (no Inductor case: the check is the joint pass's, before any backend, and
@@ -103,7 +104,10 @@ def test_rank_skips_a_block(mode: str) -> None:
     and with each block compiled on its own (rank 1's layers.0 hands layers.1
     a gather as rank 0's does; both blocks run the one graph both ranks
     agreed on, so the ranks differ at the backward's check, which compares
-    the modules each forward ran)."""
+    the modules each forward ran); and with the blocks compile regions,
+    whose reads are traced once for both blocks: the outer graph's calls of
+    the regions are in its checked sequence (before, rank 0 ran its second
+    region's gather alone and gloo aborted the process)."""
     routes = [[FULL] * 3, [(0,)] * 3]
     for rank, res in enumerate(run_distributed(_diverge, 2, mode, routes, timeout=300)):
         assert res["step"] == 0 and "CollectiveMismatchError" in res["type"] + res["message"], res
@@ -122,7 +126,7 @@ def test_checks_survive_dynamo_reset() -> None:
         assert "a new compiled graph reading <root>, layers.0, <root>" in res["message"], res
 
 
-@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "regions"])
 def test_rank_calls_a_block_again(mode: str) -> None:
     """Rank 0 calls layers.0 a second time: eager in step 1 (after a clean
     step 0, with the forward prefetches of step 0's order in flight), compiled

@@ -181,10 +181,11 @@ class CompiledEntry:
         self.record_entry_trace = [lambda ctx, i=i: frames.record_marker_trace(key, i, split_key)
                                    for i in range(len(group.fsdp_params))]
         self.record_handoff_trace = lambda ctx: self._record_handoff()
+        self.record_region_call = lambda ctx: frames.record_bucket_trace(key)
 
     def _record_handoff(self) -> None:
         if self.handoff_next is not None:
-            frames.record_handoff_trace(self.handoff_next.group.key)
+            frames.record_bucket_trace(self.handoff_next.group.key)
 
     # -- the gather handed over ------------------------------------------------
     def gather_next_op(self, module_key: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from compiled_fsdp.core import compat, registry
 from compiled_fsdp.runtime.divergence import set_compiling, stable_code
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["arm", "ensure_window", "is_split", "record_handoff_trace", "record_marker_trace",
+__all__ = ["arm", "ensure_window", "is_split", "record_bucket_trace", "record_marker_trace",
            "traced_reads", "was_traced"]
 
 # (What this module records lives on install.SESSION.)
@@ -84,13 +84,16 @@ def _append_to_sequence(key: int, param_index: int) -> None:
     install.SESSION.compile_markers[str(compile_id)] = (trace.attempt, seq)
 
 
-def record_handoff_trace(next_key: int) -> None:
-    """Called at trace time (through ``comptime``) when a block's graph issues
-    the next block's gather: part of the graph's collectives for [Note:
-    Agreeing on collectives] (as a read of the whole bucket, index -1), not a
-    read of that block's parameters in this frame. See [Note: Gathers handed
-    to the next block's graph] in entry.py."""
-    _append_to_sequence(next_key, -1)
+def record_bucket_trace(key: int) -> None:
+    """Called at trace time (through ``comptime``) where a graph communicates
+    for a whole bucket of module ``key`` without reading its parameters in
+    this frame: a block's graph issuing the next block's gather ([Note:
+    Gathers handed to the next block's graph] in entry.py), or the outer
+    graph calling a block's compile region (whose reads are traced once for
+    every block: [Note: Blocks as compile regions] in regions.py). Part of
+    the graph's collectives for [Note: Agreeing on collectives] (as a read of
+    the whole bucket, index -1), not a read of its parameters in this frame."""
+    _append_to_sequence(key, -1)
 
 
 def arm() -> None:

@@ -194,6 +194,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             if not torch.compiler.is_dynamo_compiling():
                 return region(self, token, *args, **kwargs)
             comptime(tracing)
+            comptime(entry.record_region_call)  # ([Note: Agreeing on collectives]: this block's bucket)
             out = region(self, token, *args, **kwargs)
             comptime(traced)
             return out
