@@ -157,6 +157,8 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
+    compiled_fsdp.config.comm.block_regions = mode == "regions"  # (asked for, refused: see the test)
+    backend = "aot_eager" if mode == "regions" else mode
     # (Blocks compiled on their own: the blocks' matmuls only; torch itself
     # fails there after a row-wise embedding: [Note: FSDP over DTensor parameters].)
     sp = mode != "blocks"
@@ -172,8 +174,10 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
         return model
 
     model = build(fully_shard)
-    run = model if mode in ("eager", "blocks") else torch.compile(model, backend=mode, fullgraph=True)
+    run = model if mode in ("eager", "blocks") else torch.compile(model, backend=backend, fullgraph=True)
     out = _train(model, run, Llama(layers), dp_rank, 2)
+    out["explain"] = [(r.fqn, r.path, r.reason) for r in compiled_fsdp.explain(model)]
+    compiled_fsdp.config.comm.block_regions = False  # (FSDP2's model below)
     wq = model.layers[0].attention.wq.weight
     out["wq"] = (str(wq.placements), tuple(wq.to_local().shape), tuple(wq.device_mesh.mesh_dim_names))
     out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
@@ -212,7 +216,7 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["eager", "aot_eager", "blocks", "inductor"])
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "blocks", "inductor", "regions"])
 def test_fsdp_over_tensor_parallel(mode: str, tmp_path: Any) -> None:
     """A 2-block Llama (1 block under Inductor), torchtitan's TP plan (sequence parallel) on ``tp``,
     FSDP on ``dp`` of a 2x2 mesh. Parameters placed as FSDP2 places them
@@ -222,7 +226,11 @@ def test_fsdp_over_tensor_parallel(mode: str, tmp_path: Any) -> None:
     and with blocks compiled on their own (TP on the blocks' matmuls only:
     see [Note: FSDP over DTensor parameters]); compiled whole with
     ``fullgraph=True``: no eager FSDP collective and no recompile. DCP: ours 2-D loads into
-    FSDP2 2-D, into ours 1-D and (rank 0) into one plain model, bitwise."""
+    FSDP2 2-D, into ours 1-D and (rank 0) into one plain model, bitwise.
+    With ``config.comm.block_regions`` the blocks are no compile regions
+    (their DTensors cannot cross a region's boundary: AOTAutograd failed,
+    "could not find matching fw HOP"), the model compiles as one graph, and
+    ``explain`` says so."""
     results = run_distributed(_rank, 4, mode, str(tmp_path), timeout=900)
     if mode == "eager":
         assert results[0]["dcp"] == [0.0, 0.0, 0.0], results[0]["dcp"]
@@ -231,7 +239,11 @@ def test_fsdp_over_tensor_parallel(mode: str, tmp_path: Any) -> None:
         assert res["worst"] < 1e-5, res
         assert res["same_placements"], (res["placements"])
         assert res["wq"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", (D // 4, D), ("dp", "tp")), res["wq"]
-        if mode in ("aot_eager", "inductor"):
+        if mode == "regions":
+            blocks = [r for r in res["explain"] if r[0].startswith("layers.")]
+            assert len(blocks) == 2 and all(r[1] == "compiled" and r[2].startswith("not a compile region")
+                                            for r in blocks), res["explain"]
+        if mode in ("aot_eager", "inductor", "regions"):
             assert res["counts"] == [{}] * 3, res["counts"]
             # One graph, compiled at the first step: no recompile (as pytorch#187073 sees under FSDP2 + TP).
             assert res["graphs"] == [1, 1, 1], res["graphs"]
@@ -339,6 +351,8 @@ def _mlp_rank(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
+    compiled_fsdp.config.comm.block_regions = mode == "regions"  # (asked for, refused: see the test)
+    backend = "aot_eager" if mode == "regions" else mode
 
     def loss_of(m: nn.Module, r: int, step: int) -> torch.Tensor:
         x = torch.randn(2, T, D, generator=torch.Generator().manual_seed(10 * step + r))

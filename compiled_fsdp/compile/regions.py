@@ -90,6 +90,14 @@ same collectives in the same order (without them the ranks' Inductor
 schedules, which differ with uneven shards, mismatched a gather). A wrong
 prediction costs a gather waited for and dropped at the iteration's end.
 
+A module whose parameters compute as DTensors (tensor parallelism,
+``dp_mesh_dims``) or spmd_types-typed tensors is no region: its activations
+and reads would carry those types across the region's boundary, where
+AOTAutograd lost the forward's call ("could not find matching fw HOP");
+its reads are traced in the root's graph, as without regions, and
+``explain`` gives the reason (tests/test_tensor_parallel.py, the regions
+case).
+
 Regions are for ``torch.compile(model)``: a block compiled on its own
 (``block.compile()``) compiles once already, and runs its plain forward
 (its reads are not a region's). A region must be traced whole: at a graph

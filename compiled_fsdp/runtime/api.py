@@ -435,7 +435,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         install_class(module, mixin=FSDPModule)
         # (a module holding other sharded modules, a root, stays outside: its
         # forward runs once a step, and the regions are its blocks)
-        if group is not None and group.block_regions and not group.gathers_eagerly \
+        if group is not None and group.block_regions and not (group.gathers_eagerly or group.computes_dtensors) \
                 and len(iter_fsdp_states(module)) == 1:
             compiled_path().make_region(module, group)
         elif options.block_regions and len(iter_fsdp_states(module)) > 1:

@@ -152,6 +152,12 @@ class FSDPParamGroup:
         # Extension groups run the eager runtime] in compile/path.py): an
         # extension's or an offloaded shard ([Note: CPU offload] in policy.py).
         self.gathers_eagerly = self.extension_gather is not None or any(p.offload for p in fsdp_params)
+        # Whether its module's code computes with DTensors ([Note: FSDP over
+        # DTensor parameters] in param.py: tensor parallelism, dp_mesh_dims) or
+        # spmd_types-typed tensors ([Note: spmd_types parameters]): such a
+        # module is no compile region (its types cannot cross the region's
+        # boundary: [Note: Blocks as compile regions] in compile/regions.py).
+        self.computes_dtensors = any(p.dtensor_spec is not None or p.annotated is not None for p in fsdp_params)
         # Per parameter: where it lies in the group's gathered bucket ([Note: Bucket layout]).
         self.bucket_numel = sum(s.shard_numel for s in self.specs)
         for i, (p, offset) in enumerate(zip(fsdp_params, bucket_offsets(self.specs))):
