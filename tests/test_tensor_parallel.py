@@ -351,8 +351,6 @@ def _mlp_rank(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
-    compiled_fsdp.config.comm.block_regions = mode == "regions"  # (asked for, refused: see the test)
-    backend = "aot_eager" if mode == "regions" else mode
 
     def loss_of(m: nn.Module, r: int, step: int) -> torch.Tensor:
         x = torch.randn(2, T, D, generator=torch.Generator().manual_seed(10 * step + r))

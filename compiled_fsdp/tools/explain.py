@@ -96,8 +96,9 @@ _REGION_UNIT = ("a compile region (config.comm.block_regions): one subgraph, tra
 
 
 _NOT_A_REGION = ("not a compile region (config.comm.block_regions): its parameters compute as DTensors (tensor "
-                 "parallelism, dp_mesh_dims) or spmd_types-typed tensors, which cannot cross a region's boundary; its reads are traced in the "
-                 "root's graph instead; see [Note: Blocks as compile regions] in compile/regions.py")
+                 "parallelism, dp_mesh_dims) or spmd_types-typed tensors, which cannot cross a region's "
+                 "boundary; its reads are traced in the root's graph instead; see [Note: Blocks as compile "
+                 "regions] in compile/regions.py")
 
 
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
