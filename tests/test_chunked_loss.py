@@ -97,6 +97,7 @@ def _titan_rank(rank: int, world: int, mode: str) -> dict:
     the ranks' gradients, as the divide factor 1.0 makes it)."""
     capture = GraphCapture()
     backend = capture.backend if mode.startswith("blocks") else "aot_eager"
+    compiled_fsdp.config.comm.block_regions = mode == "regions"
     ref, model = Decoder(), Decoder()
     if mode != "eager":
         for key, block in list(model.layers.items()):
@@ -107,7 +108,7 @@ def _titan_rank(rank: int, world: int, mode: str) -> dict:
         for block in model.layers.values():
             block.compile(backend=backend, fullgraph=True)
     shard(model)
-    run = torch.compile(model, backend=backend) if mode == "whole" else model
+    run = torch.compile(model, backend=backend) if mode in ("whole", "regions") else model
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     out: dict = {"loss": [], "param": [], "gathers": [], "flag": flag, "prefetched": []}
     for step in range(3):
@@ -130,7 +131,7 @@ def _titan_rank(rank: int, world: int, mode: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["eager", "blocks", "blocks+flag", "whole"])
+@pytest.mark.parametrize("mode", ["eager", "blocks", "blocks+flag", "whole", "regions"])
 def test_torchtitan_chunked_loss(mode: str) -> None:
     """Bitwise to the reference (eager and aot_eager; the divide factor 1.0
     sums two ranks' gradients, as the reference's two backwards do). Eagerly,
@@ -153,7 +154,10 @@ def test_torchtitan_chunked_loss(mode: str) -> None:
     module ahead ([Note: Prefetch order] in runtime/context.py): the eager
     head's pre-backward issues the last block's graph re-gather, each block's
     graph its predecessor's (before, the head prefetched the embedding first
-    and the first block prefetched nothing)."""
+    and the first block prefetched nothing). Compiled whole with the blocks
+    compile regions (the embedding one too, of another class): bitwise
+    (before [Note: Blocks as compile regions] (4), the second block ran on
+    the first block's weights)."""
     for res in run_distributed(_titan_rank, 2, mode):
         assert max(res["loss"]) == 0.0 and max(res["param"]) == 0.0, res
         if mode == "eager":
@@ -162,7 +166,7 @@ def test_torchtitan_chunked_loss(mode: str) -> None:
             assert res["gathers"] == [4 if res["flag"] else 6] * 3, res["gathers"]
             assert len(res["saved_gathered"]) == 1 and res["saved_gathered"] == [[]], res["saved_gathered"]
             assert res["prefetched"][-1] == ["layers.2", "layers.1", "layers.0"], res["prefetched"]
-        assert ("", "eager" if mode != "whole" else "compiled") in res["explain"], res["explain"]
+        assert ("", "compiled" if mode in ("whole", "regions") else "eager") in res["explain"], res["explain"]
 
 
 class _LM(nn.Module):

@@ -25,7 +25,10 @@ prototype"):
    ``to_local()`` on it (an error on 2.13 and 2.15). The alias's gradient,
    the reduced shard, moves into the ``DTensor``'s ``.grad`` as soon as
    autograd accumulates it (a post-accumulate-grad hook on the alias,
-   ``_move_grad``), adding to what is there, as autograd would; whatever
+   ``_move_grad``, holding its parameter weakly: the hook is held from C++,
+   where gc cannot see the cycle back to the alias, and every model with
+   regions outlived its last reference, tests/test_state.py), adding to
+   what is there, as autograd would; whatever
    traced the forward, whole or in part. An alias is made again whenever the local shard's storage
    changed (``refresh``, each step before tracing: DCP, ``to_empty``), and
    a gradient a raised backward left on one is dropped there.
@@ -34,6 +37,13 @@ prototype"):
    runs the joint passes on its joint graph, then the min-cut partitioner.
    Passing it needs Dynamo's ``enable_invoke_subgraph_regional_compile``
    ("for testing only"), set only while the region is made.
+4. The aliases of (2) are explicit arguments of the region's call (``body``
+   takes them and leaves them to the reads, which find the same tensors).
+   Read only inside the body, they were lifted free variables, and where a
+   region of another class ran first (the embedding's, as torchtitan shards
+   it) Dynamo's reuse passed the first block's aliases to the second block:
+   a silent wrong answer from the first step (0.9 in the output;
+   tests/test_chunked_loss.py, the regions case).
 
 [Note: Gathers issued ahead of compile regions]
 A region's gathers are lowered inside its own graph, so alone it can overlap
@@ -116,6 +126,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import weakref
 from functools import partial
 from typing import Any, Callable
 
@@ -157,8 +168,8 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
 def _region_of(forward: Callable) -> Callable:
     from torch._higher_order_ops.invoke_subgraph import NestedCompileRegionOptions
 
-    def body(module: nn.Module, token: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return forward(module, *args, **kwargs)
+    def body(module: nn.Module, token: torch.Tensor, shards: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        return forward(module, *args, **kwargs)  # (the reads take ``shards`` from the entry: (4))
 
     with torch._dynamo.config.patch(enable_invoke_subgraph_regional_compile=True):
         return torch.compiler.nested_compile_region(body, options=NestedCompileRegionOptions(partitioner=_partition))
@@ -200,10 +211,10 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
                 token = entry.region_shards[0].new_empty([0]) if entry.region_shards[0] is not None \
                     else torch.empty(0)
             if not torch.compiler.is_dynamo_compiling():
-                return region(self, token, *args, **kwargs)
+                return region(self, token, _own(entry), *args, **kwargs)
             comptime(tracing)
             comptime(entry.record_region_call)  # ([Note: Agreeing on collectives]: this block's bucket)
-            out = region(self, token, *args, **kwargs)
+            out = region(self, token, _own(entry), *args, **kwargs)
             comptime(traced)
             return out
 
@@ -211,6 +222,11 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
                                                   "__module__": cls.__module__})
         install.SESSION.region_classes[cls] = region_cls
     module.__class__ = region_cls
+
+
+def _own(entry: CompiledEntry) -> list[torch.Tensor]:
+    """The aliases a region's reads take, passed to its call ([Note: Blocks as compile regions] (4))."""
+    return [a for a in entry.region_shards if a is not None]
 
 
 # [Note: A region that breaks the graph]
@@ -471,15 +487,17 @@ def refresh(group: FSDPParamGroup) -> None:
         if alias is None or alias.data_ptr() != local.data_ptr() or alias.shape != local.shape \
                 or alias.dtype != local.dtype or alias.requires_grad != p.sharded.requires_grad:
             alias = shards[p.index] = local.detach().requires_grad_(p.sharded.requires_grad)
-            if alias.requires_grad:
-                alias.register_post_accumulate_grad_hook(partial(_move_grad, p))
+            if alias.requires_grad:  # (weakly: a hook's reference to its own model, held
+                # from C++, is a cycle gc cannot see; the model outlived its last reference)
+                alias.register_post_accumulate_grad_hook(partial(_move_grad, weakref.ref(p)))
 
 
-def _move_grad(param: FSDPParam, alias: torch.Tensor) -> None:
+def _move_grad(param_ref: weakref.ref, alias: torch.Tensor) -> None:
     """The alias's gradient into its ``DTensor``'s ``.grad`` (2); none
     without sync, where the graph returns none for it."""
     grad, alias.grad = alias.grad, None
-    if grad is None:
+    param = param_ref()
+    if grad is None or param is None:
         return
     with compat.no_spmd_typecheck():  # (as the eager runtime's reductions: [Note: spmd_types parameters])
         param.add_grad(param.to_canonical(grad))

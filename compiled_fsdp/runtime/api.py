@@ -434,9 +434,11 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     for module in modules:
         install_class(module, mixin=FSDPModule)
         # (a module holding other sharded modules, a root, stays outside: its
-        # forward runs once a step, and the regions are its blocks)
+        # forward runs once a step, and the regions are its blocks; so does a
+        # module sharded in a list, whose group's bucket no one region holds:
+        # torchtitan's [norm, output], the output called outside the model)
         if group is not None and group.block_regions and not (group.gathers_eagerly or group.computes_dtensors) \
-                and len(iter_fsdp_states(module)) == 1:
+                and len(modules) == 1 and len(iter_fsdp_states(module)) == 1:
             compiled_path().make_region(module, group)
         elif options.block_regions and len(iter_fsdp_states(module)) > 1:
             compiled_path().make_region_root(module)
