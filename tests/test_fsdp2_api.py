@@ -468,13 +468,16 @@ def test_torch_helpers_see_sharded_modules() -> None:
     assert res["ours"]["state"] == res["fsdp2"]["state"] == [True, False, True], res
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "regions"])
 def test_thread_ranks(backend: str) -> None:
     """torch's multi-thread process group (one thread per rank) at world size 4:
     per-rank helper groups, no hang ([Note: Helper groups]); the losses and
     parameters bitwise equal to the reference. In a fresh process (the
     threaded group replaces the process's default group), under a timeout.
-    Under aot_eager half the runs hung before [Note: Traced in this thread] (state.py)."""
+    Under aot_eager half the runs hung before [Note: Traced in this thread] (state.py).
+    ``regions``: ``config.comm.block_regions`` asked for, under ``aot_eager``;
+    thread ranks get no regions (``ranks_are_threads``: they would share the
+    registry the regions' gathers go through, and hung in the first backward)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "import sys; from test_fsdp2_api import thread_ranks_main; thread_ranks_main(sys.argv[1])"
     proc = subprocess.run([sys.executable, "-c", code, backend], capture_output=True, text=True, timeout=300,
@@ -490,6 +493,8 @@ def thread_ranks_main(backend: str) -> None:
     from compiled_fsdp.tools.models import GPT, GPTConfig, batch, loss_fn
 
     world = 4
+    compiled_fsdp.config.comm.block_regions = backend == "regions"
+    backend = "aot_eager" if backend == "regions" else backend
     torch.manual_seed(0)
     base = GPT(GPTConfig(vocab=64, dim=32, n_layers=2, n_heads=2, seq=8))
     lock = threading.Lock()

@@ -40,7 +40,7 @@ from torch.distributed.tensor import Shard
 
 from compiled_fsdp.config import comm
 from compiled_fsdp.core.comm import ONE_PROCESS_BACKENDS, uses_all_to_all
-from compiled_fsdp.runtime.divergence import Checker, checker_for, ranks_are_processes
+from compiled_fsdp.runtime.divergence import Checker, checker_for, ranks_are_processes, ranks_are_threads
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
 from compiled_fsdp.runtime.param import FSDPParam, install_class
@@ -411,7 +411,10 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
             # (a handed-over gather is not cut for a smaller group: [Note: Resharding to a smaller group])
             hand_over_gathers=options.hand_over_gathers and not options.post_forward_size,
             replicate_group=options.replicate_group,
-            block_regions=options.block_regions, post_forward_group=options.post_forward_group,
+            # (thread ranks share the registry the regions' gathers go through: one rank's
+            # prediction issued a gather the others did not, and they hung)
+            block_regions=options.block_regions and not ranks_are_threads(options.process_group),
+            post_forward_group=options.post_forward_group,
         )
         if bucket_bytes is not None:
             group.set_reduce_buckets(bucket_bytes)

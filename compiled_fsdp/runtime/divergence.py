@@ -361,6 +361,15 @@ def ranks_are_processes(group: dist.ProcessGroup) -> bool:
     return parts <= {"gloo", "nccl"}
 
 
+def ranks_are_threads(group: dist.ProcessGroup) -> bool:
+    """Whether ``group``'s ranks are threads of this process (torch's
+    multi-thread group, [Note: Helper groups]): they share the process's
+    registries, so whatever one rank decides from them (the compile
+    regions' gathers issued ahead: [Note: Blocks as compile regions] in
+    compile/regions.py) another would see."""
+    return "threaded" in {b.split(":")[-1] for b in str(dist.get_backend(group)).split(",")}
+
+
 def checker_for(group: dist.ProcessGroup, ranks: Optional[Sequence[int]] = None) -> Optional[Checker]:
     """The checker over ``ranks`` (default: ``group``'s), created
     (collectively, at ``fully_shard``) the first time; None when checks are
