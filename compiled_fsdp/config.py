@@ -43,9 +43,9 @@ class CommConfig:
     # Read by ``fully_shard`` (every rank must agree; experimental): under
     # ``torch.compile(model)``, each module it shards is a
     # ``torch.compiler.nested_compile_region``, so identical blocks are traced
-    # and compiled once. Their gathers are not yet handed across blocks. A
-    # block compiled on its own (``block.compile()``) is unaffected. See
-    # [Note: Blocks as compile regions] in compile/regions.py.
+    # and compiled once; each block's gather is issued while the block before
+    # it runs. A block compiled on its own (``block.compile()``) is
+    # unaffected. See [Note: Blocks as compile regions] in compile/regions.py.
     block_regions: bool = False
 
 
