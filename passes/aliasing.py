@@ -14,11 +14,15 @@ next (the final norm's output, for the last block), so the region's
 backward read the final norm's output as its input. Every gradient below
 the last block's second norm was wrong under Inductor (2e-3 against the
 reference in the first step; ``aot_eager``, which reuses nothing, was
-bitwise). So each output of a region's forward or backward graph that is
-an input of that graph, or a view of one, is cloned there, unless that
-input is a shard the markers read: the outer graph takes those from its
-own inputs, whose buffers Inductor never reuses. A clone costs one copy of
-the block's input a step; the input's own buffer is freed instead.
+bitwise). So each output of a region's forward or backward graph that
+shares storage with an input of that graph (the input, a view, a piece of
+a split: compared on the fake values' storages) is cloned there, unless
+that input is one the markers read (a shard, a kept gradient), tagged on
+the joint graph before the markers are lowered (``mark_marker_inputs``):
+the outer graph takes those from its own inputs, whose buffers Inductor
+never reuses, and a clone of a shard would cost memory and key the
+backward's re-gather by the clone's storage, losing its prefetch. A clone
+costs one copy of the block's input a step; the input's buffer is freed.
 Tested by tests/test_block_regions.py::test_identical_blocks_compile_once
 [inductor], against the single-process reference, and by
 tests/test_passes_fx.py::test_region_outputs_aliasing_inputs_are_cloned.
@@ -27,48 +31,48 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .graph import NodeBuilder
 
-__all__ = ["clone_outputs_aliasing_inputs"]
+__all__ = ["clone_outputs_aliasing_inputs", "mark_marker_inputs"]
 
 NAMESPACE = "compiled_fsdp"
+# Set on a placeholder of a region's joint graph that a marker reads (the
+# partitioner copies placeholders' meta into the graphs it makes).
+MARKER_INPUT = "compiled_fsdp_marker_input"
 
 
-def _is_view(node: fx.Node) -> bool:
+def _ours(node: fx.Node) -> bool:
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.is_view
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == NAMESPACE
 
 
-def _reads_shard(placeholder: fx.Node) -> bool:
-    """Whether one of the markers' ops (lowered or not) takes ``placeholder``."""
-    return any(isinstance(u.target, torch._ops.OpOverload) and u.target.namespace == NAMESPACE
-               for u in placeholder.users)
+def _storage(node: object) -> StorageWeakRef | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
 
 
-def _aliased_input(node: fx.Node) -> fx.Node | None:
-    """The placeholder ``node`` is, or is a chain of views of; else None."""
-    while _is_view(node):
-        base = node.args[0]
-        if not isinstance(base, fx.Node):
-            return None
-        node = base
-    return node if node.op == "placeholder" else None
+def mark_marker_inputs(joint: fx.GraphModule) -> None:
+    """Tags each placeholder of ``joint`` whose storage a marker op reads
+    (before the lowering replaces the markers)."""
+    read = {_storage(a) for n in joint.graph.nodes if _ours(n) for a in n.all_input_nodes} - {None}
+    for p in joint.graph.find_nodes(op="placeholder"):
+        if _storage(p) in read:
+            p.meta[MARKER_INPUT] = True
 
 
 def clone_outputs_aliasing_inputs(gm: fx.GraphModule) -> int:
-    """Clones, in ``gm``, each output that aliases an input other than a
-    shard ([Note: A region returns no alias of its inputs]). Returns how
-    many it cloned."""
+    """Clones, in ``gm``, each output that shares storage with an input not
+    tagged by ``mark_marker_inputs`` ([Note: A region returns no alias of
+    its inputs]). Returns how many it cloned."""
+    inputs = {_storage(p) for p in gm.graph.find_nodes(op="placeholder") if not p.meta.get(MARKER_INPUT)} - {None}
     out = gm.graph.output_node()
     b = NodeBuilder(gm.graph)
     cloned: dict[fx.Node, fx.Node] = {}
     flat = list(out.args[0])
     for i, value in enumerate(flat):
-        if not isinstance(value, fx.Node):
-            continue
-        base = _aliased_input(value)
-        if base is None or _reads_shard(base) or not isinstance(value.meta.get("val"), torch.Tensor):
+        if not isinstance(value, fx.Node) or _storage(value) not in inputs:
             continue
         if value not in cloned:
             with gm.graph.inserting_before(out):

@@ -517,20 +517,26 @@ def test_an_empty_shard_views_like_the_others() -> None:
 def test_region_outputs_aliasing_inputs_are_cloned() -> None:
     """[Note: A region returns no alias of its inputs]: a region's graph that
     returns an activation it takes (as the partitioner saves a block's input),
-    or a view of one, returns a clone instead; a shard the markers read is
-    returned as it is (the outer graph's input), and so is a fresh value."""
-    from compiled_fsdp.passes.aliasing import clone_outputs_aliasing_inputs
+    a view of one, or a piece of one split, returns a clone instead; a shard
+    a marker reads (through a permute, as a shard on dim 1 is read) is
+    returned as it is (the outer graph's input: a clone would cost memory
+    and key the backward re-gather by the clone's storage), and so is a
+    fresh value."""
+    from compiled_fsdp.passes.aliasing import MARKER_INPUT, clone_outputs_aliasing_inputs, mark_marker_inputs
 
     def region(s_w, x):
-        w = U(s_w, [5, 4], GROUP, 2, 0, 0, True)
-        return torch.nn.functional.linear(x, w), x, x.view(-1), x, s_w
+        w = U(s_w.t(), [5, 4], GROUP, 2, 0, 0, True)
+        return torch.nn.functional.linear(x, w), x, x.view(-1), x, s_w, x.unbind(0)[1]
 
-    gm = make_fx(region, tracing_mode="fake")(torch.randn(3, 4), torch.randn(7, 4))
-    x = gm.graph.find_nodes(op="placeholder")[1]
-    assert clone_outputs_aliasing_inputs(gm) == 2  # (x returned twice: one clone)
-    out, x_again, x_view, x_third, shard = gm.graph.output_node().args[0]
+    gm = make_fx(region, tracing_mode="fake")(torch.randn(4, 3), torch.randn(7, 4))
+    s_w, x = gm.graph.find_nodes(op="placeholder")
+    mark_marker_inputs(gm)
+    assert s_w.meta.get(MARKER_INPUT) and not x.meta.get(MARKER_INPUT)
+    assert clone_outputs_aliasing_inputs(gm) == 3  # (x returned twice: one clone)
+    out, x_again, x_view, x_third, shard, piece = gm.graph.output_node().args[0]
     assert out.op == "call_function" and out.target is not torch.ops.aten.clone.default
     assert x_again is x_third and x_again.target is torch.ops.aten.clone.default and x_again.args[0] is x
     assert x_view.target is torch.ops.aten.clone.default and x_view.args[0].target is torch.ops.aten.view.default
-    assert shard.op == "placeholder" and x_view.meta["val"].shape == (28,)
+    assert piece.target is torch.ops.aten.clone.default and piece.meta["val"].shape == (4,)
+    assert shard is s_w and x_view.meta["val"].shape == (28,)
     assert clone_outputs_aliasing_inputs(gm) == 0  # (idempotent)

@@ -138,7 +138,7 @@ from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Regather, Unshard
-from compiled_fsdp.passes.aliasing import clone_outputs_aliasing_inputs
+from compiled_fsdp.passes.aliasing import clone_outputs_aliasing_inputs, mark_marker_inputs
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param import FSDPParam, from_canonical, to_canonical
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -153,6 +153,7 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
     no alias of its inputs] in passes/aliasing.py)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    mark_marker_inputs(joint)
     install.run_joint(joint, units_for_explain=False)
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     clone_outputs_aliasing_inputs(forward)
