@@ -138,7 +138,6 @@ from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Regather, Unshard
-from compiled_fsdp.passes.aliasing import clone_outputs_aliasing_inputs, mark_marker_inputs
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param import FSDPParam, from_canonical, to_canonical
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -152,6 +151,8 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
     (3), then no output that aliases an activation ([Note: A region returns
     no alias of its inputs] in passes/aliasing.py)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from compiled_fsdp.passes.aliasing import clone_outputs_aliasing_inputs, mark_marker_inputs  # (at compile)
 
     mark_marker_inputs(joint)
     install.run_joint(joint, units_for_explain=False)
