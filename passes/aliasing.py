@@ -33,19 +33,13 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .graph import NodeBuilder
+from .graph import NodeBuilder, is_marker
 
 __all__ = ["clone_outputs_aliasing_inputs", "mark_marker_inputs"]
 
-NAMESPACE = "compiled_fsdp"
 # Set on a placeholder of a region's joint graph that a marker reads (the
 # partitioner copies placeholders' meta into the graphs it makes).
 MARKER_INPUT = "compiled_fsdp_marker_input"
-
-
-def _ours(node: fx.Node) -> bool:
-    target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == NAMESPACE
 
 
 def _storage(node: object) -> StorageWeakRef | None:
@@ -56,7 +50,7 @@ def _storage(node: object) -> StorageWeakRef | None:
 def mark_marker_inputs(joint: fx.GraphModule) -> None:
     """Tags each placeholder of ``joint`` whose storage a marker op reads
     (before the lowering replaces the markers)."""
-    read = {_storage(a) for n in joint.graph.nodes if _ours(n) for a in n.all_input_nodes} - {None}
+    read = {_storage(a) for n in joint.graph.nodes if is_marker(n) for a in n.all_input_nodes} - {None}
     for p in joint.graph.find_nodes(op="placeholder"):
         if _storage(p) in read:
             p.meta[MARKER_INPUT] = True

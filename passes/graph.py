@@ -64,8 +64,13 @@ def is_reduce_next(node: fx.Node) -> bool:
 _MARKER_OPS = (UNSHARD_OP_NAME, REDUCE_GRAD_OP_NAME, GATHER_NEXT_OP_NAME, REDUCE_NEXT_OP_NAME)
 
 
+def is_marker(node: fx.Node) -> bool:
+    """Whether ``node`` is one of the markers the lowering replaces."""
+    return _op_name(node) in _MARKER_OPS
+
+
 def has_markers(graph: fx.Graph) -> bool:
-    return any(_op_name(n) in _MARKER_OPS for n in graph.nodes)
+    return any(is_marker(n) for n in graph.nodes)
 
 
 # The static arguments of a marker node, parsed (see [Note: The marker
