@@ -31,18 +31,39 @@ fires on our nodes. All our chains share it; they never feed each other.
 
 Unshard markers that lowering left in place (see [Note: Fallback per module])
 are tagged the same way, so fallback modules still reshard after forward.
+
+[Note: Layout copies of a gathered parameter are recomputed]
+What the traced module reads can be a copy of the chain's last view, not the
+view itself: a parameter sharded on dim ``d > 0`` is read as
+``from_canonical(full).contiguous()`` (a permute and a clone: [Note: Shard
+dims] in compiled_fsdp/runtime/param.py). The default partitioner saves every
+untagged forward node that backward reads, so that clone, a full copy of the
+weight, was saved for backward although its module reshards after forward
+(and saved beside the unsharded weight when it does not). So the forward
+nodes that only re-lay-out a tagged node (``_LAYOUT_OPS``, one tensor input)
+are tagged ``MUST_RECOMPUTE`` too, whatever the chain's own policy: backward
+recomputes the copy from the regathered (or saved) weight. Tested by
+tests/test_shard_dim.py (nothing gathered is saved for backward).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph import chain_tag, is_unshard, parse_marker
+from .graph import aten, chain_tag, is_unshard, parse_marker, tangent_dependents
 
 FSDP_AC_GRAPH_ID = 2**31 - 1
+
+# Ops that only re-lay-out their one tensor input: [Note: Layout copies of a
+# gathered parameter are recomputed].
+_LAYOUT_OPS = frozenset({
+    aten.permute, aten.clone, aten.view, aten._unsafe_view, aten.reshape, aten.t,
+    aten.transpose, aten.alias, aten.expand, aten.unsqueeze, aten.squeeze,
+})
 
 
 @dataclasses.dataclass
@@ -55,6 +76,9 @@ class TagPlan:
 class RecomputeReport:
     must_recompute: int = 0
     must_save: int = 0
+    # Copies of a tagged node recomputed with it: [Note: Layout copies of a
+    # gathered parameter are recomputed].
+    layout_copies: int = 0
     # The gather buckets tagged (ChainTag.bucket, "<module_key>.<unit>"), or
     # "<module_key>" for markers the lowering left in place.
     buckets_recompute: list[str] = dataclasses.field(default_factory=list)
@@ -88,15 +112,29 @@ def _chain_info(node: fx.Node) -> tuple[str, bool] | None:
     return None
 
 
+def _is_layout_copy(n: fx.Node, tagged: set[fx.Node]) -> bool:
+    target = n.target
+    if n.op != "call_function" or getattr(target, "overloadpacket", None) not in _LAYOUT_OPS:
+        return False
+    tensors = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    return len(tensors) == 1 and tensors[0] in tagged
+
+
 def plan_recompute_tags(gm: fx.GraphModule) -> TagPlan:
     tags: list[tuple[fx.Node, CheckpointPolicy]] = []
+    tagged: set[fx.Node] = set()
+    backward: set[fx.Node] | None = None
     for n in gm.graph.nodes:
         info = _chain_info(n)
-        if info is None:
-            continue
-        _, reshard = info
-        policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
-        tags.append((n, policy))
+        if info is not None:
+            _, reshard = info
+            tags.append((n, CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE))
+            tagged.add(n)
+        elif tagged and _is_layout_copy(n, tagged):
+            backward = tangent_dependents(gm.graph) if backward is None else backward
+            if n not in backward:
+                tags.append((n, CheckpointPolicy.MUST_RECOMPUTE))
+                tagged.add(n)
     return TagPlan(tags=tags)
 
 
@@ -112,7 +150,9 @@ def apply_recompute_tags(gm: fx.GraphModule, plan: TagPlan) -> RecomputeReport:
             # Run in backward only: [Note: Resharding to a smaller group in graphs] in post_forward.py.
             n.meta["partitioner_tag"] = "must_be_in_backward"
         info = _chain_info(n)
-        assert info is not None
+        if info is None:  # ([Note: Layout copies of a gathered parameter are recomputed])
+            report.layout_copies += 1
+            continue
         if policy == CheckpointPolicy.MUST_RECOMPUTE:
             report.must_recompute += 1
             recompute_keys.add(info[0])

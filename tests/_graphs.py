@@ -123,11 +123,14 @@ def handed_in_waits(gm: fx.GraphModule) -> list[fx.Node]:
 
 def saved_gathered(fw: fx.GraphModule) -> list[str]:
     """Forward outputs saved for backward that are the result of a resharded
-    module's all-gather (or of the wait on a gather handed to it), or of a
+    module's all-gather (or of the wait on a gather handed to it, or of a
+    compile region's ``regather``), or of a
     single-input chain of ops on one: an unsharded parameter kept alive
     although its module reshards after forward."""
     gathered: set[fx.Node] = set()
-    seeds = set(resharded_gathers(fw)) | set(handed_in_waits(fw))
+    regathers = {n for n in fw.graph.nodes if n.op == "call_function" and n.target is REGATHER
+                 and (tag := chain_tag(n)) is not None and tag.reshard_after_forward}
+    seeds = set(resharded_gathers(fw)) | set(handed_in_waits(fw)) | regathers
     for n in fw.graph.nodes:
         if n.op != "call_function":
             continue

@@ -44,7 +44,9 @@ dim-0 chunk ([Note: Shard layout] in core/layout.py): ``to_canonical`` is
 value into its own layout (eager: the unsharded buffer is in the
 parameter's layout and the copy-out writes its canonical view; compiled:
 ``from_canonical`` and a contiguous copy after the marker, which Inductor
-fuses with the copy-out) and of its gradient into the canonical layout. A
+fuses with the copy-out, and which backward recomputes: [Note: Layout
+copies of a gathered parameter are recomputed] in passes/recompute.py) and
+of its gradient into the canonical layout. A
 dim smaller than the group is refused (``shard_dim`` in validation.py).
 Tested by tests/test_shard_dim.py. Known cost: a ``Shard(d)`` parameter read
 twice in one traced graph (a tied weight, a read in a loop) traces two
