@@ -12,6 +12,7 @@ from typing import Optional
 import torch.fx as fx
 
 from . import config
+from .cast_gather import CastGatherReport, cast_before_gather
 from .cost_model import CostModel
 from .graph import has_markers
 from .lowering import (
@@ -42,6 +43,8 @@ from .timeline import CommEvent, ModuleSpan, Timeline
 
 __all__ = [
     "BucketReport",
+    "CastGatherReport",
+    "cast_before_gather",
     "CommEvent",
     "CostModel",
     "ModuleSpan",
@@ -76,6 +79,7 @@ __all__ = [
 @dataclasses.dataclass
 class JointPassReport:
     has_markers: bool
+    cast_gather: CastGatherReport | None = None
     lowering: LoweringReport | None = None
     recompute: RecomputeReport | None = None
     ran: tuple[str, ...] = ()  # the passes that ran, in order
@@ -84,7 +88,8 @@ class JointPassReport:
     @property
     def changed(self) -> bool:
         return bool(
-            (self.lowering and self.lowering.changed)
+            (self.cast_gather and self.cast_gather.changed)
+            or (self.lowering and self.lowering.changed)
             or (self.recompute and self.recompute.changed)
         )
 
@@ -102,7 +107,8 @@ class JointPassReport:
 
 def run_joint_passes(gm: fx.GraphModule, observe: Optional[Observer] = None) -> JointPassReport:
     """Runs the joint graph's passes on ``gm`` in place ([Note: One pass
-    pipeline] in pipeline.py: lowering with bucketing, then recompute
+    pipeline] in pipeline.py: float8 casts moved before their gathers,
+    lowering with bucketing, then recompute
     tagging). A graph without markers is returned untouched. Scheduling runs
     later, on the partitioned graphs (see schedule.py)."""
     if not has_markers(gm.graph):
@@ -110,5 +116,6 @@ def run_joint_passes(gm: fx.GraphModule, observe: Optional[Observer] = None) -> 
     if observe is not None:
         observe("before", gm, None)
     done = run_passes("joint", gm, observe)
-    return JointPassReport(has_markers=True, lowering=done.reports.get("lowering"),
+    return JointPassReport(has_markers=True, cast_gather=done.reports.get("cast_gather"),
+                           lowering=done.reports.get("lowering"),
                            recompute=done.reports.get("recompute"), ran=tuple(done.ran), pipeline=done)

@@ -271,6 +271,18 @@ def accumulation_root(markers: Sequence[fx.Node]) -> tuple[fx.Node, list[fx.Node
     return (roots[0], acc) if len(roots) == 1 else None
 
 
+# Ops that only re-lay-out their tensor input (a view, or a copy of one).
+_LAYOUT_OPS = frozenset({
+    aten.permute, aten.clone, aten.view, aten._unsafe_view, aten.reshape, aten.t,
+    aten.transpose, aten.alias, aten.expand, aten.unsqueeze, aten.squeeze,
+})
+
+
+def is_layout_op(n: fx.Node) -> bool:
+    """Whether ``n`` only re-lays-out its tensor input (``view.dtype`` included)."""
+    return n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _LAYOUT_OPS
+
+
 def is_tangent(n: fx.Node) -> bool:
     """A gradient input of a joint or backward graph (AOTAutograd names them
     ``tangents_<i>``; its partitioner tells them apart the same way)."""

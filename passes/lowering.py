@@ -21,6 +21,17 @@ marker produced a ``reduce_grad`` and AOTAutograd summed their outputs with
 once, which is what the eager runtime does (autograd accumulates into the
 unsharded grad before its reduce-scatter). The ``add`` tree is removed.
 
+[Note: Byte buckets]
+A gather bucket whose parameters gather in different dtypes (a float8
+weight's bytes beside its block's norm: [Note: Float8 weights cast before
+their gather in graphs] in cast_gather.py) moves their bytes: each shard,
+cast to its compute dtype, is viewed ``[rows, bytes per row]`` as ``uint8``
+and packed as a parameter of that shape, so the rows pad and cut as any
+shard's do, and each gathered piece is viewed back. One collective per
+bucket, as the eager runtime's extension gather sends it (ext_gather.py).
+Not for a gather issued ahead or one an int ``reshard_after_forward`` keeps
+a part of: those modules fall back. Tested by tests/test_float8.py.
+
 [Note: Fallback per module]
 When a module's markers cannot be bucketed (symbolic shapes, mixed dtypes,
 inconsistent arguments, a grad that escapes the accumulation tree), that
@@ -31,6 +42,7 @@ collectives, just unbucketed. The report lists the reason.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Literal
 
@@ -38,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp.core import copy_out
-from compiled_fsdp.core.layout import joined_shapes, reduce_input, split_reduced
+from compiled_fsdp.core.layout import ShardSpec, cast, joined_shapes, reduce_input, split_reduced
 from compiled_fsdp.core.marker import Regather
 
 from ._emit import emit_all_reduce, emit_gather, emit_pack_grads, emit_reduce, emit_unpack
@@ -121,20 +133,26 @@ class BucketPlan:
 
     @property
     def total_numel(self) -> int:
-        return sum(s.args.spec.shard_numel for s in self.slots)
+        """A rank's elements in the bucket, in its ``comm_dtype``."""
+        return sum(self.slot_bytes(s) for s in self.slots) // (self.world_size * self.comm_dtype.itemsize)
+
+    @property
+    def as_bytes(self) -> bool:
+        """Whether the bucket gathers its slots as their bytes: [Note: Byte buckets]."""
+        return self.kind == "gather" and len({_comm_dtype(self.kind, s) for s in self.slots}) > 1
 
     @property
     def comm_dtype(self) -> torch.dtype:
         """The dtype the bucket's collective moves (one per bucket)."""
-        return _comm_dtype(self.kind, self.slots[0])
+        return torch.uint8 if self.as_bytes else _comm_dtype(self.kind, self.slots[0])
 
     def slot_bytes(self, slot: Slot) -> int:
         """Unsharded bytes of one slot in this bucket's collective."""
-        return slot.args.spec.shard_numel * self.world_size * self.comm_dtype.itemsize
+        return slot.args.spec.shard_numel * self.world_size * _comm_dtype(self.kind, slot).itemsize
 
     @property
     def nbytes(self) -> int:
-        return self.total_numel * self.world_size * self.comm_dtype.itemsize
+        return sum(self.slot_bytes(s) for s in self.slots)
 
 
 def _comm_dtype(kind: str, slot: Slot) -> torch.dtype:
@@ -257,7 +275,7 @@ def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> B
         slot.inputs.append(inp)
     ordered = [slots[k] for k in sorted(slots)]
     dtypes = {str(_comm_dtype(kind, s)) for s in ordered}
-    if len(dtypes) != 1:
+    if len(dtypes) != 1 and (kind != "gather" or first.take_ahead or first.post_forward is not None):
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:
         shape, spec = tuple(s.inputs[0].meta["val"].shape), s.args.spec
@@ -390,11 +408,15 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
             # issued ahead of compile regions] in compiled_fsdp/compile/regions.py)
             waited = b(Regather.op().default, sources, joined_shapes(specs), plan.group_name, plan.world_size,
                        plan.module_key, plan.slots[0].args.param_dtype)
+        elif plan.as_bytes:
+            waited = None
+            fulls = _gather_bytes(b, plan, sources)
         else:
             gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
                                    plan.world_size, plan.group_name)
             waited = b(c10d.wait_tensor.default, gathered)
-        fulls = emit_unpack(b, waited, specs)
+        if waited is not None:
+            fulls = emit_unpack(b, waited, specs)
         if plan.post_forward is not None and plan.reshard_after_forward and any(map(is_tangent, graph.nodes)) \
                 and not read_under_checkpoint([m for s in plan.slots for m in s.markers]):
             name, size, rank = plan.post_forward
@@ -414,6 +436,23 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
             while inp is not source and not inp.users:
                 inp, dead = inp.args[0], inp
                 graph.erase_node(dead)
+
+
+def _gather_bytes(b: NodeBuilder, plan: BucketPlan, sources: list[fx.Node]) -> list[fx.Node]:
+    """[Note: Byte buckets]: each slot's shard cast to its compute dtype,
+    viewed ``[rows, bytes per row]`` in ``uint8``, gathered in one bucket,
+    and viewed back."""
+    wire, specs = [], []
+    for s, src in zip(plan.slots, sources):
+        spec = s.args.spec
+        dtype = _comm_dtype("gather", s)
+        rows = b(aten.view.default, cast(b, src, dtype), [b.value(src).shape[0], math.prod(spec.rest)])
+        wire.append(b(aten.view.dtype, rows, torch.uint8))
+        specs.append(ShardSpec((spec.dim0, math.prod(spec.rest) * dtype.itemsize), plan.world_size))
+    waited = b(c10d.wait_tensor.default, emit_gather(b, wire, specs, [None] * len(specs), plan.world_size,
+                                                     plan.group_name))
+    return [b(aten.view.default, b(aten.view.dtype, full, _comm_dtype("gather", s)), list(s.args.spec.full_shape))
+            for s, full in zip(plan.slots, emit_unpack(b, waited, specs))]
 
 
 def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:

@@ -13,7 +13,8 @@ key, as the overlap settings are). Its report says which ran, which were
 off, and what each reported. The compile layer calls it for both kinds of
 graph (compiled_fsdp/compile/install.py) and nothing else runs a pass.
 
-Switching a pass off stays correct: without ``lowering`` the markers run
+Switching a pass off stays correct: without ``cast_gather`` a float8
+weight is gathered in high precision and cast after the gather; without ``lowering`` the markers run
 their eager implementations (one unbucketed collective per parameter read);
 without ``recompute`` the partitioner saves gathered parameters for the
 backward instead of gathering again; without ``schedule`` the partitioner's
@@ -33,6 +34,7 @@ import torch.fx as fx
 from compiled_fsdp.core import compat
 
 from . import config
+from .cast_gather import CastGatherReport, cast_before_gather
 from .graph import has_markers
 from .lowering import lower_markers
 from .recompute import tag_recompute
@@ -72,6 +74,12 @@ def _lowering(gm: fx.GraphModule, done: PipelineReport) -> Any:
     return lower_markers(gm) if has_markers(gm.graph) else None
 
 
+def _cast_gather(gm: fx.GraphModule, done: PipelineReport) -> Optional[CastGatherReport]:
+    # (reported, and shown to the dumps, where the graph casts a gathered value to float8)
+    report = cast_before_gather(gm)
+    return report if report.moved or report.kept else None
+
+
 def _pin(gm: fx.GraphModule, done: PipelineReport) -> Optional[str]:
     from .pin import pin_order  # (Inductor's control dependencies: loaded when first needed)
 
@@ -85,6 +93,7 @@ def _pin(gm: fx.GraphModule, done: PipelineReport) -> Optional[str]:
 
 
 PASSES: tuple[GraphPass, ...] = (
+    GraphPass("cast_gather", ("joint",), _cast_gather),
     GraphPass("lowering", ("joint", "partitioned"), _lowering),
     GraphPass("recompute", ("joint",), lambda gm, done: tag_recompute(gm)),
     GraphPass("schedule", ("partitioned",), lambda gm, done: schedule_graph(gm.graph, config.overlap)),

@@ -40,7 +40,8 @@ dims] in compiled_fsdp/runtime/param.py). The default partitioner saves every
 untagged forward node that backward reads, so that clone, a full copy of the
 weight, was saved for backward although its module reshards after forward
 (and saved beside the unsharded weight when it does not). So the forward
-nodes that only re-lay-out a tagged node (``_LAYOUT_OPS``, one tensor input)
+nodes that only re-lay-out a tagged node (``is_layout_op`` in graph.py,
+one tensor input)
 are tagged ``MUST_RECOMPUTE`` too, whatever the chain's own policy: backward
 recomputes the copy from the regathered (or saved) weight. Tested by
 tests/test_shard_dim.py (nothing gathered is saved for backward).
@@ -54,16 +55,9 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .graph import aten, chain_tag, is_unshard, parse_marker, tangent_dependents
+from .graph import chain_tag, is_layout_op, is_unshard, parse_marker, tangent_dependents
 
 FSDP_AC_GRAPH_ID = 2**31 - 1
-
-# Ops that only re-lay-out their one tensor input: [Note: Layout copies of a
-# gathered parameter are recomputed].
-_LAYOUT_OPS = frozenset({
-    aten.permute, aten.clone, aten.view, aten._unsafe_view, aten.reshape, aten.t,
-    aten.transpose, aten.alias, aten.expand, aten.unsqueeze, aten.squeeze,
-})
 
 
 @dataclasses.dataclass
@@ -113,8 +107,7 @@ def _chain_info(node: fx.Node) -> tuple[str, bool] | None:
 
 
 def _is_layout_copy(n: fx.Node, tagged: set[fx.Node]) -> bool:
-    target = n.target
-    if n.op != "call_function" or getattr(target, "overloadpacket", None) not in _LAYOUT_OPS:
+    if not is_layout_op(n):
         return False
     tensors = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     return len(tensors) == 1 and tensors[0] in tagged

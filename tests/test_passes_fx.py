@@ -272,7 +272,9 @@ def test_uneven_shards_world_3() -> None:
     assert ops[0] == ops[1] == ops[2]
 
 
-def test_mixed_dtypes_fall_back_to_markers() -> None:
+def test_mixed_dtypes_gather_as_bytes_and_reduce_per_parameter() -> None:
+    """The gathers of parameters of two dtypes share one byte bucket ([Note:
+    Byte buckets]); their reduces, of two dtypes too, fall back to markers."""
     def fn(s_a, s_b, x):
         a = U(s_a, [4, 2], GROUP, 2, 0, 0, True)
         b = U(s_b.double(), [4, 2], GROUP, 2, 0, 1, True)
@@ -280,13 +282,14 @@ def test_mixed_dtypes_fall_back_to_markers() -> None:
 
     gm = _joint(fn, [[4, 2], [4, 2]], 2, [torch.randn(5, 2)])
     report = run_joint_passes(gm)
-    # the double grad makes the reduce side mixed too: both fall back
-    assert [s[:2] for s in report.lowering.skipped] == [("gather", 0), ("reduce", 0)]
-    assert all("mixed dtypes" in s[2] for s in report.lowering.skipped)
-    assert len([m for m in _markers(gm) if "unshard" in str(m.target)]) == 2
-    # the leftover markers are still tagged for reshard-after-forward
-    assert all(m.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
-               for m in _markers(gm) if "unshard" in str(m.target))
+    assert [s[:2] for s in report.lowering.skipped] == [("reduce", 0)]
+    assert "mixed dtypes" in report.lowering.skipped[0][2]
+    (gather,) = _calls(gm, c10d.all_gather_into_tensor.default)
+    # 2 rows of 2 float32 and 2 rows of 2 float64 a rank, as bytes
+    assert gather.args[0].meta["val"].dtype == torch.uint8 and gather.args[0].meta["val"].numel() == 2 * 8 + 2 * 16
+    assert [m for m in _markers(gm) if "unshard" in str(m.target)] == []
+    # the leftover reduce markers' gradients; the byte gather is tagged for reshard-after-forward
+    assert gather.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
 
 
 @pytest.fixture
@@ -481,19 +484,19 @@ def test_pipeline_runs_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     gm = _two_module_graph()
     before = len(gm.graph.nodes)
     report = run_joint_passes(gm)
-    assert report.ran == ("lowering", "recompute")
+    assert report.ran == ("cast_gather", "lowering", "recompute")
     # (what benchmarks/depth.py reports: each pass's seconds, the nodes it left)
-    assert list(report.pipeline.seconds) == ["lowering", "recompute"]
+    assert list(report.pipeline.seconds) == ["cast_gather", "lowering", "recompute"]
     assert report.pipeline.nodes == (before, len(gm.graph.nodes)) and before != len(gm.graph.nodes)
     monkeypatch.setattr(config.pipeline, "disabled", frozenset({"recompute"}))
     gm = _two_module_graph()
     report = run_joint_passes(gm)
-    assert report.ran == ("lowering",) and report.recompute is None and _markers(gm) == []
+    assert report.ran == ("cast_gather", "lowering") and report.recompute is None and _markers(gm) == []
     assert not any("recompute" in n.meta for n in gm.graph.nodes)
     monkeypatch.setattr(config.pipeline, "disabled", frozenset({"lowering"}))
     gm = _two_module_graph()
     done = run_passes("joint", gm)
-    assert done.disabled == ["lowering"] and done.ran == ["recompute"] and len(_markers(gm)) == 8
+    assert done.disabled == ["lowering"] and done.ran == ["cast_gather", "recompute"] and len(_markers(gm)) == 8
     monkeypatch.setattr(config.pipeline, "disabled", frozenset({"lowring"}))
     with pytest.raises(ValueError, match="names no pass: \\['lowring'\\]"):
         run_passes("joint", _two_module_graph())
@@ -540,3 +543,61 @@ def test_region_outputs_aliasing_inputs_are_cloned() -> None:
     assert piece.target is torch.ops.aten.clone.default and piece.meta["val"].shape == (4,)
     assert shard is s_w and x_view.meta["val"].shape == (28,)
     assert clone_outputs_aliasing_inputs(gm) == 0  # (idempotent)
+
+
+class _Float8Read(torch.autograd.Function):
+    """torchao's tensorwise float8 cast of ``w`` and its emulated matmul's
+    dequantization (as ``Float8Linear`` traces it with ``emulate=True``); its
+    gradient passes straight through, as torchao's matmul computes the
+    weight's gradient without the cast."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        scale = (torch.reciprocal(w.abs().max().to(torch.float64).clamp(min=1e-12)) * 448.0).to(torch.float32)
+        q = (w * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return q.to(torch.float32) / scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return grad
+
+
+_float8_read = _Float8Read.apply
+
+
+@pytest.mark.parametrize("hp_use,param_dtype", [(False, None), (False, torch.bfloat16), (True, None)])
+def test_float8_cast_moves_before_the_gather(single_rank_group: str, hp_use: bool,
+                                             param_dtype: torch.dtype | None) -> None:
+    """[Note: Float8 weights cast before their gather in graphs]: the cast of
+    a gathered weight (through its transpose, twice, as torchao's forward and
+    backward cast it) becomes one amax all-reduce and one gather of float8
+    bytes, bitwise equal to the markers' eager run (with a bfloat16 compute
+    dtype too: the shard is cast to it first); a weight also read in high
+    precision keeps its gather."""
+    g = single_rank_group
+
+    def joint(s_w, s_b, x):
+        w = U(s_w, [6, 4], g, 1, 0, 0, True, param_dtype=param_dtype)
+        b = U(s_b, [6], g, 1, 0, 1, True, param_dtype=param_dtype)
+        x = x if param_dtype is None else x.to(param_dtype)
+        out = (x @ _float8_read(w.t()).to(x.dtype) + b).sum() + (x @ _float8_read(w.t()).to(x.dtype)).sum()
+        if hp_use:
+            out = out + w.sum()
+        return (out, *torch.autograd.grad(out, [s_w, s_b]))
+
+    args = [torch.randn(6, 4, requires_grad=True), torch.randn(6, requires_grad=True), torch.randn(3, 4)]
+    gm = make_fx(joint, tracing_mode="fake")(*args)
+    expected = gm(*args)
+    report = run_joint_passes(gm)
+    gathers = [n.args[0].meta["val"].dtype for n in _calls(gm, c10d.all_gather_into_tensor.default)]
+    if hp_use:
+        assert report.cast_gather.moved == [] and "reads the high-precision value" in report.cast_gather.kept["0.0"]
+        assert gathers == [torch.float32] and _calls(gm, c10d.all_reduce.default) == []
+    else:
+        assert report.cast_gather.moved == ["0.0"] and report.cast_gather.kept == {}
+        # one byte bucket: the float8 weight beside the float32 bias ([Note: Byte buckets])
+        assert gathers == [torch.uint8] and report.lowering.skipped == []
+        assert len(_calls(gm, c10d.all_reduce.default)) == 1
+        assert not any(n.target is torch.ops.aten.abs.default and n.meta["val"].shape == (4, 6) for n in gm.graph.nodes)
+    for e, r in zip(expected, gm(*args)):
+        torch.testing.assert_close(r, e, rtol=0, atol=0)

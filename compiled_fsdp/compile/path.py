@@ -59,8 +59,12 @@ __all__ = ["TorchCompilePath"]
 # compiles its forward alone; a root holding one is not compiled whole. In a
 # graph the extension would run its pre-hook on the shard before the gather
 # and its post-hook after it: a subclass Dynamo would construct inside the
-# graph, which the passes do not lower yet. Tested by tests/test_float8.py
-# and tests/test_offload.py.
+# graph. The exception is torchao's float8 weights inside a whole-model
+# graph (``group.casts_in_graph``): read in high precision, cast by torchao
+# in the graph, and the cast moved before the gather by the passes ([Note:
+# Float8 weights cast before their gather in graphs] in
+# passes/cast_gather.py). Tested by tests/test_float8.py and
+# tests/test_offload.py.
 _EXTENSION_BREAK = (
     "compiled_fsdp: {fqn!r} of {module} is gathered by the eager runtime, not inside a graph (its all-gather "
     "extension, fsdp_pre_all_gather / fsdp_post_all_gather as torchao's float8 weights define it, or CPU "
@@ -120,8 +124,8 @@ class TorchCompilePath(CompiledPath):
         aliased = any(entry_of(g).in_region for g in ctx.groups())
         for g in ctx.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             entry_of(g).reset()
-            entry_of(g).reads_alias = aliased
-            if aliased:
+            entry_of(g).reads_alias = aliased or g.casts_in_graph
+            if entry_of(g).reads_alias:
                 regions.refresh(g)
         regions.predict_order(ctx.groups())
 
@@ -138,7 +142,7 @@ class TorchCompilePath(CompiledPath):
             # Inside a compile region (never an extension group's): its
             # settings from one guarded key ([Note: A region's read settings] in regions.py).
             return regions.traced_read(entry, param)
-        if group.gathers_eagerly:
+        if group.gathers_eagerly and (own or not group.casts_in_graph):
             # See [Note: Extension groups run the eager runtime].
             torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))
         # At trace time; see [Note: Fallback decision rule] in frames.py.

@@ -482,7 +482,7 @@ def refresh(group: FSDPParamGroup) -> None:
         entry.region_key = _encode(group)
     shards = entry.region_shards
     for p in group.fsdp_params:
-        local = p.local_shard()
+        local = p.graph_shard()
         alias = shards[p.index]
         if alias is not None:
             alias.grad = None  # (left by a backward that raised)

@@ -42,9 +42,11 @@ checked once, not in CI: 4 ranks, ``reshard_after_forward=2``, torchao's
 float8 blocks, eager and ``aot_eager``, bitwise to the reference).
 
 Compiled: a group with an extension parameter is gathered by this eager
-runtime around compiled code, never inside a graph (compile/path.py), so
-its weights cross the wire in the extension's form on both paths. Tested
-by tests/test_float8.py.
+runtime around compiled code (compile/path.py), so its weights cross the
+wire in the extension's form; except torchao's float8 weights in a
+whole-model graph, which the graph gathers itself, cast before the gather
+by the passes ([Note: Float8 weights cast before their gather in graphs]
+in passes/cast_gather.py). Tested by tests/test_float8.py.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ from compiled_fsdp.core.layout import EAGER, cast
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy
 from compiled_fsdp.runtime.streams import CommStreams
 
-__all__ = ["Extension", "ExtensionGather", "extension_of"]
+__all__ = ["Extension", "ExtensionGather", "casts_in_graph", "extension_of"]
 
 
 def extension_of(local: torch.Tensor, fqn: str) -> bool:
@@ -89,12 +91,22 @@ def extension_of(local: torch.Tensor, fqn: str) -> bool:
     return pre
 
 
+def casts_in_graph(local: torch.Tensor) -> bool:
+    """Whether ``local`` is torchao's float8 training weight, whose hooks a
+    compiled graph replaces by its own cast ([Note: Float8 weights cast
+    before their gather in graphs] in passes/cast_gather.py)."""
+    cls = type(local)
+    return cls.__name__ == "WeightWithDynamicFloat8CastTensor" and cls.__module__.startswith("torchao.float8") \
+        and isinstance(getattr(local, "_tensor", None), torch.Tensor)
+
+
 class Extension:
     """One extension parameter's gather state: its hooks' last metadata, its
     gathered buffers and the unsharded value the post-hook made of them."""
 
     def __init__(self, local: torch.Tensor, module: nn.Module, mesh: DeviceMesh, outer_size: torch.Size,
                  outer_stride: tuple[int, ...], mp_policy: MixedPrecisionPolicy) -> None:
+        self.casts_in_graph = casts_in_graph(local)
         # FSDP2's two forms of the pre-hook, told apart once by its arity (``extension_of`` checked it).
         self.long_form = len(inspect.signature(local.fsdp_pre_all_gather).parameters) == 5
         self.module = module

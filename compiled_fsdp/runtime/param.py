@@ -300,6 +300,13 @@ class FSDPParam:
         optimizer updates in place."""
         return self.sharded._local_tensor
 
+    def graph_shard(self) -> torch.Tensor:
+        """``local_shard`` as a compiled graph reads it: a float8 weight's
+        high-precision rows ([Note: Float8 weights cast before their gather in
+        graphs] in passes/cast_gather.py)."""
+        local = self.sharded._local_tensor
+        return local._tensor if self.extension is not None and self.extension.casts_in_graph else local
+
     def add_grad(self, grad: torch.Tensor) -> None:
         """Accumulate a reduced gradient of the local rows (canonical: [Note:
         Shard dims]) into ``.grad`` (a DTensor with the parameter's spec),
