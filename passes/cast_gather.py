@@ -110,7 +110,8 @@ def _is_scalar(n: fx.Node) -> bool:
 
 
 class _Read:
-    """One ``unshard`` marker and what its gathered value flows into."""
+    """One ``unshard`` marker and what its gathered value flows into (every
+    collection ordered as the graph is, so every rank rewrites alike)."""
 
     def __init__(self, marker: fx.Node) -> None:
         self.marker = marker
@@ -124,7 +125,18 @@ class _Read:
                     self.views[u] = self.views[v] + [u]
                     stack.append(u)
         self.casts: dict[fx.Node, fx.Node] = {}  # each float8 conversion -> the view it converts
-        self.chain: set[fx.Node] = set()  # their elementwise nodes and scales
+        self.chain: dict[fx.Node, None] = {}  # their elementwise nodes and scales
+        # Scalars computed from the value's amaxes by scalar ops: the scales.
+        self.scales: dict[fx.Node, None] = {}
+        stack = [u for v in self.views for a in v.users if a.target is aten.abs.default
+                 for u in a.users if self._amax(u)]
+        while stack:
+            n = stack.pop()
+            if n not in self.scales:
+                self.scales[n] = None
+                stack.extend(u for u in n.users if u.target in _SCALAR and _is_scalar(u))
+        # Nodes the cast reads as they are (constants, other inputs): defined before the marker?
+        self.outside: dict[fx.Node, None] = {}
 
     @property
     def amax_dtype(self) -> torch.dtype:
@@ -138,21 +150,21 @@ class _Read:
         return src is not None and src.target is aten.abs.default and _tensor_args(src)[0] in self.views \
             and len(src.users) == 1
 
-    def _scale(self, n: fx.Node, seen: set[fx.Node]) -> bool:
-        """Whether scalar ``n`` depends on the value only through amaxes."""
+    def _scale(self, n: fx.Node, seen: dict[fx.Node, None]) -> bool:
+        """Whether scalar ``n`` depends on the value only through amaxes
+        (the value's other uses are refused by ``match``)."""
         if n in seen:
             return True
-        if self._amax(n):
-            seen.update((n, n.args[0]))
+        if n not in self.scales:
+            self.outside[n] = None  # (independent of the value)
             return True
-        if n.op == "placeholder" or not any(a in self.views for a in _ancestors(n, self.views)):
-            return True  # (independent of the weight: a constant, another input)
-        if n.target not in _SCALAR:
-            return False
-        seen.add(n)
+        seen[n] = None
+        if self._amax(n):
+            seen[n.args[0]] = None
+            return True
         return all(self._scale(a, seen) for a in _tensor_args(n))
 
-    def _elementwise(self, n: fx.Node, seen: set[fx.Node], leaf: list[fx.Node]) -> bool:
+    def _elementwise(self, n: fx.Node, seen: dict[fx.Node, None], leaf: list[fx.Node]) -> bool:
         """Whether ``n`` is elementwise in one view of the value, with scales."""
         if n in self.views:
             leaf.append(n)
@@ -161,33 +173,31 @@ class _Read:
             return self._scale(n, seen)
         if n.target not in _ELEMENTWISE:
             return False
-        seen.add(n)
+        seen[n] = None
         return all(self._elementwise(a, seen, leaf) for a in _tensor_args(n))
 
-    def match(self) -> Optional[str]:
+    def match(self, order: dict[fx.Node, int]) -> Optional[str]:
         """Finds the casts; the reason when the read cannot be rewritten."""
-        users: set[fx.Node] = set()
-        for v in self.views:
-            users.update(u for u in v.users if u not in self.views)
-        for n in list(users):
-            dtype = _is_copy_to(n)
-            for cast in [n] if dtype in FLOAT8 else _casts_below(n):
-                seen: set[fx.Node] = set()
+        users = {u: None for v in self.views for u in v.users if u not in self.views}
+        for n in users:
+            for cast in [n] if _is_copy_to(n) in FLOAT8 else _casts_below(n):
+                seen: dict[fx.Node, None] = {}
                 leaf: list[fx.Node] = []
                 if not self._elementwise(cast.args[0], seen, leaf) or len(set(leaf)) != 1:
                     return f"{cast.name}: not an elementwise float8 cast of one view"
                 self.casts[cast] = leaf[0]
-                self.chain |= seen
+                self.chain.update(seen)
         if not self.casts:
             return "no float8 cast"
-        inner = self.chain - {c for c in self.chain if _is_scalar(c)}
-        for v in self.views:
-            for u in v.users:
-                if u not in self.views and u not in self.chain:
-                    return f"{u.name} reads the high-precision value"
-        for n in inner:
-            if any(u not in self.chain and u not in self.casts for u in n.users):
+        for u in users:
+            if u not in self.chain:
+                return f"{u.name} reads the high-precision value"
+        for n in self.chain:
+            if not _is_scalar(n) and any(u not in self.chain and u not in self.casts for u in n.users):
                 return f"{n.name} is read outside the cast"
+        for n in self.outside:
+            if n.op != "placeholder" and order[n] > order[self.marker]:
+                return f"the cast reads {n.name}, computed after the gather"
         return None
 
 
@@ -204,18 +214,6 @@ def _casts_below(n: fx.Node) -> list[fx.Node]:
         elif m.target in _ELEMENTWISE or m.target is aten.abs.default or m.target in _AMAX:
             stack.extend(m.users)
     return out
-
-
-def _ancestors(n: fx.Node, stop: Any) -> set[fx.Node]:
-    seen, stack = set(), [n]
-    while stack:
-        m = stack.pop()
-        for a in m.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                if a not in stop:
-                    stack.append(a)
-    return seen
 
 
 class _Replay:
@@ -321,6 +319,7 @@ def cast_before_gather(gm: fx.GraphModule) -> CastGatherReport:
     weights cast before their gather in graphs])."""
     report = CastGatherReport()
     by_group: dict[tuple[int, str], list[_Read]] = {}
+    order = node_order(gm.graph)
     for marker in [n for n in gm.graph.nodes if is_unshard(n)]:
         try:
             _, m = parse_marker(marker)
@@ -330,7 +329,7 @@ def cast_before_gather(gm: fx.GraphModule) -> CastGatherReport:
         if m.gathered is not None or m.take_ahead or m.post_forward is not None:
             continue
         read = _Read(marker)
-        reason = read.match()
+        reason = read.match(order)
         if reason == "no float8 cast":
             continue
         if reason is not None:
