@@ -58,10 +58,10 @@ from .graph import (
     aten,
     erase_nodes,
     is_layout_op,
+    is_tangent,
     is_unshard,
     node_order,
     parse_marker,
-    through_identity_views,
 )
 
 prims = torch.ops.prims
@@ -196,8 +196,11 @@ class _Read:
             if not _is_scalar(n) and any(u not in self.chain and u not in self.casts for u in n.users):
                 return f"{n.name} is read outside the cast"
         for n in self.outside:
-            if n.op != "placeholder" and order[n] > order[self.marker]:
+            if is_tangent(n) or n.op != "placeholder" and order[n] > order[self.marker]:
                 return f"the cast reads {n.name}, computed after the gather"
+        for n in self.chain:
+            if self._amax(n) and any(u not in self.chain for u in n.users):
+                return f"its amax {n.name} is read outside the cast"
         return None
 
 
@@ -217,28 +220,27 @@ def _casts_below(n: fx.Node) -> list[fx.Node]:
 
 
 class _Replay:
-    """Re-emits a read's cast on its shard, one node per distinct expression."""
+    """Re-emits reads' casts on their parameter's shard, one node per distinct
+    expression (the reads of one parameter, and the forward's and backward's
+    cast of one read, share them)."""
 
-    def __init__(self, b: NodeBuilder, read: _Read, shard: fx.Node, amax: fx.Node) -> None:
-        self.b, self.read, self.shard, self.amax = b, read, shard, amax
+    def __init__(self, b: NodeBuilder, shard: fx.Node, amax: fx.Node) -> None:
+        self.b, self.shard, self.amax = b, shard, amax
         self.memo: dict[Any, fx.Node] = {}
-        self.keys: dict[fx.Node, Any] = {}
 
-    def key(self, n: fx.Node) -> Any:
-        if n in self.read.views:
+    def key(self, n: fx.Node, read: _Read) -> Any:
+        if n in read.views:
             return ("value",)
-        if self.read._amax(n):
+        if read._amax(n):
             return ("amax",)
-        if n not in self.read.chain and n not in self.read.casts:
+        if n not in read.chain and n not in read.casts:
             return ("node", n)  # (outside: a constant or another input, used as it is)
-        if n not in self.keys:
-            args = tuple(self.key(a) if isinstance(a, fx.Node) else a for a in n.args)
-            kwargs = tuple(sorted((k, self.key(v) if isinstance(v, fx.Node) else v) for k, v in n.kwargs.items()))
-            self.keys[n] = (n.target, args, kwargs)
-        return self.keys[n]
+        args = tuple(self.key(a, read) if isinstance(a, fx.Node) else a for a in n.args)
+        kwargs = tuple(sorted((k, self.key(v, read) if isinstance(v, fx.Node) else v) for k, v in n.kwargs.items()))
+        return (n.target, args, kwargs)
 
-    def emit(self, n: fx.Node) -> fx.Node:
-        k = self.key(n)
+    def emit(self, n: fx.Node, read: _Read) -> fx.Node:
+        k = self.key(n, read)
         if k == ("value",):
             return self.shard
         if k == ("amax",):
@@ -246,79 +248,124 @@ class _Replay:
         if k[0] == "node":
             return n
         if k not in self.memo:
-            args = tuple(self.emit(a) if isinstance(a, fx.Node) else a for a in n.args)
-            kwargs = {name: self.emit(v) if isinstance(v, fx.Node) else v for name, v in n.kwargs.items()}
+            args = tuple(self.emit(a, read) if isinstance(a, fx.Node) else a for a in n.args)
+            kwargs = {name: self.emit(v, read) if isinstance(v, fx.Node) else v for name, v in n.kwargs.items()}
             self.memo[k] = self.b(n.target, *args, **kwargs)
         return self.memo[k]
 
 
+def _shard_views(m: Unshard) -> Optional[list[fx.Node]]:
+    """The layout ops from a graph input to the marker's shard (a parameter
+    sharded on another dim than 0 is read through ``movedim``), or None
+    where the shard is not a view of a graph input."""
+    views, n = [], m.shard
+    while n.op != "placeholder":
+        if not is_layout_op(n) or len(_tensor_args(n)) != 1:
+            return None
+        views.append(n)
+        n = _tensor_args(n)[0]
+    return views[::-1]
+
+
 def _shard(b: NodeBuilder, m: Unshard) -> fx.Node:
-    """The marker's shard (the graph input its reads alias, defined before
-    every marker) in its compute dtype: what its gather would send."""
-    shard = through_identity_views(m.shard)
+    """The marker's shard, made again from its graph input at ``b``'s place,
+    contiguous (a copy where a view permutes it: decided by the ops, alike
+    on every rank), in its compute dtype: what its gather would send."""
+    views = _shard_views(m)
+    assert views is not None
+    shard = _tensor_args(views[0])[0] if views else m.shard
+    for view in views:
+        shard = b(view.target, shard, *view.args[1:], **view.kwargs)
+    if any(v.target in _PERMUTES for v in views):
+        shard = b(aten.clone.default, shard, memory_format=torch.contiguous_format)
     if m.param_dtype is not None and m.param_dtype != shard.meta["val"].dtype:
-        return b(prims.convert_element_type.default, shard, m.param_dtype)
+        shard = b(prims.convert_element_type.default, shard, m.param_dtype)
     return shard
 
 
-def _amaxes(graph: fx.Graph, reads: list[_Read]) -> list[fx.Node]:
-    """The reads' global amaxes, one ``max`` all-reduce for all: each shard's
-    amax, of its rows and a zero (a rank may hold none)."""
-    first = min((r.marker for r in reads), key=node_order(graph).__getitem__)
-    m0 = Unshard.parse(first)
-    with graph.inserting_before(first):
-        b = NodeBuilder(graph, {k: first.meta[k] for k in ("partitioner_tag", "stack_trace") if k in first.meta})
+_PERMUTES = frozenset({aten.permute.default, aten.t.default, aten.transpose.int})
+
+
+def _param_key(m: Unshard) -> tuple[int, int]:
+    return (m.module_key, m.param_index)
+
+
+def _amaxes(b: NodeBuilder, shards: dict[tuple[int, int], fx.Node], groups: dict[tuple[int, int], str],
+            dtypes: dict[tuple[int, int], torch.dtype]) -> dict[tuple[int, int], fx.Node]:
+    """Each parameter's global amax: its shard's (of its rows and a zero: a
+    rank may hold none), all-reduced (``max``) with the other parameters' on
+    its group in one collective, in float64 (exact for every float dtype)."""
+    out: dict[tuple[int, int], fx.Node] = {}
+    for group in dict.fromkeys(groups.values()):
+        keys = [k for k in shards if groups[k] == group]
         local = []
-        for r in reads:
-            flat = b(aten.view.default, b(aten.abs.default, _shard(b, Unshard.parse(r.marker))), [-1])
+        for k in keys:
+            flat = b(aten.view.default, b(aten.abs.default, shards[k]), [-1])
             padded = b(aten.constant_pad_nd.default, flat, [0, 1])
-            local.append(b(aten.max.default, b(prims.convert_element_type.default, padded, torch.float32)))
-        ones = [b(aten.view.default, x, [1]) for x in local]
-        both = b(aten.cat.default, ones) if len(ones) > 1 else ones[0]
-        summed = b(WAIT, b(AR, both, "max", m0.group_name))
-        out = []
-        for i, r in enumerate(reads):
-            amax = b(aten.select.int, summed, 0, i)
-            dtype = r.amax_dtype
-            out.append(amax if dtype == torch.float32 else b(prims.convert_element_type.default, amax, dtype))
-        return out
+            wide = b(prims.convert_element_type.default, b(aten.max.default, padded), torch.float64)
+            local.append(b(aten.view.default, wide, [1]))
+        both = b(aten.cat.default, local) if len(local) > 1 else local[0]
+        summed = b(WAIT, b(AR, both, "max", group))
+        for i, k in enumerate(keys):
+            out[k] = b(prims.convert_element_type.default, b(aten.select.int, summed, 0, i), dtypes[k])
+    return out
 
 
-def _rewrite(graph: fx.Graph, read: _Read, amax: fx.Node) -> None:
-    marker = read.marker
-    m = Unshard.parse(marker)
-    with graph.inserting_before(marker):
-        b = NodeBuilder(graph, {k: marker.meta[k] for k in ("partitioner_tag", "stack_trace") if k in marker.meta})
-        replay = _Replay(b, read, _shard(b, m), amax)
-        gathered: dict[fx.Node, fx.Node] = {}
-        for cast, leaf in read.casts.items():
-            q = replay.emit(cast)
-            if q not in gathered:
-                wire = b(aten.view.dtype, q, torch.uint8)
-                fields = dataclasses.replace(m, shard=wire, param_dtype=None).values()
-                full = b(Unshard.op().default, **fields)
-                gathered[q] = b(aten.view.dtype, full, q.meta["val"].dtype)
-            out = gathered[q]
-            for view in read.views[leaf]:
-                out = b(view.target, out, *view.args[1:], **view.kwargs)
-            cast.replace_all_uses_with(out)
-        # A scale read outside the cast (the matmul's dequantization) reads the shard's.
-        for n in [n for n in read.chain if _is_scalar(n) and not read._amax(n)]:
-            n.replace_all_uses_with(replay.emit(n), delete_user_cb=lambda u: u not in read.chain)
-    dead = list({n: None for n in (*read.casts, *read.chain, *read.views)})
-    while dead:
-        gone = [n for n in dead if not n.users]
-        if not gone:
-            break
-        erase_nodes(graph, gone)
-        dead = [n for n in dead if n not in gone]
+def _rewrite(graph: fx.Graph, reads: list[_Read]) -> None:
+    """Everything on the shards at the graph's start (only graph inputs are
+    read: the gathers stay free to move as any other), then each read's
+    float8 gather in its place."""
+    start = next(n for n in graph.nodes if n.op != "placeholder")
+    parsed = {r: Unshard.parse(r.marker) for r in reads}
+    with graph.inserting_before(start):
+        b = NodeBuilder(graph)
+        shards: dict[tuple[int, int], fx.Node] = {}
+        for r, m in parsed.items():
+            if _param_key(m) not in shards:
+                shards[_param_key(m)] = _shard(b, m)
+        groups = {_param_key(m): m.group_name for m in parsed.values()}
+        dtypes = {_param_key(m): r.amax_dtype for r, m in parsed.items()}
+        amaxes = _amaxes(b, shards, groups, dtypes)
+        replays = {k: _Replay(b, shards[k], amaxes[k]) for k in shards}
+        wires: dict[fx.Node, fx.Node] = {}
+        for r, m in parsed.items():
+            replay = replays[_param_key(m)]
+            for cast in r.casts:
+                q = replay.emit(cast, r)
+                if q not in wires:
+                    wires[q] = b(aten.view.dtype, q, torch.uint8)
+            # A scale read outside the cast (the matmul's dequantization) reads the shard's.
+            for n in [n for n in r.chain if _is_scalar(n) and not r._amax(n)]:
+                n.replace_all_uses_with(replay.emit(n, r), delete_user_cb=lambda u, r=r: u not in r.chain)
+    for r, m in parsed.items():
+        replay = replays[_param_key(m)]
+        with graph.inserting_before(r.marker):
+            b = NodeBuilder(graph, {k: r.marker.meta[k] for k in ("partitioner_tag", "stack_trace")
+                                    if k in r.marker.meta})
+            gathered: dict[fx.Node, fx.Node] = {}
+            for cast, leaf in r.casts.items():
+                q = replay.emit(cast, r)
+                if q not in gathered:
+                    fields = dataclasses.replace(m, shard=wires[q], param_dtype=None).values()
+                    gathered[q] = b(aten.view.dtype, b(Unshard.op().default, **fields), q.meta["val"].dtype)
+                out = gathered[q]
+                for view in r.views[leaf]:
+                    out = b(view.target, out, *view.args[1:], **view.kwargs)
+                cast.replace_all_uses_with(out)
+        dead = list({n: None for n in (*r.casts, *r.chain, *r.views)})
+        while dead:
+            gone = [n for n in dead if not n.users]
+            if not gone:
+                break
+            erase_nodes(graph, gone)
+            dead = [n for n in dead if n not in gone]
 
 
 def cast_before_gather(gm: fx.GraphModule) -> CastGatherReport:
     """Moves each read's float8 casts in front of its gather ([Note: Float8
     weights cast before their gather in graphs])."""
     report = CastGatherReport()
-    by_group: dict[tuple[int, str], list[_Read]] = {}
+    reads: list[_Read] = []
     order = node_order(gm.graph)
     for marker in [n for n in gm.graph.nodes if is_unshard(n)]:
         try:
@@ -330,17 +377,18 @@ def cast_before_gather(gm: fx.GraphModule) -> CastGatherReport:
             continue
         read = _Read(marker)
         reason = read.match(order)
+        if reason is None and _shard_views(m) is None:
+            reason = "its shard is not a view of a graph input"
         if reason == "no float8 cast":
             continue
         if reason is not None:
             report.kept[name] = reason
             continue
-        by_group.setdefault((m.module_key, m.group_name), []).append(read)
-        report.moved.append(name)
-    for reads in by_group.values():
-        for read, amax in zip(reads, _amaxes(gm.graph, reads)):
-            _rewrite(gm.graph, read, amax)
-    if report.changed:
+        reads.append(read)
+        if name not in report.moved:
+            report.moved.append(name)
+    if reads:
+        _rewrite(gm.graph, reads)
         gm.graph.lint()
         gm.recompile()
     return report

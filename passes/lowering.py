@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp.core import copy_out
-from compiled_fsdp.core.layout import ShardSpec, cast, joined_shapes, reduce_input, split_reduced
+from compiled_fsdp.core.layout import ShardSpec, bucket_offsets, cast, joined_shapes, reduce_input, split_reduced
 from compiled_fsdp.core.marker import Regather
 
 from ._emit import emit_all_reduce, emit_gather, emit_pack_grads, emit_reduce, emit_unpack
@@ -446,13 +446,21 @@ def _gather_bytes(b: NodeBuilder, plan: BucketPlan, sources: list[fx.Node]) -> l
     for s, src in zip(plan.slots, sources):
         spec = s.args.spec
         dtype = _comm_dtype("gather", s)
-        rows = b(aten.view.default, cast(b, src, dtype), [b.value(src).shape[0], math.prod(spec.rest)])
+        shard = cast(b, src, dtype)
+        if src.op != "placeholder":  # (a permuted view: Shard(d > 0); decided alike on every rank)
+            shard = b(aten.clone.default, shard, memory_format=torch.contiguous_format)
+        rows = b(aten.view.default, shard, [b.value(src).shape[0], math.prod(spec.rest)])
         wire.append(b(aten.view.dtype, rows, torch.uint8))
         specs.append(ShardSpec((spec.dim0, math.prod(spec.rest) * dtype.itemsize), plan.world_size))
     waited = b(c10d.wait_tensor.default, emit_gather(b, wire, specs, [None] * len(specs), plan.world_size,
                                                      plan.group_name))
-    return [b(aten.view.default, b(aten.view.dtype, full, _comm_dtype("gather", s)), list(s.args.spec.full_shape))
-            for s, full in zip(plan.slots, emit_unpack(b, waited, specs))]
+    fulls = []
+    for s, full, offset in zip(plan.slots, emit_unpack(b, waited, specs), bucket_offsets(specs)):
+        dtype = _comm_dtype("gather", s)
+        if offset % dtype.itemsize:  # (a view at an odd byte: one rank, nothing copied it out)
+            full = b(aten.clone.default, full, memory_format=torch.contiguous_format)
+        fulls.append(b(aten.view.default, b(aten.view.dtype, full, dtype), list(s.args.spec.full_shape)))
+    return fulls
 
 
 def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
