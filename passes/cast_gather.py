@@ -17,9 +17,14 @@ cast in front of the gather, on the joint graph before the lowering:
 
 - the amax becomes the shard's own amax (of its rows and a zero, so a rank
   holding none still takes part) and a ``max`` all-reduce over the shard
-  group: exactly the global amax, as FSDP2's pre-hook computes it;
+  group, one for all the graph's reads: exactly the global amax, as FSDP2's
+  pre-hook computes it;
 - the scalar chain and the elementwise cast run on the shard (elementwise
-  ops commute with the gather, row by row);
+  ops commute with the gather, row by row); these run at the graph's start,
+  where they read only graph inputs (the shard is made again from its input
+  there, through ``movedim`` for ``Shard(d > 0)``), so the gather that
+  follows is free to move as any other (a collective at each read was a
+  barrier to the schedule);
 - the float8 shard is gathered as bytes (``uint8``: gloo has no float8) by
   an ``unshard`` marker of its own, viewed back as float8, and the views
   that led from the marker to the cast are replayed on it.
