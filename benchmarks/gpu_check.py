@@ -19,7 +19,8 @@ sim      An 8-GPU job simulated on the one GPU: torch's fake process group at
          per-block compile. Per-rank peak memory and tokens/s per GPU.
 f8offload (only when named; needs torchao) torchtitan's per-block pattern at
          world size 1: torchao float8 linears gathered as float8, then CPU
-         offload, each under ours and FSDP2: step, tokens/s, peak memory.
+         offload, each under ours and FSDP2: step, tokens/s, peak memory;
+         and ours float8 compiled whole (the cast moved before the gather).
 predict  The step at 8 GPUs (one node, NVLink) and 64 (8 nodes, network):
          one block's and the head's measured compute fed through the
          project's timeline model (benchmarks/predict.py): how much

@@ -11,6 +11,9 @@ Kinds (see gpu_check.py's docstring for what each row means):
   sim_fsdp2        fsdp2_blocks under the same fake group
   block_times      one block and the head of the simulated model, unsharded and
                    compiled, timed forward and backward (the timeline prediction's input)
+  f8_ours_compiled torchao float8 linears (not the output), torch.compile(model):
+                   the cast moved before each in-graph gather ([Note: Float8
+                   weights cast before their gather in graphs])
   f8_ours_blocks   torchao float8 linears (not the output), gathered as float8,
                    each block compiled on its own (torchao's scale precompute
                    after each step); real float8 matmuls on the GPU
@@ -43,7 +46,8 @@ import llama  # noqa: E402
 
 WS1_KINDS = ("floor", "ours_compiled", "ours_eager", "fsdp2_blocks")
 SIM_KINDS = ("sim_ours", "sim_fsdp2")
-F8_OFFLOAD_KINDS = ("f8_ours_blocks", "f8_fsdp2_blocks", "offload_ours_blocks", "offload_fsdp2_blocks")
+F8_OFFLOAD_KINDS = ("f8_ours_compiled", "f8_ours_blocks", "f8_fsdp2_blocks", "offload_ours_blocks",
+                    "offload_fsdp2_blocks")
 KINDS = WS1_KINDS + SIM_KINDS + F8_OFFLOAD_KINDS + ("block_times",)
 
 
@@ -149,11 +153,13 @@ def _build_f8_offload(kind: str, model: nn.Module, backend: str, device: torch.d
         shard, mp = fully_shard, fsdp2_mp
     if kind.startswith("offload_"):
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    whole = kind.endswith("_compiled")
     for block in model.layers:
-        block.compile(backend=backend)
+        if not whole:
+            block.compile(backend=backend)
         shard(block, mp_policy=mp, **kw)
     shard(model, mp_policy=mp, **kw)
-    return model, model
+    return model, torch.compile(model, backend=backend) if whole else model
 
 
 def _after_optimizer(kind: str, model: nn.Module) -> None:
