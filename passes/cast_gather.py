@@ -188,8 +188,10 @@ class _Read:
             for cast in [n] if _is_copy_to(n) in FLOAT8 else _casts_below(n):
                 seen: dict[fx.Node, None] = {}
                 leaf: list[fx.Node] = []
+                outside = dict(self.outside)
                 if not self._elementwise(cast.args[0], seen, leaf) or len(set(leaf)) != 1:
-                    return f"{cast.name}: not an elementwise float8 cast of one view"
+                    self.outside = outside
+                    continue  # (a cast of something else: the activation a norm's weight scales)
                 self.casts[cast] = leaf[0]
                 self.chain.update(seen)
         if not self.casts:
