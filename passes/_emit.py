@@ -3,10 +3,24 @@ all-gather and its gradient reduce, built from the layout functions of
 compiled_fsdp/core/layout.py ([Note: Bucket layout]). The bucket lowering
 (lowering.py) and the handoff between blocks' graphs (handoff.py) both use
 them. A handoff's take its ``live`` flag: [Note: A stand-in for the last
-block's next] in compiled_fsdp/core/gated.py."""
+block's next] in compiled_fsdp/core/gated.py.
+
+[Note: Byte buckets]
+A gather bucket whose parameters gather in different dtypes (a float8
+weight's bytes beside its block's norm: [Note: Float8 weights cast before
+their gather in graphs] in cast_gather.py) moves their bytes: each shard,
+cast to its compute dtype, is viewed ``[rows, bytes per row]`` as ``uint8``
+and packed as a parameter of that shape, so the rows pad and cut as any
+shard's do, and each gathered piece is viewed back. One collective per
+bucket, as the eager runtime's extension gather sends it (ext_gather.py).
+Not for a gather issued ahead or one an int ``reshard_after_forward`` keeps
+a part of: those modules fall back (lowering.py). Tested by
+tests/test_passes_fx.py and tests/test_float8.py.
+"""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -17,6 +31,7 @@ from compiled_fsdp.core import copy_out
 from compiled_fsdp.core.layout import (
     ShardSpec,
     bucket_offsets,
+    cast,
     joined_shapes,
     pack_grads,
     pack_shards,
@@ -26,6 +41,8 @@ from compiled_fsdp.core.layout import (
 
 from .cost_model import A2A, A2A_IF, AG, AG_IF, AR, AR_IF, RS, RS_IF, WAIT
 from .graph import NodeBuilder
+
+aten = torch.ops.aten
 
 
 def _issue(b: NodeBuilder, op: object, gated: object, live: fx.Node | None, *args: object) -> fx.Node:
@@ -106,3 +123,27 @@ def emit_all_reduce(b: NodeBuilder, summed: fx.Node, group_name: str, live: fx.N
     """HSDP: the reduced ``[T]`` summed over the replicas (``all_reduce`` on
     the replicate group), waited."""
     return b(WAIT, _issue(b, AR, AR_IF, live, summed, "sum", group_name))
+
+
+def emit_gather_bytes(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[ShardSpec],
+                      dtypes: Sequence[torch.dtype], world_size: int, group_name: str) -> list[fx.Node]:
+    """[Note: Byte buckets]: each shard cast to its compute dtype (``dtypes``),
+    viewed ``[rows, bytes per row]`` in ``uint8``, gathered in one bucket,
+    waited, and each full value viewed back."""
+    wire, byte_specs = [], []
+    for shard, spec, dtype in zip(shards, specs, dtypes):
+        rows = b.value(shard).shape[0]
+        x = cast(b, shard, dtype)
+        if shard.op != "placeholder":  # (a permuted view: Shard(d > 0); decided alike on every rank)
+            x = b(aten.clone.default, x, memory_format=torch.contiguous_format)
+        x = b(aten.view.default, x, [rows, math.prod(spec.rest)])
+        wire.append(b(aten.view.dtype, x, torch.uint8))
+        byte_specs.append(ShardSpec((spec.dim0, math.prod(spec.rest) * dtype.itemsize), world_size))
+    waited = b(WAIT, emit_gather(b, wire, byte_specs, [None] * len(byte_specs), world_size, group_name))
+    fulls = []
+    for full, spec, dtype, offset in zip(emit_unpack(b, waited, byte_specs), specs, dtypes,
+                                         bucket_offsets(byte_specs)):
+        if offset % dtype.itemsize:  # (a view at an odd byte: one rank, nothing copied it out)
+            full = b(aten.clone.default, full, memory_format=torch.contiguous_format)
+        fulls.append(b(aten.view.default, b(aten.view.dtype, full, dtype), list(spec.full_shape)))
+    return fulls

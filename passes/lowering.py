@@ -21,17 +21,6 @@ marker produced a ``reduce_grad`` and AOTAutograd summed their outputs with
 once, which is what the eager runtime does (autograd accumulates into the
 unsharded grad before its reduce-scatter). The ``add`` tree is removed.
 
-[Note: Byte buckets]
-A gather bucket whose parameters gather in different dtypes (a float8
-weight's bytes beside its block's norm: [Note: Float8 weights cast before
-their gather in graphs] in cast_gather.py) moves their bytes: each shard,
-cast to its compute dtype, is viewed ``[rows, bytes per row]`` as ``uint8``
-and packed as a parameter of that shape, so the rows pad and cut as any
-shard's do, and each gathered piece is viewed back. One collective per
-bucket, as the eager runtime's extension gather sends it (ext_gather.py).
-Not for a gather issued ahead or one an int ``reshard_after_forward`` keeps
-a part of: those modules fall back. Tested by tests/test_float8.py.
-
 [Note: Fallback per module]
 When a module's markers cannot be bucketed (symbolic shapes, mixed dtypes,
 inconsistent arguments, a grad that escapes the accumulation tree), that
@@ -42,7 +31,6 @@ collectives, just unbucketed. The report lists the reason.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from typing import Literal
 
@@ -50,10 +38,10 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp.core import copy_out
-from compiled_fsdp.core.layout import ShardSpec, bucket_offsets, cast, joined_shapes, reduce_input, split_reduced
+from compiled_fsdp.core.layout import joined_shapes, reduce_input, split_reduced
 from compiled_fsdp.core.marker import Regather
 
-from ._emit import emit_all_reduce, emit_gather, emit_pack_grads, emit_reduce, emit_unpack
+from ._emit import emit_all_reduce, emit_gather, emit_gather_bytes, emit_pack_grads, emit_reduce, emit_unpack
 from .bucketing import merge_small_buckets
 from .config import overlap
 from .graph import (
@@ -138,7 +126,7 @@ class BucketPlan:
 
     @property
     def as_bytes(self) -> bool:
-        """Whether the bucket gathers its slots as their bytes: [Note: Byte buckets]."""
+        """Whether the bucket gathers its slots as their bytes: [Note: Byte buckets] in _emit.py."""
         return self.kind == "gather" and len({_comm_dtype(self.kind, s) for s in self.slots}) > 1
 
     @property
@@ -410,7 +398,8 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
                        plan.module_key, plan.slots[0].args.param_dtype)
         elif plan.as_bytes:
             waited = None
-            fulls = _gather_bytes(b, plan, sources)
+            fulls = emit_gather_bytes(b, sources, specs, [_comm_dtype("gather", s) for s in plan.slots],
+                                      plan.world_size, plan.group_name)
         else:
             gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
                                    plan.world_size, plan.group_name)
@@ -436,31 +425,6 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
             while inp is not source and not inp.users:
                 inp, dead = inp.args[0], inp
                 graph.erase_node(dead)
-
-
-def _gather_bytes(b: NodeBuilder, plan: BucketPlan, sources: list[fx.Node]) -> list[fx.Node]:
-    """[Note: Byte buckets]: each slot's shard cast to its compute dtype,
-    viewed ``[rows, bytes per row]`` in ``uint8``, gathered in one bucket,
-    and viewed back."""
-    wire, specs = [], []
-    for s, src in zip(plan.slots, sources):
-        spec = s.args.spec
-        dtype = _comm_dtype("gather", s)
-        shard = cast(b, src, dtype)
-        if src.op != "placeholder":  # (a permuted view: Shard(d > 0); decided alike on every rank)
-            shard = b(aten.clone.default, shard, memory_format=torch.contiguous_format)
-        rows = b(aten.view.default, shard, [b.value(src).shape[0], math.prod(spec.rest)])
-        wire.append(b(aten.view.dtype, rows, torch.uint8))
-        specs.append(ShardSpec((spec.dim0, math.prod(spec.rest) * dtype.itemsize), plan.world_size))
-    waited = b(c10d.wait_tensor.default, emit_gather(b, wire, specs, [None] * len(specs), plan.world_size,
-                                                     plan.group_name))
-    fulls = []
-    for s, full, offset in zip(plan.slots, emit_unpack(b, waited, specs), bucket_offsets(specs)):
-        dtype = _comm_dtype("gather", s)
-        if offset % dtype.itemsize:  # (a view at an odd byte: one rank, nothing copied it out)
-            full = b(aten.clone.default, full, memory_format=torch.contiguous_format)
-        fulls.append(b(aten.view.default, b(aten.view.dtype, full, dtype), list(s.args.spec.full_shape)))
-    return fulls
 
 
 def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
