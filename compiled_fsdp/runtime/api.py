@@ -437,15 +437,37 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     for module in modules:
         install_class(module, mixin=FSDPModule)
         # (a module holding other sharded modules, a root, stays outside: its
-        # forward runs once a step, and the regions are its blocks; so does a
-        # module sharded in a list, whose group's bucket no one region holds:
-        # torchtitan's [norm, output], the output called outside the model)
-        if group is not None and group.block_regions and not (group.gathers_eagerly or group.computes_dtensors) \
-                and len(modules) == 1 and len(iter_fsdp_states(module)) == 1:
-            compiled_path().make_region(module, group)
-        elif options.block_regions and len(iter_fsdp_states(module)) > 1:
+        # forward runs once a step, and the regions are its blocks)
+        nested = len(iter_fsdp_states(module)) > 1
+        if group is not None and options.block_regions and not nested:
+            group.region_refusal = _region_refusal(group, modules)
+            if group.region_refusal is None:
+                compiled_path().make_region(module, group)
+        elif options.block_regions and nested:
             compiled_path().make_region_root(module)
     compiled_path().on_fully_shard(group)
+
+
+def _region_refusal(group: FSDPParamGroup, modules: list[nn.Module]) -> Optional[str]:
+    """Why a module that ``config.comm.block_regions`` would make a compile
+    region is none (its reads are traced in the root's graph instead), or
+    None: what ``compiled_fsdp.explain`` says of it. See [Note: Blocks as
+    compile regions] in compile/regions.py."""
+    if not group.block_regions:
+        return ("its ranks are threads (torch's multi-thread group), which share the registry a region's "
+                "gathers go through")
+    if group.casts_in_graph:
+        return ("its float8 weights are cast before their gather by the root graph's passes ([Note: Float8 "
+                "weights cast before their gather in graphs] in passes/cast_gather.py)")
+    if group.gathers_eagerly:
+        return ("its parameters are gathered by the eager runtime (an all-gather extension, or CPU offload)")
+    if group.computes_dtensors:
+        return ("its parameters compute as DTensors (tensor parallelism, dp_mesh_dims) or spmd_types-typed "
+                "tensors, which cannot cross a region's boundary")
+    if len(modules) > 1:
+        return ("it is sharded in a list with other modules (torchtitan's [norm, output]), whose bucket no one "
+                "region holds")
+    return None
 
 
 def _bucket_bytes(bucket_cap_mb: object) -> Optional[int]:

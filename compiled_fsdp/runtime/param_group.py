@@ -144,6 +144,9 @@ class FSDPParamGroup:
         # (config.comm.block_regions, agreed at fully_shard): see [Note:
         # Blocks as compile regions] in compile/regions.py.
         self.block_regions = block_regions
+        # Why ``config.comm.block_regions`` made its module no region (None: it
+        # is one, or regions are off): set at fully_shard, read by explain().
+        self.region_refusal: Optional[str] = None
         self.specs = [p.spec for p in fsdp_params]
         # See [Note: All-gather extensions] in ext_gather.py (None: none here).
         self.extension_gather = ExtensionGather(fsdp_params) if any(

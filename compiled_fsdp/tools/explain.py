@@ -61,9 +61,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
         last = state.last_path()
         if path in ("fallback", "eager") and group is not None and group.gathers_eagerly:
             reason = _EXTENSION
-        elif path == "compiled" and group is not None and group.computes_dtensors and group.block_regions \
-                and len(iter_fsdp_states(state.module)) == 1:
-            reason = _NOT_A_REGION
+        elif path == "compiled" and group is not None and group.region_refusal is not None:
+            reason = _NOT_A_REGION + group.region_refusal
         elif path == "fallback":
             if last is Path.UNTRACED:
                 reason = _UNTRACED
@@ -95,10 +94,7 @@ _REGION_UNIT = ("a compile region (config.comm.block_regions): one subgraph, tra
                 "[Note: Blocks as compile regions] in compile/regions.py",)
 
 
-_NOT_A_REGION = ("not a compile region (config.comm.block_regions): its parameters compute as DTensors (tensor "
-                 "parallelism, dp_mesh_dims) or spmd_types-typed tensors, which cannot cross a region's "
-                 "boundary; its reads are traced in the root's graph instead; see [Note: Blocks as compile "
-                 "regions] in compile/regions.py")
+_NOT_A_REGION = "not a compile region (config.comm.block_regions; its reads are traced in the root's graph): "
 
 
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
