@@ -29,15 +29,21 @@ cast in front of the gather, on the joint graph before the lowering:
   an ``unshard`` marker of its own, viewed back as float8, and the views
   that led from the marker to the cast are replayed on it.
 
+A read marked ``cast_from_shard`` (torchao's float8 weights: the graph reads
+them in their compute dtype, as FSDP2's post-hook makes them) is cast from
+the shard in its own dtype, not in ``param_dtype``: what FSDP2's pre-hook
+casts, so bf16 mixed precision with float8 stays bitwise FSDP2's.
+
 The backward's cast of the same weight (torchao recasts the saved weight for
 the input's gradient) is the same chain, so it maps to the same nodes: one
 amax all-reduce and one float8 gather a read, and the lowering's recompute
 tags regather the float8 bytes in backward where the module reshards. The
 weight's gradient still flows through the high-precision marker's
 ``reduce_grad``. Nothing is approximated: the float8 bytes and the scale are
-the ones the high-precision path computes, so the result is bitwise that
-path's (and FSDP2's, wherever torchao's two casts agree: not with
-``round_scales_to_power_of_2``, which only the matmul's own cast applies).
+the ones the high-precision path computes (from the shard's dtype where the
+read says so), so the result is bitwise that path's, and FSDP2's wherever
+torchao's two casts agree (not with ``round_scales_to_power_of_2``, which
+only the matmul's own cast applies).
 
 A read is rewritten only when every use of its gathered value (through
 views) is such a cast: otherwise the high-precision gather is needed anyway,
@@ -142,11 +148,6 @@ class _Read:
                 stack.extend(u for u in n.users if u.target in _SCALAR and _is_scalar(u))
         # Nodes the cast reads as they are (constants, other inputs): defined before the marker?
         self.outside: dict[fx.Node, None] = {}
-
-    @property
-    def amax_dtype(self) -> torch.dtype:
-        """The dtype of the value's amax (its compute dtype)."""
-        return self.marker.meta["val"].dtype
 
     def _amax(self, n: fx.Node) -> bool:
         if n.target not in _AMAX or not _is_scalar(n):
@@ -285,7 +286,7 @@ def _shard(b: NodeBuilder, m: Unshard) -> fx.Node:
         shard = b(view.target, shard, *view.args[1:], **view.kwargs)
     if any(v.target in _PERMUTES for v in views):
         shard = b(aten.clone.default, shard, memory_format=torch.contiguous_format)
-    if m.param_dtype is not None and m.param_dtype != shard.meta["val"].dtype:
+    if m.param_dtype is not None and m.param_dtype != shard.meta["val"].dtype and not m.cast_from_shard:
         shard = b(prims.convert_element_type.default, shard, m.param_dtype)
     return shard
 
@@ -297,11 +298,12 @@ def _param_key(m: Unshard) -> tuple[int, int]:
     return (m.module_key, m.param_index)
 
 
-def _amaxes(b: NodeBuilder, shards: dict[tuple[int, int], fx.Node], groups: dict[tuple[int, int], str],
-            dtypes: dict[tuple[int, int], torch.dtype]) -> dict[tuple[int, int], fx.Node]:
-    """Each parameter's global amax: its shard's (of its rows and a zero: a
-    rank may hold none), all-reduced (``max``) with the other parameters' on
-    its group in one collective, in float64 (exact for every float dtype)."""
+def _amaxes(b: NodeBuilder, shards: dict[tuple[int, int], fx.Node], groups: dict[tuple[int, int], str]
+            ) -> dict[tuple[int, int], fx.Node]:
+    """Each parameter's global amax, in its shard's dtype: its shard's (of its
+    rows and a zero: a rank may hold none), all-reduced (``max``) with the
+    other parameters' on its group in one collective, in float64 (exact for
+    every float dtype)."""
     out: dict[tuple[int, int], fx.Node] = {}
     for group in dict.fromkeys(groups.values()):
         keys = [k for k in shards if groups[k] == group]
@@ -314,7 +316,8 @@ def _amaxes(b: NodeBuilder, shards: dict[tuple[int, int], fx.Node], groups: dict
         both = b(aten.cat.default, local) if len(local) > 1 else local[0]
         summed = b(WAIT, b(AR, both, "max", group))
         for i, k in enumerate(keys):
-            out[k] = b(prims.convert_element_type.default, b(aten.select.int, summed, 0, i), dtypes[k])
+            out[k] = b(prims.convert_element_type.default, b(aten.select.int, summed, 0, i),
+                       shards[k].meta["val"].dtype)
     return out
 
 
@@ -331,8 +334,7 @@ def _rewrite(graph: fx.Graph, reads: list[_Read]) -> None:
             if _param_key(m) not in shards:
                 shards[_param_key(m)] = _shard(b, m)
         groups = {_param_key(m): m.group_name for m in parsed.values()}
-        dtypes = {_param_key(m): r.amax_dtype for r, m in parsed.items()}
-        amaxes = _amaxes(b, shards, groups, dtypes)
+        amaxes = _amaxes(b, shards, groups)
         replays = {k: _Replay(b, shards[k], amaxes[k]) for k in shards}
         wires: dict[fx.Node, fx.Node] = {}
         for r, m in parsed.items():

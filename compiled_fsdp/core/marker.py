@@ -235,6 +235,10 @@ class Unshard(_ParamMarker, _OneParameter):
     # same shards ([Note: Gathers issued ahead of compile regions] in
     # compile/regions.py).
     take_ahead: bool = _arg("bool", False)
+    # A float8 cast of the read is taken from the shard in its own dtype, not
+    # in ``param_dtype``, as FSDP2's all-gather extension casts it ([Note:
+    # Float8 weights cast before their gather in graphs] in passes/cast_gather.py).
+    cast_from_shard: bool = _arg("bool", False)
 
     @property
     def post_forward(self) -> Optional[tuple[str, int, int]]:
