@@ -36,7 +36,7 @@ casts, so bf16 mixed precision with float8 stays bitwise FSDP2's.
 
 The backward's cast of the same weight (torchao recasts the saved weight for
 the input's gradient) is the same chain, so it maps to the same nodes: one
-amax all-reduce and one float8 gather a read, and the lowering's recompute
+float8 gather a read, and the lowering's recompute
 tags regather the float8 bytes in backward where the module reshards. The
 weight's gradient still flows through the high-precision marker's
 ``reduce_grad``. Nothing is approximated: the float8 bytes and the scale are
@@ -48,8 +48,9 @@ only the matmul's own cast applies).
 A read is rewritten only when every use of its gathered value (through
 views) is such a cast: otherwise the high-precision gather is needed anyway,
 and the read is left as it is. Reads handed over between graphs or issued
-ahead (blocks compiled on their own, compile regions) are not rewritten:
-those groups run the eager runtime's extension gather. Tested by
+ahead (blocks compiled on their own, compile regions) are left as they are
+too (a torchao float8 weight is not read in those graphs: its group runs the
+eager runtime's extension gather there). Tested by
 tests/test_float8.py and tests/test_passes_fx.py.
 """
 
