@@ -38,6 +38,10 @@ The backward's cast of the same weight (torchao recasts the saved weight for
 the input's gradient) is the same chain, so it maps to the same nodes: one
 float8 gather a read, and the lowering's recompute
 tags regather the float8 bytes in backward where the module reshards. The
+nodes on the shards are tagged to be recomputed too (all but the amaxes'
+all-reduce, which the partitioner saves): backward casts the shard again
+from the fp32 shard, a graph input, rather than keeping every float8 shard
+from forward (a quarter of the fp32 shards of those weights). The
 weight's gradient still flows through the high-precision marker's
 ``reduce_grad``. Nothing is approximated: the float8 bytes and the scale are
 the ones the high-precision path computes (from the shard's dtype where the
@@ -61,6 +65,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp.core.marker import Unshard
 
@@ -75,6 +80,7 @@ from .graph import (
     node_order,
     parse_marker,
 )
+from .recompute import FSDP_AC_GRAPH_ID
 
 prims = torch.ops.prims
 
@@ -347,6 +353,10 @@ def _rewrite(graph: fx.Graph, reads: list[_Read]) -> None:
             # A scale read outside the cast (the matmul's dequantization) reads the shard's.
             for n in [n for n in r.chain if _is_scalar(n) and not r._amax(n)]:
                 n.replace_all_uses_with(replay.emit(n, r), delete_user_cb=lambda u, r=r: u not in r.chain)
+    for n in b.created:  # (made again in backward from the shards and the all-reduced amaxes, not saved)
+        if n.target not in (AR, WAIT):
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = FSDP_AC_GRAPH_ID
     for r, m in parsed.items():
         replay = replays[_param_key(m)]
         with graph.inserting_before(r.marker):

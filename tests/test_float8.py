@@ -21,7 +21,7 @@ import compiled_fsdp
 from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
-from _graphs import AG, GraphCapture
+from _graphs import AG, GraphCapture, saved_gathered
 from _parity import full_diff, full_params, reference_grads
 
 pytest.importorskip("torchao.float8")
@@ -120,6 +120,10 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     if mode == "aot_eager":
         out["graph_gathered"] = _graph_gathers(capture)
         out["graphs_captured"] = (len(capture.forward), len(capture.backward))
+        # What the forward saves for backward that is gathered, or a float8 shard (bytes).
+        out["saved"] = [saved_gathered(g) for g in capture.forward]
+        outs = [a for g in capture.forward for a in g.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
+        out["saved_bytes"] = [a.name for a in outs if getattr(a.meta.get("val"), "dtype", None) == torch.uint8]
         # The same model gathered plainly: torchao casts its plain weights in the graph all the same.
         plain, capture = build(hidden, float8_all_gather=False), GraphCapture()
         _shard(plain, fully_shard)
@@ -186,6 +190,8 @@ def test_float8_all_gather(mode: str) -> None:
         want = root + norms + _float8_bytes(hidden, 2)
         if mode == "aot_eager":  # (in graphs: one forward, one backward, each run once a step)
             assert res["graphs_captured"] == (1, 1), res
+            # (the float8 shards are cast again in backward from the fp32 shards: nothing kept)
+            assert res["saved"] == [[]] and res["saved_bytes"] == [], res
             assert res["graph_gathered"] == res["plain_graph_gathered"] == want, res
             assert res["plain_worst"] == 0.0, res
         elif mode != "inductor":
