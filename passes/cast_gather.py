@@ -73,7 +73,6 @@ from .cost_model import AR, WAIT
 from .graph import (
     NodeBuilder,
     aten,
-    erase_nodes,
     is_layout_op,
     is_tangent,
     is_unshard,
@@ -269,6 +268,9 @@ class _Replay:
         return self.memo[k]
 
 
+_PERMUTES = frozenset({aten.permute.default, aten.t.default, aten.transpose.int})
+
+
 def _shard_views(m: Unshard) -> Optional[list[fx.Node]]:
     """The layout ops from a graph input to the marker's shard (a parameter
     sharded on another dim than 0 is read through ``movedim``), or None
@@ -296,9 +298,6 @@ def _shard(b: NodeBuilder, m: Unshard) -> fx.Node:
     if m.param_dtype is not None and m.param_dtype != shard.meta["val"].dtype and not m.cast_from_shard:
         shard = b(prims.convert_element_type.default, shard, m.param_dtype)
     return shard
-
-
-_PERMUTES = frozenset({aten.permute.default, aten.t.default, aten.transpose.int})
 
 
 def _param_key(m: Unshard) -> tuple[int, int]:
@@ -372,13 +371,12 @@ def _rewrite(graph: fx.Graph, reads: list[_Read]) -> None:
                 for view in r.views[leaf]:
                     out = b(view.target, out, *view.args[1:], **view.kwargs)
                 cast.replace_all_uses_with(out)
-        dead = list({n: None for n in (*r.casts, *r.chain, *r.views)})
-        while dead:
-            gone = [n for n in dead if not n.users]
-            if not gone:
-                break
-            erase_nodes(graph, gone)
-            dead = [n for n in dead if n not in gone]
+    # What the reads no longer use, users first (one graph order for all reads).
+    order = node_order(graph)
+    replaced = {n: None for r in reads for n in (*r.casts, *r.chain, *r.views)}
+    for n in sorted(replaced, key=order.__getitem__, reverse=True):
+        if not n.users:
+            graph.erase_node(n)
 
 
 def cast_before_gather(gm: fx.GraphModule) -> CastGatherReport:

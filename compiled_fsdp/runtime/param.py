@@ -304,7 +304,7 @@ class FSDPParam:
         """``local_shard`` as a compiled graph reads it: a float8 weight's
         high-precision rows ([Note: Float8 weights cast before their gather in
         graphs] in passes/cast_gather.py)."""
-        local = self.sharded._local_tensor
+        local = self.local_shard()
         return local._tensor if self.extension is not None and self.extension.casts_in_graph else local
 
     def add_grad(self, grad: torch.Tensor) -> None:
