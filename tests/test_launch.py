@@ -1,11 +1,13 @@
 """The multi-rank launcher the tests and the checker use: a rank that aborts
-at teardown fails the call, even after returning its value; the tests' fork
-server starts ranks under the environment they were called in."""
+at teardown fails the call, even after returning its value; a rank that
+crashes is reported first, with its own stderr; the tests' fork server starts
+ranks under the environment they were called in."""
 from __future__ import annotations
 
 import atexit
 import multiprocessing
 import os
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,16 @@ def _abort_at_exit_rank(rank: int, world: int) -> int:
     return rank
 
 
+def _crash_rank(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 1:
+        print("rank 1 about to crash", file=sys.stderr, flush=True)
+        os.abort()  # as glibc aborts on a corrupted heap
+    dist.barrier()  # rank 0 then fails in gloo, because rank 1 is gone
+    return rank
+
+
 def _fine_rank(rank: int, world: int) -> int:
     return rank
 
@@ -33,8 +45,23 @@ def test_teardown_abort_fails_the_call() -> None:
     # A spawned rank (the launcher's default) runs the interpreter's teardown, where the abort happens.
     # (spawned ranks returning results: test_fork_server_follows_the_environment)
     spawn = multiprocessing.get_context("spawn")
-    with pytest.raises(RuntimeError, match="rank 1 returned a result but exited with code -6"):
+    with pytest.raises(RuntimeError, match="rank 1 returned a result but exited \\(killed by SIGABRT\\)"):
         launch(_abort_at_exit_rank, 2, timeout=120, context=spawn)
+
+
+def test_a_crashed_rank_is_reported_first_with_its_stderr(capfd: pytest.CaptureFixture) -> None:
+    """A rank killed by a signal fails the call with the end of its stderr
+    (here faulthandler's stack of the crash; glibc's message where glibc
+    aborted), ahead of the errors it caused on its peers (CI once showed only
+    rank 0's "Connection reset by peer" and "rank 1: no result (exit code -6)")."""
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_crash_rank, 2, timeout=120)
+    message = str(info.value)
+    assert message.startswith("rank 1: no result (killed by SIGABRT); the end of its stderr:"), message
+    assert "rank 1 about to crash" in message and "Fatal Python error: Aborted" in message, message
+    assert "_crash_rank" in message, message  # the crashing frame
+    assert message.index("rank 1: no result") < message.index("rank 0 raised"), message
+    assert "----- rank 1 stderr -----" in capfd.readouterr().err
 
 
 def test_fork_server_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

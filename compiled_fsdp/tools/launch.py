@@ -8,6 +8,8 @@ import faulthandler
 import gc
 import os
 import pickle
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -19,6 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 300.0
+# Lines of a crashed rank's stderr its error quotes (all of it is on stderr).
+_TAIL_LINES = 80
 
 
 def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable, args: tuple) -> None:
@@ -36,6 +40,12 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     exit when the modules happened to be torn down in the wrong order).
     ``faulthandler`` prints every thread's Python stack if a rank aborts
     anyway."""
+    # This rank's stderr (glibc's heap messages and faulthandler's stacks
+    # included) goes to a file the launcher reads back: see ``_report``.
+    sys.stderr.flush()
+    fd = os.open(_err_path(result_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     # One Inductor compile thread per rank (the ranks already share the cores).
@@ -57,6 +67,36 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
         result = {"ok": False, "error": traceback.format_exc()}
     with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+
+
+def _err_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.err")
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def _report(result_dir: str, world_size: int) -> dict[int, str]:
+    """Each rank's stderr, copied to this process's stderr (where pytest
+    captures it), and returned by rank."""
+    out = {}
+    for r in range(world_size):
+        try:
+            with open(_err_path(result_dir, r), errors="replace") as f:
+                text = f.read()
+        except FileNotFoundError:
+            text = ""
+        if text:
+            sys.stderr.write(f"----- rank {r} stderr -----\n{text}")
+        out[r] = text
+    sys.stderr.flush()
+    return out
 
 
 def _wait_for_peers(store: dist.Store, rank: int, world_size: int, timeout_s: float = 15.0) -> None:
@@ -110,12 +150,17 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if p.is_alive():
                 p.kill()
                 p.join()
+        stderr = _report(tmp, world_size)
         results = []
-        errors = []
+        errors, crashes = [], []
         for r in range(world_size):
             path = os.path.join(tmp, f"rank{r}.pkl")
             if not os.path.exists(path):
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                # A crash: its own stderr says where (glibc, faulthandler), and
+                # comes first: the other ranks' errors follow from it.
+                tail = "\n".join(stderr[r].splitlines()[-_TAIL_LINES:])
+                crashes.append(f"rank {r}: no result ({_exit_reason(procs[r].exitcode)}); "
+                               f"the end of its stderr:\n{tail}")
                 continue
             with open(path, "rb") as f:
                 res = pickle.load(f)
@@ -123,9 +168,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 errors.append(f"rank {r} raised:\n{res['error']}")
             elif procs[r].exitcode != 0 and r not in hung:
                 # a crash after the result was written, e.g. an abort at interpreter teardown
-                errors.append(f"rank {r} returned a result but exited with code {procs[r].exitcode}")
+                errors.append(f"rank {r} returned a result but exited ({_exit_reason(procs[r].exitcode)})")
             else:
                 results.append(res["value"])
+        errors = crashes + errors
         if hung:
             raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s (a hang); killed.\n"
                                + "\n".join(errors))
