@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import warnings
 import weakref
@@ -85,6 +86,7 @@ __all__ = [
     "end_callback_raised",
     "fix_rng_state_order",
     "from_local_takes_grad_placements",
+    "nested_compile_region",
     "never_a_frame",
     "post_grad_passes",
     "post_grad_value",
@@ -497,6 +499,18 @@ def torch_policy_classes() -> tuple[type, type, type]:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     return MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
+
+
+def nested_compile_region(fn: Callable[..., Any], options: Any) -> Callable[..., Any]:
+    """``torch.compiler.nested_compile_region`` with no cap on the variants
+    Dynamo keeps of one region: 2.15 raises at the ninth (its
+    ``max_reuse_entries``), where blocks of one class differ in shape (each
+    is traced and compiled as its own variant then, as in one graph);
+    2.11 and 2.13 have no cap."""
+    region = torch.compiler.nested_compile_region
+    if "max_reuse_entries" in inspect.signature(region).parameters:
+        return region(fn, options=options, max_reuse_entries=2**31)
+    return region(fn, options=options)
 
 
 def cudagraph_unsafe_tags() -> tuple:
