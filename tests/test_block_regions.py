@@ -181,13 +181,14 @@ def _root_rank(rank: int, world: int, api: str) -> dict:
 @pytest.mark.parametrize("api", ["fully_shard", "replicate"])
 def test_a_root_is_no_region(api: str) -> None:
     """The root alone sharded (``fully_shard(model)``, ``replicate(model)``)
-    is made a region at ``fully_shard``, not yet known to be the root, and is
-    a plain module again at its first step: a graph break inside it (layers.1)
-    then splits the root's graph as without regions. Bitwise equal to the
-    reference after 3 steps under ``aot_eager``. Before, the first forward
-    raised Dynamo's ``UncapturedHigherOrderOpError`` (no root above the
-    region to fall back; found with regions on by default,
-    tests/test_hsdp.py's replicate case)."""
+    is no region (a module becomes one when a module above it is sharded): a
+    graph break inside it (layers.1) splits the root's graph as without
+    regions. Bitwise equal to the reference after 3 steps under
+    ``aot_eager``. When every sharded module without sharded ones below it
+    became a region at its own ``fully_shard``, the first forward raised
+    Dynamo's ``UncapturedHigherOrderOpError`` (no root above the region to
+    fall back; found with regions on by default, tests/test_hsdp.py's
+    replicate case)."""
     for res in run_distributed(_root_rank, 2, api, timeout=900):
         if api == "fully_shard":
             assert_close(res, 0.0)

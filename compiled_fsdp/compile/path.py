@@ -121,7 +121,6 @@ class TorchCompilePath(CompiledPath):
         frames.arm()  # (again after a torch._dynamo.reset())
         install.close_backward_windows()
         _root(ctx).backward_checked = False
-        regions.no_root_region(ctx.root.module)
         aliased = any(entry_of(g).in_region for g in ctx.groups())
         for g in ctx.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]
             entry_of(g).reset()

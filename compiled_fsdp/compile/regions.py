@@ -202,9 +202,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             entry = self.__dict__["_fsdp_region_entry"]
-            # (block.compile(): one frame per block already; a root: ``no_root_region``,
-            # whose class changed after its call had bound this forward)
-            if entry.active or not entry.in_region:
+            if entry.active:  # (block.compile(): one frame per block already)
                 return plain(self, *args, **kwargs)
             token = None
             if torch.compiler.is_dynamo_compiling():
@@ -311,18 +309,6 @@ def _falling_back(module: nn.Module, plain: Callable, args: tuple, kwargs: dict)
                 raise
             compiled_path().on_step(state.ctx)
             compat.restore_frame_callback(callback)  # (so that the forward is compiled again)
-
-
-def no_root_region(module: nn.Module) -> None:
-    """A module made a region at ``fully_shard`` that turned out to be the
-    root (nothing above it was sharded: ``replicate(model)``, a lone
-    ``fully_shard(model)``) is a plain module again, before its first trace:
-    its forward runs once a step, so a region gains nothing, and no root
-    above it would fall back from a graph break inside it (Dynamo raised
-    ``UncapturedHigherOrderOpError``: tests/test_block_regions.py::test_a_root_is_no_region)."""
-    if getattr(type(module), "_fsdp_region", False):
-        module.__class__ = type(module).__bases__[0]
-        module.__dict__["_fsdp_region_entry"].in_region = False
 
 
 def _leave_regions(module: nn.Module, cls: type) -> int:

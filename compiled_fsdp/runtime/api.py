@@ -413,7 +413,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
             replicate_group=options.replicate_group,
             # (thread ranks share the registry the regions' gathers go through: one rank's
             # prediction issued a gather the others did not, and they hung)
-            block_regions=options.block_regions and not ranks_are_threads(options.process_group),
+            block_regions=options.block_regions,
             post_forward_group=options.post_forward_group,
         )
         if bucket_bytes is not None:
@@ -438,14 +438,28 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         install_class(module, mixin=FSDPModule)
         # (a module holding other sharded modules, a root, stays outside: its
         # forward runs once a step, and the regions are its blocks)
-        nested = len(iter_fsdp_states(module)) > 1
-        if group is not None and options.block_regions and not nested:
-            group.region_refusal = _region_refusal(group, modules)
-            if group.region_refusal is None:
-                compiled_path().make_region(module, group)
-        elif options.block_regions and nested:
+        if options.block_regions and len(iter_fsdp_states(module)) > 1:
+            _make_regions_below(module)
             compiled_path().make_region_root(module)
     compiled_path().on_fully_shard(group)
+
+
+def _make_regions_below(module: nn.Module) -> None:
+    """The sharded modules below ``module`` that hold no sharded module
+    themselves (its blocks), sharded with ``config.comm.block_regions``,
+    become compile regions: only once a module above them is sharded, so
+    that a root is never one (its forward runs once a step, and no root
+    above it would fall back from a graph break inside it:
+    tests/test_block_regions.py::test_a_root_is_no_region). See [Note:
+    Blocks as compile regions] in compile/regions.py."""
+    for state in iter_fsdp_states(module):
+        group = state.param_group
+        if state.module is module or group is None or not group.block_regions or group.region_refusal \
+                or len(iter_fsdp_states(state.module)) > 1:
+            continue
+        group.region_refusal = _region_refusal(group, state.modules)
+        if group.region_refusal is None:
+            compiled_path().make_region(state.module, group)
 
 
 def _region_refusal(group: FSDPParamGroup, modules: list[nn.Module]) -> Optional[str]:
@@ -453,7 +467,7 @@ def _region_refusal(group: FSDPParamGroup, modules: list[nn.Module]) -> Optional
     region is none (its reads are traced in the root's graph instead), or
     None: what ``compiled_fsdp.explain`` says of it. See [Note: Blocks as
     compile regions] in compile/regions.py."""
-    if not group.block_regions:
+    if ranks_are_threads(group.process_group):
         return ("its ranks are threads (torch's multi-thread group), which share the registry a region's "
                 "gathers go through")
     if group.casts_in_graph:
