@@ -40,13 +40,16 @@ class CommConfig:
     # and reduces its own, exposed). See [Note: Gathers handed to the next
     # block's graph] in compile/entry.py.
     hand_over_gathers: bool = True
-    # Read by ``fully_shard`` (every rank must agree; experimental): under
-    # ``torch.compile(model)``, each module it shards is a
+    # Read by ``fully_shard`` (every rank must agree): under
+    # ``torch.compile(model)``, each sharded module below a sharded one that
+    # holds no sharded module itself (a block) is a
     # ``torch.compiler.nested_compile_region``, so identical blocks are traced
     # and compiled once; each block's gather is issued while the block before
-    # it runs. A block compiled on its own (``block.compile()``) is
-    # unaffected. See [Note: Blocks as compile regions] in compile/regions.py.
-    block_regions: bool = False
+    # it runs. False: the whole model is one graph. A block compiled on its
+    # own (``block.compile()``) is unaffected; ``compiled_fsdp.explain`` names
+    # the modules that are no regions and why. See [Note: Blocks as compile
+    # regions] in compile/regions.py.
+    block_regions: bool = True
 
 
 comm = CommConfig()

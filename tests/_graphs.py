@@ -14,6 +14,19 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from compiled_fsdp.core.marker import MARKERS
 from compiled_fsdp.passes.graph import chain_tag
 
+
+def one_graph() -> None:
+    """For a test of one whole-model graph's structure (the collectives a
+    backend captures, its buckets, its schedule, the timeline it predicts):
+    no compile regions (``config.comm.block_regions``, on by default), whose
+    subgraphs hold the blocks' collectives. Call it first in the rank
+    function. Regions are tested by tests/test_block_regions.py, and by every
+    compiled test that does not call this."""
+    import compiled_fsdp
+
+    compiled_fsdp.config.comm.block_regions = False
+
+
 # The markers' op names, as ``str(node.target)`` prints them (the lowering's own
 # ops live in the same namespace: compiled_fsdp/core/gated.py, copy_out.py).
 MARKER_OPS = frozenset(str(m.op().default) for m in MARKERS)

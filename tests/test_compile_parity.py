@@ -9,7 +9,7 @@ from compiled_fsdp import fully_shard
 from compiled_fsdp.core import compat
 
 from _dist import run_distributed
-from _graphs import AG, MARKER_OPS, GraphCapture, count, count_reduces, resharded_gathers, saved_gathered
+from _graphs import AG, MARKER_OPS, GraphCapture, count, count_reduces, one_graph, resharded_gathers, saved_gathered
 from _models import gpt_case
 from _parity import assert_close, run_parity
 
@@ -24,6 +24,7 @@ def _shard(reshard: bool):
 
 
 def _parity_rank(rank: int, world: int, backend: str, reshard: bool, tied: bool) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     build, make_batch, loss = gpt_case(tied)
     capture = GraphCapture() if backend == "aot_eager" else None
     res = run_parity(
@@ -139,6 +140,7 @@ def test_a_second_job_hits_the_caches(tmp_path, blocks: bool) -> None:
 
 
 def _inference_rank(rank: int, world: int, backend: str, blocks: bool) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     import copy
 
     import compiled_fsdp
@@ -186,6 +188,7 @@ def test_no_grad_inference(backend: str) -> None:
 
 
 def _structure_rank(rank: int, world: int, reshard: bool) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -236,6 +239,7 @@ def test_fullgraph_structure(reshard: bool) -> None:
 
 
 def _twice_rank(rank: int, world: int) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     from _models import Twice, twice_batch, twice_loss
 
     torch._dynamo.reset()

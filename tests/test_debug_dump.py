@@ -11,6 +11,7 @@ import torch
 from compiled_fsdp import dump_graphs, fully_shard
 
 from _dist import run_distributed
+from _graphs import one_graph
 from _models import gpt_case
 
 GRAPH_FILES = [
@@ -36,6 +37,7 @@ def _train(backend: str, reset_before_compile: bool = False) -> None:
 
 
 def _env_rank(rank: int, world: int, root: str, backend: str) -> None:
+    one_graph()  # (its structure: tests/_graphs.py)
     os.environ["COMPILED_FSDP_DUMP"] = root  # read at the first fully_shard
     _train(backend)
 

@@ -10,7 +10,7 @@ from compiled_fsdp import fully_shard
 from examples.gpt import batch
 
 from _dist import run_distributed
-from _graphs import A2A, RS, GraphCapture, count
+from _graphs import A2A, RS, GraphCapture, count, one_graph
 from _models import gpt_case
 from _parity import run_parity
 
@@ -22,6 +22,7 @@ def _shard(model: torch.nn.Module) -> None:
 
 
 def _rank(rank: int, world: int, by_all_to_all: bool) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     from compiled_fsdp import config
 
     config.comm.gloo_reduce_by_all_to_all = by_all_to_all

@@ -10,7 +10,7 @@ import compiled_fsdp
 from compiled_fsdp import explain, fully_shard
 
 from _dist import run_distributed
-from _graphs import GraphCapture
+from _graphs import GraphCapture, one_graph
 from _models import break_case
 from _parity import assert_close, run_parity
 
@@ -18,6 +18,7 @@ STEPS = 4
 
 
 def _rank(rank: int, world: int, where: str, tied: bool, reshard: bool, backend: str) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     torch._dynamo.reset()
     build, make_batch, loss = break_case(where, tied)
     capture = GraphCapture()

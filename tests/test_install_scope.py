@@ -10,11 +10,12 @@ import torch
 from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
-from _graphs import MARKER_OPS
+from _graphs import MARKER_OPS, one_graph
 from _models import gpt_case
 
 
 def _scope_rank(rank: int, world: int) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 

@@ -14,7 +14,7 @@ from compiled_fsdp.core import compat
 from compiled_fsdp.tools.check_worker import shard_specs
 
 from _dist import run_distributed
-from _graphs import AG, GraphCapture, saved_gathered
+from _graphs import AG, GraphCapture, one_graph, saved_gathered
 from _models import gpt_case
 from _parity import assert_close, run_parity
 
@@ -66,6 +66,7 @@ def _gathered_bytes(capture: GraphCapture) -> int:
 
 
 def _parity_rank(rank: int, world: int, backend: Optional[str], reduce_dtype: Optional[torch.dtype]) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     build, make_batch, loss = gpt_case(True)  # tied embedding, ranks hold uneven rows
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype)
     capture = GraphCapture() if backend == "aot_eager" else None

@@ -19,7 +19,7 @@ from compiled_fsdp.passes.graph import chain_tag
 from compiled_fsdp.tools.models import batch, loss_fn, tiny
 
 from _dist import run_distributed
-from _graphs import AG, GraphCapture
+from _graphs import AG, GraphCapture, one_graph
 from _parity import full_diff, full_params, reference_grads
 
 W, N = 4, 2
@@ -99,6 +99,7 @@ def _saved_parts(fw: list) -> list[int]:
 
 
 def _rank(rank: int, world: int, mode: str) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     out: dict[str, Any] = {}

@@ -12,6 +12,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
+from _graphs import one_graph
 from _models import gpt_case
 from _parity import assert_close, run_parity
 
@@ -49,6 +50,7 @@ def _shard(per_norm: bool):
 
 
 def _aot_rank(rank: int, world: int, per_norm: bool, bucket_bytes: int) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     from compiled_fsdp.passes import config
 
     config.overlap.bucket_bytes = bucket_bytes
@@ -98,6 +100,7 @@ def _code_sequence(code: str) -> list[str]:
 
 
 def _inductor_rank(rank: int, world: int) -> dict:
+    one_graph()  # (its structure: tests/_graphs.py)
     from torch._inductor.utils import run_and_get_code
 
     from compiled_fsdp.compile.install import recording
