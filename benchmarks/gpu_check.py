@@ -9,6 +9,8 @@ ws1      World size 1, NCCL, real collectives: a Llama-style 1.1B model
          2048 tokens, bf16 compute on fp32 master weights, AdamW.
            floor          the model unsharded, compiled whole: compute only
            ours_compiled  compiled_fsdp, fully_shard per block + root, torch.compile(model)
+                          (the default: each block a compile region, compiled once)
+           ours_onegraph  the same with config.comm.block_regions = False: one graph
            ours_eager     compiled_fsdp's eager runtime
            fsdp2_blocks   FSDP2 with each block compiled (torchtitan's recipe)
          Loss diff: the largest |loss - floor's loss| over the steps (same seed, data).

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import llama  # noqa: E402
 
-WS1_KINDS = ("floor", "ours_compiled", "ours_eager", "fsdp2_blocks")
+WS1_KINDS = ("floor", "ours_compiled", "ours_onegraph", "ours_eager", "fsdp2_blocks")
 SIM_KINDS = ("sim_ours", "sim_fsdp2")
 F8_OFFLOAD_KINDS = ("f8_ours_compiled", "f8_ours_blocks", "f8_fsdp2_blocks", "offload_ours_blocks",
                     "offload_fsdp2_blocks")
@@ -111,8 +111,12 @@ def build(kind: str, cfg: llama.LlamaConfig, device: torch.device, backend: str)
         return model, torch.compile(_BF16Floor(model), backend=backend)
     if kind in F8_OFFLOAD_KINDS:
         return _build_f8_offload(kind, model, backend, device)
-    if kind in ("ours_compiled", "ours_eager", "sim_ours"):
+    if kind in ("ours_compiled", "ours_onegraph", "ours_eager", "sim_ours"):
+        import compiled_fsdp
         from compiled_fsdp import fully_shard
+
+        # (the default: each block a compile region; ours_onegraph: the whole model one graph)
+        compiled_fsdp.config.comm.block_regions = kind != "ours_onegraph"
         for block in model.layers:
             fully_shard(block, mp_policy=ours_mp)
         fully_shard(model, mp_policy=ours_mp)

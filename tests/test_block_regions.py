@@ -1,4 +1,4 @@
-"""Blocks as compile regions (``config.comm.block_regions``; experimental):
+"""Blocks as compile regions (``config.comm.block_regions``, on by default):
 ``torch.compile(model, fullgraph=True)`` of a sharded model whose identical
 blocks Dynamo traces once and every block calls as one subgraph, gathered and
 reduced inside it by the passes. See [Note: Blocks as compile regions] in

@@ -1,5 +1,5 @@
 """Blocks as compile regions: ``torch.compile(model)`` traces and compiles
-each distinct block once (``config.comm.block_regions``; experimental).
+each distinct block once (``config.comm.block_regions``, on by default).
 
 [Note: Blocks as compile regions]
 ``torch.compiler.nested_compile_region`` makes Dynamo trace a function once
