@@ -46,8 +46,8 @@ class CommConfig:
     # ``torch.compiler.nested_compile_region``, so identical blocks are traced
     # and compiled once; each block's gather is issued while the block before
     # it runs. False: the whole model is one graph. A block compiled on its
-    # own (``block.compile()``) is unaffected; ``compiled_fsdp.explain`` names
-    # the modules that are no regions and why. See [Note: Blocks as compile
+    # own (``block.compile()``) is unaffected; ``compiled_fsdp.explain`` says
+    # why a block is no region. See [Note: Blocks as compile
     # regions] in compile/regions.py.
     block_regions: bool = True
 

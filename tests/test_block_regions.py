@@ -240,9 +240,9 @@ def _variants_rank(rank: int, world: int) -> dict:
 def test_blocks_of_one_class_in_ten_shapes() -> None:
     """Ten blocks of one class, each of another width: ten variants of one
     region, each traced and compiled once, bitwise equal to the reference
-    after 2 steps under ``aot_eager``. torch 2.15 caps a region's variants at
-    8 and raised "exceeded maximum reuse entries" at the ninth block
-    (``compat.nested_compile_region`` lifts the cap)."""
+    after 2 steps under ``aot_eager``. torch 2.13 and 2.15 cap a region's
+    variants at 8 and raised "exceeded maximum reuse entries" at the ninth
+    block (``compat.nested_compile_region`` lifts the cap)."""
     for res in run_distributed(_variants_rank, 2, timeout=900):
         assert_close(res, 0.0)
         assert res["after"][-1] == [False] + [True] * 10, res["after"]

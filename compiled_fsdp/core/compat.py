@@ -503,10 +503,10 @@ def torch_policy_classes() -> tuple[type, type, type]:
 
 def nested_compile_region(fn: Callable[..., Any], options: Any) -> Callable[..., Any]:
     """``torch.compiler.nested_compile_region`` with no cap on the variants
-    Dynamo keeps of one region: 2.15 raises at the ninth (its
+    Dynamo keeps of one region: 2.13 and 2.15 raise at the ninth (their
     ``max_reuse_entries``), where blocks of one class differ in shape (each
     is traced and compiled as its own variant then, as in one graph);
-    2.11 and 2.13 have no cap."""
+    2.11 has no cap."""
     region = torch.compiler.nested_compile_region
     if "max_reuse_entries" in inspect.signature(region).parameters:
         return region(fn, options=options, max_reuse_entries=2**31)

@@ -411,8 +411,6 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
             # (a handed-over gather is not cut for a smaller group: [Note: Resharding to a smaller group])
             hand_over_gathers=options.hand_over_gathers and not options.post_forward_size,
             replicate_group=options.replicate_group,
-            # (thread ranks share the registry the regions' gathers go through: one rank's
-            # prediction issued a gather the others did not, and they hung)
             block_regions=options.block_regions,
             post_forward_group=options.post_forward_group,
         )
@@ -467,7 +465,7 @@ def _region_refusal(group: FSDPParamGroup, modules: list[nn.Module]) -> Optional
     region is none (its reads are traced in the root's graph instead), or
     None: what ``compiled_fsdp.explain`` says of it. See [Note: Blocks as
     compile regions] in compile/regions.py."""
-    if ranks_are_threads(group.process_group):
+    if ranks_are_threads(group.process_group):  # (one rank's prediction issued a gather the others did not)
         return ("its ranks are threads (torch's multi-thread group), which share the registry a region's "
                 "gathers go through")
     if group.casts_in_graph:

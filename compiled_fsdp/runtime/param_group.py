@@ -140,12 +140,14 @@ class FSDPParamGroup:
         # Whether blocks compiled on their own may hand this module its gather
         # (config.comm.hand_over_gathers, agreed at fully_shard).
         self.hand_over_gathers = hand_over_gathers
-        # Whether its module is a compile region under a whole-model compile
-        # (config.comm.block_regions, agreed at fully_shard): see [Note:
-        # Blocks as compile regions] in compile/regions.py.
+        # Whether its module asked to be a compile region under a whole-model
+        # compile (config.comm.block_regions, agreed at fully_shard); it becomes
+        # one when a module above it is sharded: see [Note: Blocks as compile
+        # regions] in compile/regions.py.
         self.block_regions = block_regions
-        # Why ``config.comm.block_regions`` made its module no region (None: it
-        # is one, or regions are off): set at fully_shard, read by explain().
+        # Why its module is no region though it asked (None: it is one, or it
+        # is not yet below a sharded module): set by the ``fully_shard`` of a
+        # module above it, read by explain().
         self.region_refusal: Optional[str] = None
         self.specs = [p.spec for p in fsdp_params]
         # See [Note: All-gather extensions] in ext_gather.py (None: none here).
