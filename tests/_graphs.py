@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+import compiled_fsdp
 from compiled_fsdp.core.marker import MARKERS
 from compiled_fsdp.passes.graph import chain_tag
 
@@ -22,8 +23,6 @@ def one_graph() -> None:
     subgraphs hold the blocks' collectives. Call it first in the rank
     function. Regions are tested by tests/test_block_regions.py, and by every
     compiled test that does not call this."""
-    import compiled_fsdp
-
     compiled_fsdp.config.comm.block_regions = False
 
 

@@ -137,32 +137,24 @@ def _rank(rank: int, world: int, impl: str, compile_: bool, ckpt: str, float8: b
     return out
 
 
-@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "per_block_compile"])
-def test_torchtitan_trains_with_compiled_fsdp(compile_: bool, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("compile_", "float8"), [(False, False), (True, False), (False, True)],
+                         ids=["eager", "per_block_compile", "float8_converter"])
+def test_torchtitan_trains_with_compiled_fsdp(compile_: bool, float8: bool, tmp_path) -> None:  # noqa: ANN001
     """Losses equal to FSDP2's at every step, eager and per-block compiled (the
     fourth was 6.3e-5 off until the eager runtime took the norms' fp32
     gradients unrounded, as FSDP2 2.15 does: [Note: Mixed precision]); a DCP
-    checkpoint FSDP2 saved loads into the project's model exactly."""
+    checkpoint FSDP2 saved loads into the project's model exactly. The same
+    with torchtitan's own float8 converter (``Float8LinearConverter``,
+    emulated: the CPU; eager, as torchtitan allows emulation only without
+    compile), which swaps the blocks' linears for its ``Float8Linear``."""
+    if float8:
+        pytest.importorskip("torchao")
     ckpt = str(tmp_path / "ckpt")
-    theirs = run_distributed(_rank, 2, "fsdp2", compile_, ckpt)[0]
-    ours = run_distributed(_rank, 2, "ours", compile_, ckpt)[0]
-    diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
-    assert diffs == [0.0] * STEPS, (ours["losses"], theirs["losses"])
-    assert ours["loaded"] == 0.0, ours
-
-
-def test_torchtitan_float8_converter(tmp_path) -> None:  # noqa: ANN001
-    """torchtitan's own float8 converter (``Float8LinearConverter``, emulated:
-    the CPU; eager, as torchtitan allows emulation only without compile)
-    swaps the blocks' linears for its ``Float8Linear``: losses equal to
-    FSDP2's at every step, and FSDP2's checkpoint loads exactly."""
-    pytest.importorskip("torchao")
-    ckpt = str(tmp_path / "ckpt")
-    theirs = run_distributed(_rank, 2, "fsdp2", False, ckpt, True)[0]
-    ours = run_distributed(_rank, 2, "ours", False, ckpt, True)[0]
-    # (the blocks' five linears each; the output head filtered out, as torchtitan's float8 docs advise)
-    assert ours["float8_linears"] == theirs["float8_linears"] and len(ours["float8_linears"]) % 5 == 0 \
-        and ours["float8_linears"] and not [n for n in ours["float8_linears"] if "lm_head" in n], ours
+    theirs = run_distributed(_rank, 2, "fsdp2", compile_, ckpt, float8)[0]
+    ours = run_distributed(_rank, 2, "ours", compile_, ckpt, float8)[0]
+    if float8:  # (the blocks' five linears each; the output head filtered out, as torchtitan's float8 docs advise)
+        assert ours["float8_linears"] == theirs["float8_linears"] and len(ours["float8_linears"]) % 5 == 0 \
+            and ours["float8_linears"] and not [n for n in ours["float8_linears"] if "lm_head" in n], ours
     diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
     assert diffs == [0.0] * STEPS, (ours["losses"], theirs["losses"])
     assert ours["loaded"] == 0.0, ours
