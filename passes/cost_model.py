@@ -14,8 +14,9 @@ absolute values.
 Compute: matmul-like ops (mm, addmm, bmm, convolution, attention and their
 backward; the formulas of ``torch.utils.flop_counter``) cost
 ``flops / flops_per_s``; every other op producing or reading tensors costs
-``bytes moved / bytes_per_s`` (inputs read + outputs written), views and
-collectives cost nothing. Communication: ``t = (N-1) * alpha + (N-1)/N * bytes
+``bytes moved / bytes_per_s`` (inputs read + outputs written, less what a
+chain of pointwise ops keeps in registers: [Note: Fused elementwise ops]),
+views and collectives cost nothing. Communication: ``t = (N-1) * alpha + (N-1)/N * bytes
 / link_bytes_per_s`` for a ring over N ranks, ``bytes`` being the unsharded
 buffer (the gather's output, the reduce-scatter's input).
 """
@@ -80,7 +81,9 @@ class CommConstants:
 
 # [Note: Calibrated constants]
 # CPU / gloo: measured with benchmarks/calibrate.py on the project's 2-core
-# CPU machine, 1 thread per process, 2 gloo ranks on loopback (the raw figures
+# CPU machine, 1 thread per process (the matmul rate again on 2026-11-30:
+# 0.88-1.07e11, median 0.90e11, of five runs; the elementwise rate swings
+# between 0.7 and 5e10 on this shared VM, so it keeps the earlier figure), 2 gloo ranks on loopback (the raw figures
 # and their date: benchmarks/RESULTS.md). The gradient reduce is priced as it
 # runs on gloo (all-to-all + sum, see [Note: Reduce-scatter on gloo] in
 # compiled_fsdp/core/comm.py). Links are the 2-rank figure / 2.
@@ -97,7 +100,7 @@ class CommConstants:
 # slowest link: ``comm_time`` prices a group of more than ``ranks_per_node``
 # ranks with ``inter_node``. Latency ~10 us per ring step in a node, ~20 us
 # across nodes.
-CPU_COMPUTE = ComputeConstants(flops_per_s=8.0e10, bytes_per_s=1.05e10)
+CPU_COMPUTE = ComputeConstants(flops_per_s=9.0e10, bytes_per_s=1.05e10)
 GLOO_COMM = {
     "all_gather": CommConstants(alpha_s=3.4e-4, link_bytes_per_s=4.2e8),
     "reduce_scatter": CommConstants(alpha_s=2.7e-4, link_bytes_per_s=6.1e8),
@@ -116,6 +119,26 @@ GPUS_PER_NODE = 8
 _NO_COST_OPS = ("view", "_unsafe_view", "reshape", "slice", "select", "expand", "t",
                 "transpose", "permute", "squeeze", "unsqueeze", "alias", "as_strided",
                 "split", "split_with_sizes", "detach", "getitem")
+
+
+# [Note: Fused elementwise ops]
+# Inductor fuses a chain of pointwise ops into one kernel, which reads the
+# chain's inputs and writes its outputs once; the values between stay in
+# registers. So a pointwise node's output read only by pointwise nodes and
+# reductions (which fuse the chain in front of them) is neither written nor
+# read again: pricing every FX node's inputs and output
+# counted each such value twice, and the compute of a block came out 1.5x
+# what the emulated network's record showed on the CPU (the timeline then
+# predicted half the exposed communication it measured). Reductions and
+# matmuls still read their inputs and write their outputs.
+def _tags(node: fx.Node) -> Any:
+    return getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+
+
+def _in_registers(node: fx.Node) -> bool:
+    """A pointwise node whose every user fuses it (a pointwise op or a reduction)."""
+    return (torch.Tag.pointwise in _tags(node) and bool(node.users)
+            and all(torch.Tag.pointwise in _tags(u) or torch.Tag.reduction in _tags(u) for u in node.users))
 
 
 def tensor_bytes(val: Any) -> int:
@@ -238,8 +261,9 @@ class CostModel:
             # and every rank must estimate the same ([Note: Rank-independent graphs]
             # in compiled_fsdp/core/layout.py).
             return 2 * node_bytes(node) / self.compute.bytes_per_s
-        moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)
-        return moved / self.compute.bytes_per_s
+        # See [Note: Fused elementwise ops].
+        read = sum(0 if _in_registers(a) else node_bytes(a) for a in node.all_input_nodes)
+        return (read + (0 if _in_registers(node) else node_bytes(node))) / self.compute.bytes_per_s
 
     def link(self, kind: str, world_size: int, across_nodes: bool = False) -> CommConstants:
         """The constants of a ring over ``world_size`` ranks: its slowest link

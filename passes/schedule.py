@@ -42,7 +42,8 @@ in compiled_fsdp/runtime/api.py) -- each as soon as:
     more than ``cover`` times its estimated duration (no earlier than useful);
   * the in-flight bytes (issued, not yet waited) stay within the budget; a
     reduce-scatter in flight is waited to make room, a prefetched gather is not
-    (see [Note: A reduce-scatter larger than the budget]).
+    (see [Note: A reduce-scatter larger than the budget]), and only for a
+    gather that is due (see [Note: Room for a gather once it is due]).
 A collective needed right away is issued regardless (that is the original
 placement). A *handoff* (the next block's gather, which the next block's graph
 waits on: [Note: Gathers handed to the next block's graph] in
@@ -80,6 +81,20 @@ would hold back every later reduce-scatter to the graph's end. Seen on a GPU
 rose from 17 to 47 GB, so the backward schedule was dropped and every
 collective of the backward was waited right after its issue
 (tests/test_schedule_fx.py::test_reduce_scatter_larger_than_budget).
+
+[Note: Room for a gather once it is due]
+In backward the budget holds the next module's gather and one reduce-scatter,
+not the gather after that. Waiting the reduce-scatter as soon as that gather
+was worth issuing (``cover`` times its duration before its use) put the wait
+right after the reduce-scatter's issue: compute stopped for the whole
+reduce-scatter, and the link then idled while the next module computed,
+before its own reduce-scatter (the emulated network's record, the benchmark
+GPT at 8 blocks on 8 ranks: each backward reduce-scatter waited 35 ms, its
+full time, then 7-10 ms of idle link per block). Now the gather waits
+instead, until it is *due* (the compute left before its use no longer covers
+its duration once): the reduce-scatter runs behind that much of the next
+module's compute, the gather is still issued in time, and the link goes from
+one to the next (tests/test_schedule_fx.py::test_a_gather_not_yet_due_leaves_the_reduce_scatter_in_flight).
 """
 
 from __future__ import annotations
@@ -127,6 +142,7 @@ class Collective:
     barrier: int  # index of the last foreign collective before it (in barrier order), or -1
     tail: list[fx.Node] = dataclasses.field(default_factory=list)  # wait and after, graph order
     desired: int = 0  # earliest compute index worth issuing at (gathers)
+    due: int = 0  # first compute index at which the compute left no longer hides it (gathers)
 
 
 @dataclasses.dataclass
@@ -298,6 +314,16 @@ def plan_schedule(graph: fx.Graph, config: OverlapConfig, cost: CostModel | None
     return SchedulePlan(order=order, changed=changed, budget_bytes=budget, collectives=colls)
 
 
+def _latest_covering(suffix: list[float], use: int, want: float) -> int:
+    """The latest compute index ``p <= use`` whose compute up to ``use``
+    (``suffix``: compute from each index to the end) lasts ``want`` seconds;
+    0 if none does."""
+    p = use
+    while p > 0 and suffix[p] - suffix[use] < want:
+        p -= 1
+    return p
+
+
 class _Scheduler:
     """One walk over a graph's compute nodes that emits the collectives'
     issue chains and lazy tails around them ([Note: Scheduling rules])."""
@@ -346,12 +372,8 @@ class _Scheduler:
         for c in self.colls:
             c.barrier = sum(1 for b in self.barriers if self.graph_pos[self.compute[b]] < self.graph_pos[c.node]) - 1
             use = first_use.get(id(c), len(self.compute))
-            want = cost.collective_time(c.node) * cover
-            # latest p <= use with compute(p..use) >= want
-            p = use
-            while p > 0 and suffix[p] - suffix[use] < want:
-                p -= 1
-            c.desired = p
+            c.desired = _latest_covering(suffix, use, cost.collective_time(c.node) * cover)
+            c.due = _latest_covering(suffix, use, cost.collective_time(c.node))
 
     def emit(self, n: fx.Node) -> None:
         self.order.append(n)
@@ -393,16 +415,20 @@ class _Scheduler:
             return False
         return not (c.kind == "gather" and at < c.desired)
 
-    def make_room(self, c: Collective) -> bool:
+    def make_room(self, c: Collective, at: int) -> bool:
         """Waits reduce-scatters in flight until ``c`` fits the budget; whether it
         fits. A handoff (the next graph's gather, never waited here) is issued
-        as early as its inputs allow, whatever is in flight."""
+        as early as its inputs allow, whatever is in flight; a gather not yet
+        due waits instead of a reduce-scatter (see [Note: Room for a gather
+        once it is due])."""
         if c.kind == "handoff":
             return True
         while sum(x.nbytes for x in self.in_flight) + c.nbytes > self.budget:
             rs = next((x for x in self.in_flight if x.kind == "reduce"), None)
             if rs is None:  # see [Note: A reduce-scatter larger than the budget]
                 return c.kind == "reduce"
+            if c.kind == "gather" and at < c.due:
+                return False
             assert rs.wait is not None
             self.ensure(rs.wait)
         return True
@@ -412,7 +438,7 @@ class _Scheduler:
         while progress:
             progress = False
             for group, queue in self.queues.items():
-                if queue and self.ready(queue[0], at, emitted_barriers) and self.make_room(queue[0]):
+                if queue and self.ready(queue[0], at, emitted_barriers) and self.make_room(queue[0], at):
                     self.issue_head(group)
                     progress = True
 

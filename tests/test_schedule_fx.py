@@ -5,14 +5,17 @@ them (``node.meta["compiled_fsdp"]``)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import pytest
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from compiled_fsdp.passes.config import OverlapConfig
+from compiled_fsdp.passes.cost_model import ComputeConstants, CostModel
 from compiled_fsdp.passes.graph import ChainTag, chain_tag
-from compiled_fsdp.passes.schedule import schedule_graph
+from compiled_fsdp.passes.schedule import apply_schedule, plan_schedule, schedule_graph
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -210,6 +213,56 @@ def test_reduce_scatter_larger_than_budget() -> None:
             between = nodes[pos[grad] + 1: pos[n]]
             assert all(b is n.args[0] or b.target is WAIT or b.args[0].target is WAIT for b in between), between
     assert rep.peak_after_bytes <= rep.peak_before_bytes + rep.budget_bytes
+
+
+def test_a_gather_not_yet_due_leaves_the_reduce_scatter_in_flight() -> None:
+    """[Note: Room for a gather once it is due]: backward's shape, each
+    module's matmul priced at 1.5 gathers, the default budget (two gathers).
+    Gather i+2 is worth issuing during module i's matmul, but room for it
+    means waiting reduce-scatter i; it waits instead until it is due, and
+    reduce-scatter i runs behind module i+1's matmul (it was waited right
+    after its issue, nothing between them)."""
+    g = _build(n_modules=5, interleaved=True, reduce_group="g1")
+    before = _per_group(g)
+    gather_s = CostModel().comm_time("all_gather", D * D * 4, 2)
+    matmul = ComputeConstants(flops_per_s=2 * D ** 3 / (1.5 * gather_s), bytes_per_s=1e18)
+    cost = dataclasses.replace(CostModel(), compute=matmul)
+    rep = apply_schedule(g, plan_schedule(g, OverlapConfig(), cost), cost)
+    _check_invariants(g)
+    assert rep.changed and rep.graph == "backward", rep.reason
+    assert _per_group(g) == before
+    assert rep.max_in_flight_bytes <= rep.budget_bytes + D * D * 4
+    nodes, pos = list(g.nodes), _pos(g)
+    for n in g.nodes:
+        if n.target is RS and chain_tag(n).module_key < 3:  # (the last two: nothing after them to wait for)
+            (wait,) = n.users
+            between = [m.target for m in nodes[pos[n] + 1: pos[wait]]]
+            assert aten.mm.default in between, (chain_tag(n).module_key, rep.sequence)
+
+
+def test_a_pointwise_chain_is_priced_as_one_kernel() -> None:
+    """[Note: Fused elementwise ops]: x -> add -> mul -> sum. The chain reads
+    x once and the sum writes its output; the values between the pointwise
+    ops are neither written nor read again (each was counted twice)."""
+    g = fx.Graph()
+    mode = FakeTensorMode()
+    x = g.placeholder("x")
+    with mode:
+        x.meta["val"] = torch.empty(1024, 1024)
+    nodes = {}
+    prev = x
+    for name, target, extra in (("add", aten.add.Tensor, (1.0,)), ("mul", aten.mul.Tensor, (2.0,)),
+                                ("sum", aten.sum.default, ())):
+        n = g.call_function(target, (prev, *extra))
+        with mode:
+            n.meta["val"] = target(prev.meta["val"], *extra)
+        nodes[name], prev = n, n
+    g.output(prev)
+    cost = CostModel()
+    one = 1024 * 1024 * 4 / cost.compute.bytes_per_s  # one pass over x
+    assert cost.compute_time(nodes["add"]) == pytest.approx(one)  # reads x, keeps its output
+    assert cost.compute_time(nodes["mul"]) == 0.0  # all in registers
+    assert cost.compute_time(nodes["sum"]) == pytest.approx(4 / cost.compute.bytes_per_s)  # writes one float
 
 
 def test_reduce_tail_follows_its_wait() -> None:
