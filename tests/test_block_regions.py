@@ -377,6 +377,37 @@ def test_last_block_kept_from_forward() -> None:
         assert res["after"] == [(0, 0), (5, 0), (10, 0)], res["after"]
 
 
+def _root_said_no_rank(rank: int, world: int) -> dict:
+    from compiled_fsdp.tools.models import batch, loss_fn
+
+    cfg = _build().cfg
+
+    def shard(model: GPT) -> None:  # (the setting on for the blocks, off for the root)
+        compiled_fsdp.config.comm.block_regions = True
+        for block in model.layers:
+            fully_shard(block)
+        compiled_fsdp.config.comm.block_regions = False
+        fully_shard(model)
+
+    return run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn,
+                      wrap=lambda m: torch.compile(m, backend="aot_eager", fullgraph=True),
+                      after_step=lambda m: [(r.fqn, r.path, r.reason) for r in compiled_fsdp.explain(m)])
+
+
+def test_blocks_under_a_root_sharded_without_regions() -> None:
+    """Blocks sharded with the setting on under a root sharded with it off
+    are no regions (the root's one graph reads them), train bitwise, and
+    ``explain()`` says why (it said nothing: a user who asked saw no region
+    and no reason)."""
+    for res in run_distributed(_root_said_no_rank, 2, timeout=900):
+        assert_close(res, 0.0)
+        last = res["after"][-1]
+        assert last[0] == ("", "compiled", None), last
+        for fqn, path, reason in last[1:]:
+            assert path == "compiled" and "block_regions off" in reason, (fqn, reason)
+        assert [fqn for fqn, _, _ in last[1:]] == [f"layers.{i}" for i in range(BLOCKS)]
+
+
 def _setting_rank(rank: int, world: int) -> dict:
     from compiled_fsdp.tools.models import batch, loss_fn
 

@@ -63,6 +63,9 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             reason = _EXTENSION
         elif path == "compiled" and group is not None and group.region_refusal is not None:
             reason = _NOT_A_REGION + group.region_refusal
+        elif (path == "compiled" and group is not None and group.block_regions and not entry_of(group).in_region
+              and not state.is_root and last is not Path.OWN_FRAME and len(iter_fsdp_states(state.module)) == 1):
+            reason = _NOT_A_REGION + _ROOT_SAID_NO
         elif path == "fallback":
             if last is Path.UNTRACED:
                 reason = _UNTRACED
@@ -95,6 +98,8 @@ _REGION_UNIT = ("a compile region (config.comm.block_regions): one subgraph, tra
 
 
 _NOT_A_REGION = "not a compile region (config.comm.block_regions; its reads are traced in the root's graph): "
+_ROOT_SAID_NO = ("the module above it was sharded with config.comm.block_regions off (it was on when this one was "
+                 "sharded: set it once, before the first fully_shard)")
 
 
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
