@@ -5,6 +5,7 @@ construction, and a stable topological sort."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Union
 
@@ -308,6 +309,31 @@ def region_calls(graph: fx.Graph) -> list[int]:
     Blocks as compile regions] in compiled_fsdp/compile/regions.py): where the
     outer graph's units and buckets must not join across."""
     return [i for i, n in enumerate(graph.nodes) if n.target is torch.ops.higher_order.invoke_subgraph]
+
+
+def none_from_regions(gm: fx.GraphModule) -> int:
+    """Each output of a compile region's call that its graph returns as None
+    (the gradient of a shard whose reduce the registry waits: [Note: A
+    region's reduce-scatter waited outside its graph] in
+    compiled_fsdp/core/registry.py), taken by ``getitem``, replaced by None
+    where it is used: the outer graph was traced before the region's graph
+    was lowered, and Inductor cannot lower a ``getitem`` of a None. Returns
+    how many."""
+    gone = []
+    for call in gm.graph.nodes:
+        if call.op != "call_function" or call.target is not torch.ops.higher_order.invoke_subgraph:
+            continue
+        body = getattr(gm, str(call.args[0].target), None)
+        if not isinstance(body, fx.GraphModule):
+            continue
+        outs = body.graph.output_node().args[0]
+        nones = {i for i, o in enumerate(outs) if o is None}
+        gone += [u for u in call.users if u.target is operator.getitem and u.args[1] in nones]
+    for n in gone:
+        for user in list(n.users):
+            user.args, user.kwargs = tree_map(lambda a, n=n: None if a is n else a, (user.args, user.kwargs))
+        gm.graph.erase_node(n)
+    return len(gone)
 
 
 def stable_topological_sort(graph: fx.Graph) -> int:

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from compiled_fsdp.core import copy_out
 from compiled_fsdp.core.layout import joined_shapes, reduce_input, split_reduced
-from compiled_fsdp.core.marker import Regather
+from compiled_fsdp.core.marker import ReduceLater, Regather
 
 from ._emit import emit_all_reduce, emit_gather, emit_gather_bytes, emit_pack_grads, emit_reduce, emit_unpack
 from .bucketing import merge_small_buckets
@@ -80,6 +80,10 @@ class Slot:
     root: fx.Node | None = None  # reduce only: node whose uses get the shard grad
     # reduce only: the gradient kept from micro-batches without sync (a graph input).
     kept: fx.Node | None = None
+    # reduce only: the shard a compile region's read took (a graph input),
+    # whose parameter a later reduce hands the gradient (see [Note: A
+    # region's reduce-scatter waited outside its graph] in compiled_fsdp/core/registry.py).
+    target: fx.Node | None = None
 
 
 # "keep": a gradient kept without sync, no collective (see [Note:
@@ -366,6 +370,11 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
                 skipped.append((kind, key, str(e)))
         if kind == "gather":
             units = _plan_units(gm.graph, planned, bucket_bytes)
+            region_shards = _region_shards(planned)
+        else:
+            for bucket in planned:
+                for s in bucket.slots:
+                    s.target = region_shards.get((bucket.module_key, s.args.param_index))
         planned = [b for p in planned for b in _by_unit(p, units)]
         # (a kept gradient is not communicated: nothing to merge)
         buckets.extend(planned if kind == "keep" else
@@ -427,6 +436,28 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
                 graph.erase_node(dead)
 
 
+def _region_shards(gathers: list[BucketPlan]) -> dict[tuple[int, int], fx.Node]:
+    """(module_key, param_index) -> the shard input of each read a compile
+    region makes (``take_ahead``), where the read takes the graph input itself."""
+    out = {}
+    for bucket in gathers:
+        for s in bucket.slots:
+            shard = through_identity_views(s.inputs[0])
+            if s.args.take_ahead and shard is s.inputs[0] and shard.op == "placeholder":
+                out[(bucket.module_key, s.args.param_index)] = shard
+    return out
+
+
+def _reduced_later(plan: BucketPlan) -> bool:
+    """Whether ``plan`` is a compile region's reduce that ``reduce_later``
+    issues and the registry waits after the graph: every parameter's shard
+    known, its gradient a graph output only, no replicas (HSDP keeps its
+    reduce in the graph)."""
+    return (plan.kind == "reduce" and plan.slots[0].args.replicate_group_name is None
+            and all(s.target is not None and s.root is not None and s.root.users
+                    and all(u.op == "output" for u in s.root.users) for s in plan.slots))
+
+
 def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
     order = node_order(graph)
     last_marker = max((m for s in plan.slots for m in s.markers), key=order.__getitem__)
@@ -436,6 +467,14 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         grads = [reduce_input(b, _summed(b, s), s.kept, s.args.reduce_dtype) for s in plan.slots]
         if plan.kind == "keep":  # the full gradients, for the sinks
             return _replace_roots(graph, plan, grads)
+        if _reduced_later(plan):
+            later = ReduceLater(
+                grads=grads, targets=[s.target for s in plan.slots], full_shapes=joined_shapes(specs),
+                ndims=[len(s.full_shape) for s in specs], local_rows=[s.args.local_rows for s in plan.slots],
+                group_name=plan.group_name, world_size=plan.world_size, reduce_by_all_to_all=plan.by_all_to_all,
+                divide_factor=plan.slots[0].args.divide_factor)
+            b(ReduceLater.op().default, *later.values().values())
+            return _replace_roots(graph, plan, [None] * len(plan.slots))
         summed = emit_reduce(b, emit_pack_grads(b, grads, specs), plan.world_size, plan.group_name,
                              plan.by_all_to_all)
         replicate_group = plan.slots[0].args.replicate_group_name
@@ -455,14 +494,22 @@ def _summed(b: NodeBuilder, slot: Slot) -> fx.Node:
     return g
 
 
-def _replace_roots(graph: fx.Graph, plan: BucketPlan, results: list[fx.Node]) -> None:
+def _replace_roots(graph: fx.Graph, plan: BucketPlan, results: list[fx.Node | None]) -> None:
+    """Each slot's gradient becomes its result (None: the graph returns none)."""
     dead: list[fx.Node] = []
     for s, res in zip(plan.slots, results):
         assert s.root is not None
+        if res is None:
+            for user in list(s.root.users):  # (outputs only: _reduced_later)
+                user.args = torch.utils._pytree.tree_map_only(fx.Node, lambda a, r=s.root: None if a is r else a,
+                                                                user.args)
+            dead.append(s.root)
+            continue
         s.root.replace_all_uses_with(res)
+    for s in plan.slots:
         dead.extend(s.markers)
         dead.extend(s.acc_nodes)
-    erase_nodes(graph, dead)
+    erase_nodes(graph, dict.fromkeys(dead))
 
 
 def apply_lowering(gm: fx.GraphModule, plan: LoweringPlan) -> LoweringReport:

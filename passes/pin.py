@@ -42,6 +42,8 @@ same collective.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
@@ -69,8 +71,13 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         return chain_tag(n) is not None or n.target in OPAQUE
 
     def is_compute(n: fx.Node) -> bool:
-        # (a compile region's call cannot be wrapped in ``control_deps``)
-        return not owned(n) and n.target is not torch.ops.higher_order.invoke_subgraph
+        # (a compile region's call cannot be wrapped in ``control_deps``, nor
+        # what is taken from its outputs: Inductor lowers the call again inside
+        # the wrapper, and a region's backward returns None for the shards
+        # whose reduce the registry waits, [Note: A region's reduce-scatter
+        # waited outside its graph] in compiled_fsdp/core/registry.py)
+        call = n.args[0] if n.target is operator.getitem and n.args else n
+        return not owned(n) and getattr(call, "target", None) is not torch.ops.higher_order.invoke_subgraph
 
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for i, n in enumerate(nodes):

@@ -35,7 +35,7 @@ from compiled_fsdp.core import compat
 
 from . import config
 from .cast_gather import CastGatherReport, cast_before_gather
-from .graph import has_markers
+from .graph import has_markers, none_from_regions
 from .lowering import lower_markers
 from .recompute import tag_recompute
 from .schedule import schedule_graph
@@ -112,6 +112,8 @@ def run_passes(stage: Stage, gm: fx.GraphModule, observe: Optional[Observer] = N
                          f"the passes are {[p.name for p in PASSES]}")
     done = PipelineReport(stage)
     before = len(gm.graph.nodes)
+    if stage == "partitioned" and none_from_regions(gm):  # (not a pass: Inductor needs it)
+        gm.recompile()
     shown: list[tuple[str, Any]] = []  # (observed once the passes amending it ran)
 
     def show() -> None:

@@ -303,6 +303,7 @@ class TorchCompilePath(CompiledPath):
         _drop_unread_handoffs(ctx)
 
     def end_iteration(self, ctx: RootContext) -> None:
+        registry.CORE.later_reduces.finish()  # (before anything reads a gradient)
         _drop_unread_handoffs(ctx)
         registry.CORE.backward_gathers.drop_pending(but_kept=True)  # (the kept: dropped by on_step)
         root = _root(ctx)

@@ -492,14 +492,22 @@ def refresh(group: FSDPParamGroup) -> None:
             if alias.requires_grad:  # (weakly: a hook's reference to its own model, held
                 # from C++, is a cycle gc cannot see; the model outlived its last reference)
                 alias.register_post_accumulate_grad_hook(partial(_move_grad, weakref.ref(p)))
+                # (a reduce waited after the graph: [Note: A region's reduce-scatter waited outside its graph])
+                registry.CORE.later_reduces.receivers[alias] = partial(_add_grad, weakref.ref(p))
 
 
 def _move_grad(param_ref: weakref.ref, alias: torch.Tensor) -> None:
     """The alias's gradient into its ``DTensor``'s ``.grad`` (2); none
     without sync, where the graph returns none for it."""
     grad, alias.grad = alias.grad, None
+    if grad is not None:
+        _add_grad(param_ref, grad)
+
+
+def _add_grad(param_ref: weakref.ref, grad: torch.Tensor) -> None:
+    """``grad`` (the local rows) added to its parameter's ``.grad``."""
     param = param_ref()
-    if grad is None or param is None:
+    if param is None:
         return
     with compat.no_spmd_typecheck():  # (as the eager runtime's reductions: [Note: spmd_types parameters])
         param.add_grad(param.to_canonical(grad))

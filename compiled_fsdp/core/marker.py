@@ -407,4 +407,26 @@ class IssueAhead(Regather):
     after: Any = _arg("Tensor[]")
 
 
-MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext, Regather, IssueAhead)
+@dataclasses.dataclass(frozen=True)
+class ReduceLater(Marker):
+    """A compile region's gradient bucket, reduced after the region's graph
+    returns: each parameter's full gradient (in the reduce dtype) in; this
+    rank's averaged rows added later to the gradient of the parameter whose
+    shard ``targets`` holds. Returns an empty tensor. See [Note: A region's
+    reduce-scatter waited outside its graph] in core/registry.py."""
+
+    NAME: ClassVar[str] = "reduce_later"
+    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "ndims", "local_rows", "world_size")
+
+    grads: Any = _arg("Tensor[]")
+    targets: Any = _arg("Tensor[]")
+    full_shapes: Sequence[int] = _arg("int[]")
+    ndims: Sequence[int] = _arg("int[]")
+    local_rows: Sequence[int] = _arg("int[]")
+    group_name: str = _arg("str")
+    world_size: int = _arg("int")
+    reduce_by_all_to_all: bool = _arg("bool", False)
+    divide_factor: Optional[float] = _arg("float?", None)
+
+
+MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext, Regather, IssueAhead, ReduceLater)

@@ -77,9 +77,9 @@ from compiled_fsdp.core.layout import (
     split_specs,
     unpack_gathered,
 )
-from compiled_fsdp.core.marker import GatherNext, IssueAhead, ReduceGrad, ReduceNext, Regather, Unshard
+from compiled_fsdp.core.marker import GatherNext, IssueAhead, ReduceGrad, ReduceLater, ReduceNext, Regather, Unshard
 
-__all__ = ["gather_next", "issue_ahead", "reduce_grad", "reduce_next", "regather", "unshard"]
+__all__ = ["gather_next", "issue_ahead", "reduce_grad", "reduce_later", "reduce_next", "regather", "unshard"]
 
 
 
@@ -378,3 +378,42 @@ def _issue_ahead_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 # Its effect is the registry's: its output unused, never dead code.
 torch.fx.node.has_side_effect(issue_ahead._opoverload)
+
+
+# ---------------------------------------------------------------------------
+# reduce_later: see [Note: A region's reduce-scatter waited outside its graph] in registry.py
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op(ReduceLater.qualname(), mutates_args=(), schema=ReduceLater.schema(),
+                         tags=compat.cudagraph_unsafe_tags())
+def reduce_later(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """Pack the gradients and issue their reduce-scatter, not waited; the
+    registry waits it and hands each parameter its rows. Packed here, not in
+    the graph: the collective reads the bucket after the op returns, and a
+    graph's buffer may be reused once its last op ran."""
+    m = ReduceLater.bind(args, kwargs)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size, m.divide_factor)
+    grads, targets = list(m.grads), list(m.targets)
+    flat = pack_grads(EAGER, grads, specs)
+    if m.world_size == 1:
+        pending = comm.PendingCollective(flat.clone(), None)
+    else:
+        pending = comm.reduce_scatter_flat(flat, _group(m.group_name), m.reduce_by_all_to_all)
+    local_rows, dtypes = list(m.local_rows), [t.dtype for t in targets]
+
+    def rows(_bucket: torch.Tensor = flat) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # (``_bucket``: the collective reads it until the wait, so it lives as long as this does)
+        return list(zip(targets, split_reduced(EAGER, pending.wait(), specs, local_rows, dtypes)))
+
+    registry.CORE.later_reduces.issue(rows)
+    return grads[0].new_empty([0])
+
+
+@reduce_later.register_fake
+def _reduce_later_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return ReduceLater.bind(args, kwargs).grads[0].new_empty([0])
+
+
+# Its effect is the registry's: its output unused, never dead code.
+torch.fx.node.has_side_effect(reduce_later._opoverload)

@@ -13,6 +13,8 @@ a key they meet.
   identity, weak); see [Note: Accumulation without sync in graphs] in ops.py.
 - ``backward_gathers``: the re-gathers issued ahead of the block graphs'
   backward; see [Note: Backward re-gathers prefetched across graphs].
+- ``later_reduces``: compile regions' reduce-scatters, waited after their
+  graphs; see [Note: A region's reduce-scatter waited outside its graph].
 
 It is module-level because the marker ops' eager implementations, which
 Dynamo and Inductor call with tensors and constants only, must reach it
@@ -28,7 +30,8 @@ from typing import Callable, Optional, Protocol
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["CORE", "BackwardGathers", "CoreRegistry", "MarkerOwner", "owner_of", "owners", "register_owner"]
+__all__ = ["CORE", "BackwardGathers", "CoreRegistry", "LaterReduces", "MarkerOwner", "owner_of", "owners",
+           "register_owner"]
 
 
 class MarkerOwner(Protocol):
@@ -135,6 +138,58 @@ class BackwardGathers:
             self.kept.clear()
 
 
+class LaterReduces:
+    """[Note: A region's reduce-scatter waited outside its graph]
+    A compile region's backward graph returns its parameters' gradients, so
+    it waited its reduce-scatter at its end: every byte of it exposed (35 ms
+    a block in RESULTS' emulated setting, where one graph waits it behind the
+    next block's compute). FSDP2 issues a block's reduce-scatter in its
+    post-backward and waits it in the next one's. The same here: the lowering
+    makes a region's reduce bucket ``compiled_fsdp::reduce_later`` (an opaque
+    op, with a side effect), which packs the gradients and issues the
+    reduce-scatter, not waited, and the graph returns no gradient for those
+    shards. The next ``reduce_later`` (after issuing its own) and the end of
+    the backward (``finish``, queued on autograd's engine by the first one, so
+    before ``backward()`` returns, whatever the model's output) wait the earlier ones and hand each parameter's rows to
+    the receiver its shard registered (``receivers``: the region adds them to
+    the parameter's ``.grad``, as autograd's accumulation did). The pack, the
+    reduce, the divisor and the cut are the layout functions of [Note: Bucket
+    layout], so the gradients are bitwise the graph's own.
+    Tested by tests/test_block_regions.py."""
+
+    def __init__(self) -> None:
+        self.pending: list[Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self.queued = False  # ``finish`` queued for this backward's end
+        # shard -> what takes its reduced rows (weak: a model's shards die with it)
+        self.receivers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def issue(self, rows: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """An issued reduce (``rows`` waits it: each shard and its reduced
+        rows), in a backward; the ones issued before it are finished."""
+        earlier, self.pending = self.pending, [rows]
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self._deliver(earlier)
+
+    def finish(self) -> None:
+        """Wait every pending reduce and hand its rows over."""
+        earlier, self.pending, self.queued = self.pending, [], False
+        self._deliver(earlier)
+
+    def _deliver(self, pending: list[Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        for rows in pending:
+            for shard, grad in rows():
+                receive = self.receivers.get(shard)
+                if receive is None:
+                    raise RuntimeError("compiled_fsdp: a region's reduced gradient has no receiver (a shard "
+                                       "replaced since its region was traced); please report this")
+                receive(grad)
+
+    def reset(self) -> None:
+        self.pending, self.queued = [], False
+
+
 class CoreRegistry:
     """The core's state (see the module docstring)."""
 
@@ -144,6 +199,7 @@ class CoreRegistry:
         self.sent_bytes: collections.Counter = collections.Counter()
         self.added: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.backward_gathers = BackwardGathers()
+        self.later_reduces = LaterReduces()
 
     def reset_counts(self) -> None:
         self.counts.clear()
@@ -154,6 +210,7 @@ class CoreRegistry:
         self.reset_counts()
         self.added.clear()
         self.backward_gathers.reset()
+        self.later_reduces.reset()
 
 
 CORE = CoreRegistry()
