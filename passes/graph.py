@@ -315,25 +315,41 @@ def none_from_regions(gm: fx.GraphModule) -> int:
     """Each output of a compile region's call that its graph returns as None
     (the gradient of a shard whose reduce the registry waits: [Note: A
     region's reduce-scatter waited outside its graph] in
-    compiled_fsdp/core/registry.py), taken by ``getitem``, replaced by None
-    where it is used: the outer graph was traced before the region's graph
-    was lowered, and Inductor cannot lower a ``getitem`` of a None. Returns
-    how many."""
-    gone = []
+    compiled_fsdp/core/registry.py), taken by ``getitem``, becomes None where
+    the graph returns it, and a sum of two (a region called twice) the other
+    term, or None: the outer graph was traced before the region's graph was
+    lowered, and neither Inductor nor ``aten.add`` takes a None. Returns how
+    many outputs were None."""
+    add = torch.ops.aten.add.Tensor
+    none: dict[fx.Node, None] = {}
     for call in gm.graph.nodes:
         if call.op != "call_function" or call.target is not torch.ops.higher_order.invoke_subgraph:
             continue
         body = getattr(gm, str(call.args[0].target), None)
-        if not isinstance(body, fx.GraphModule):
-            continue
-        outs = body.graph.output_node().args[0]
-        nones = {i for i, o in enumerate(outs) if o is None}
-        gone += [u for u in call.users if u.target is operator.getitem and u.args[1] in nones]
-    for n in gone:
+        if isinstance(body, fx.GraphModule):
+            outs = body.graph.output_node().args[0]
+            none.update((u, None) for u in call.users
+                        if u.target is operator.getitem and outs[u.args[1]] is None)
+    count = len(none)
+    for n in gm.graph.nodes:  # (graph order: a sum's terms come first)
+        if n.target is add and not n.kwargs and any(a in none for a in n.args):
+            terms = [a for a in n.args if a not in none]
+            if terms:
+                n.replace_all_uses_with(terms[0])
+            else:
+                none[n] = None
+    for n in none:
         for user in list(n.users):
-            user.args, user.kwargs = tree_map(lambda a, n=n: None if a is n else a, (user.args, user.kwargs))
-        gm.graph.erase_node(n)
-    return len(gone)
+            if user.op == "output":
+                user.args = tree_map(lambda a, n=n: None if a is n else a, user.args)
+            elif not (user.target is add and user in none or user.target is add and not user.users):
+                raise RuntimeError(f"compiled_fsdp: a compile region's gradient, reduced after the region, is "
+                                   f"read by {user.format_node()}; please report this")
+    order = node_order(gm.graph)
+    dead = list(none) + [n for n in gm.graph.nodes if n.target is add and not n.users
+                         and any(a in none for a in n.args)]
+    erase_nodes(gm.graph, sorted(dict.fromkeys(dead), key=order.__getitem__))
+    return count
 
 
 def stable_topological_sort(graph: fx.Graph) -> int:

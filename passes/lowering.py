@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
 
 from compiled_fsdp.core import copy_out
 from compiled_fsdp.core.layout import joined_shapes, reduce_input, split_reduced
@@ -59,6 +60,7 @@ from .graph import (
     parse_marker,
     region_calls,
     stable_topological_sort,
+    tangent_dependents,
     through_identity_views,
 )
 from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_marker, plan_handoff
@@ -376,6 +378,8 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
                 for s in bucket.slots:
                     s.target = region_shards.get((bucket.module_key, s.args.param_index))
         planned = [b for p in planned for b in _by_unit(p, units)]
+        if kind == "reduce":
+            _keep_a_backward_output(gm.graph, planned)
         # (a kept gradient is not communicated: nothing to merge)
         buckets.extend(planned if kind == "keep" else
                        merge_small_buckets(gm.graph, planned, bucket_bytes, _combine))
@@ -446,6 +450,22 @@ def _region_shards(gathers: list[BucketPlan]) -> dict[tuple[int, int], fx.Node]:
             if s.args.take_ahead and shard is s.inputs[0] and shard.op == "placeholder":
                 out[(bucket.module_key, s.args.param_index)] = shard
     return out
+
+
+def _keep_a_backward_output(graph: fx.Graph, reduces: list[BucketPlan]) -> None:
+    """A region's reduces are waited after its graph only if its backward
+    still returns some gradient (its input's): a backward returning None
+    alone is a call nothing uses, which the outer graph's partitioner drops,
+    reduce and all (a region fed by data that needs no gradient)."""
+    roots = {s.root for b in reduces for s in b.slots if s.target is not None}
+    if not roots:
+        return
+    backward = tangent_dependents(graph)
+    outs = [a for a in tree_leaves(graph.output_node().args) if isinstance(a, fx.Node)]
+    if not any(a in backward and a not in roots for a in outs):
+        for b in reduces:
+            for s in b.slots:
+                s.target = None
 
 
 def _reduced_later(plan: BucketPlan) -> bool:

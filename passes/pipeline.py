@@ -112,7 +112,7 @@ def run_passes(stage: Stage, gm: fx.GraphModule, observe: Optional[Observer] = N
                          f"the passes are {[p.name for p in PASSES]}")
     done = PipelineReport(stage)
     before = len(gm.graph.nodes)
-    if stage == "partitioned" and none_from_regions(gm):  # (not a pass: Inductor needs it)
+    if none_from_regions(gm):  # (not a pass: the graph runs only with it)
         gm.recompile()
     shown: list[tuple[str, Any]] = []  # (observed once the passes amending it ran)
 

@@ -62,9 +62,10 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
     from compiled_fsdp.core.registry import CORE
 
     CORE.backward_gathers.reset()
+    CORE.later_reduces.reset()
     with recording() as rec:
-        res = run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn,
-                         wrap=wrap, after_step=lambda m: CORE.backward_gathers.taken)
+        res = run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=wrap,
+                         after_step=lambda m: (CORE.backward_gathers.taken, CORE.later_reduces.delivered))
     res["graphs"] = graphs
     res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
                       for r in compiled_fsdp.explain(model_of[0])]
@@ -92,7 +93,10 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
     block takes the gather the outer graph issued ahead of it ([Note: Gathers
     issued ahead of compile regions]), and every block's backward takes a
     gather issued ahead: the last block's, issued when the root's forward
-    returned, the others' by the backward of the block after them. The root's units are cut at the
+    returned, the others' by the backward of the block after them. Every
+    block's reduce-scatter is waited after its region's backward graph
+    ([Note: A region's reduce-scatter waited outside its graph]: the graph
+    waited it, all of it exposed). The root's units are cut at the
     regions' calls, as at the blocks' reads in one graph: the final norm
     joins the head (with the root's reads before the regions, it was
     gathered again in backward). The outer graph takes no DTensor: the
@@ -101,8 +105,9 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         assert_close({**res, "param": [0.0]}, tol)  # (the loss and the gradients)
         assert max(res["param"]) <= (1e-4 if backend == "inductor" else 0.0), res["param"]
         assert res["counts"] == [{}] * 3
-        # (from the second step: BLOCKS in forward and BLOCKS in backward)
-        assert res["after"] == [0, 2 * BLOCKS, 4 * BLOCKS], res["after"]
+        # (gathers taken from the second step: BLOCKS in forward and BLOCKS in backward;
+        # each step, every region's reduce waited after its graph)
+        assert res["after"] == [(0, BLOCKS), (2 * BLOCKS, 2 * BLOCKS), (4 * BLOCKS, 3 * BLOCKS)], res["after"]
         # (no DTensor input: [Note: No DTensor inputs beside regions])
         assert res["graphs"] == [{"subgraphs": ["subgraph_0"], "calls": BLOCKS, "dtensor_inputs": 0}]
         # (the region's joint graph: its block's bucket; the outer one: the root's units)

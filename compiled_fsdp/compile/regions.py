@@ -493,7 +493,7 @@ def refresh(group: FSDPParamGroup) -> None:
                 # from C++, is a cycle gc cannot see; the model outlived its last reference)
                 alias.register_post_accumulate_grad_hook(partial(_move_grad, weakref.ref(p)))
                 # (a reduce waited after the graph: [Note: A region's reduce-scatter waited outside its graph])
-                registry.CORE.later_reduces.receivers[alias] = partial(_add_grad, weakref.ref(p))
+                registry.CORE.later_reduces.receive(alias, partial(_add_grad, weakref.ref(p)))
 
 
 def _move_grad(param_ref: weakref.ref, alias: torch.Tensor) -> None:

@@ -138,6 +138,10 @@ class BackwardGathers:
             self.kept.clear()
 
 
+def _where(t: torch.Tensor) -> tuple[int, int]:
+    return (t.untyped_storage()._cdata, t.storage_offset())
+
+
 class LaterReduces:
     """[Note: A region's reduce-scatter waited outside its graph]
     A compile region's backward graph returns its parameters' gradients, so
@@ -160,8 +164,15 @@ class LaterReduces:
     def __init__(self) -> None:
         self.pending: list[Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self.queued = False  # ``finish`` queued for this backward's end
-        # shard -> what takes its reduced rows (weak: a model's shards die with it)
-        self.receivers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.delivered = 0  # reduces waited and handed over (for the tests and the benchmarks)
+        # Where a shard's data lives (its storage and offset: the graph may
+        # hand the op another tensor on it) -> the shard registered there
+        # (weakly) and what takes its reduced rows.
+        self.receivers: dict[tuple[int, int], tuple[weakref.ref, Callable[[torch.Tensor], None]]] = {}
+
+    def receive(self, shard: torch.Tensor, receiver: Callable[[torch.Tensor], None]) -> None:
+        """``receiver`` takes the reduced rows of ``shard`` (and of any tensor on its data)."""
+        self.receivers[_where(shard)] = (weakref.ref(shard), receiver)
 
     def issue(self, rows: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """An issued reduce (``rows`` waits it: each shard and its reduced
@@ -179,15 +190,16 @@ class LaterReduces:
 
     def _deliver(self, pending: list[Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
         for rows in pending:
+            self.delivered += 1
             for shard, grad in rows():
-                receive = self.receivers.get(shard)
-                if receive is None:
+                shard_ref, receive = self.receivers.get(_where(shard), (None, None))
+                if receive is None or shard_ref() is None:
                     raise RuntimeError("compiled_fsdp: a region's reduced gradient has no receiver (a shard "
                                        "replaced since its region was traced); please report this")
                 receive(grad)
 
     def reset(self) -> None:
-        self.pending, self.queued = [], False
+        self.pending, self.queued, self.delivered = [], False, 0
 
 
 class CoreRegistry:
