@@ -449,6 +449,52 @@ def test_a_setting_changed_between_steps_recompiles() -> None:
         assert res["graphs"] == 2, res
 
 
+class _TwiceGPT(GPT):
+    """Runs its first block twice: one region called twice a step, whose two
+    backwards each reduce (the outer graph summed their gradients)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in (self.layers[0], *self.layers):
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _twice_rank(rank: int, world: int, backend: str) -> dict:
+    from compiled_fsdp.core.registry import CORE
+    from compiled_fsdp.tools.models import batch, loss_fn
+
+    compiled_fsdp.config.comm.block_regions = True
+
+    def build() -> GPT:
+        torch.manual_seed(0)
+        return _TwiceGPT(GPTConfig(vocab=67, dim=24, n_layers=BLOCKS, n_heads=2, seq=16))
+
+    def shard(model: GPT) -> None:
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+
+    CORE.later_reduces.reset()
+    return run_parity(rank, build, shard, lambda step: (batch(build().cfg, 2, step),), loss_fn,
+                      wrap=lambda m: torch.compile(m, backend=backend, fullgraph=True),
+                      after_step=lambda m: CORE.later_reduces.delivered)
+
+
+@pytest.mark.parametrize("backend,tol", [("aot_eager", 0.0), ("inductor", 2e-6)])
+def test_a_region_called_twice(backend: str, tol: float) -> None:
+    """A block called twice a step: each call's backward reduces after its
+    region ([Note: A region's reduce-scatter waited outside its graph]), the
+    first block's two rows added to its gradient, BLOCKS + 1 reduces a step;
+    the outer graph's sum of the two calls' gradients, None and None, is
+    None (``none_from_regions`` in passes/graph.py; ``aten.add`` of None
+    raised). Bitwise under ``aot_eager``."""
+    for res in run_distributed(_twice_rank, 2, backend, timeout=900):
+        assert_close({**res, "param": [0.0]}, tol)
+        assert max(res["param"]) <= (1e-4 if backend == "inductor" else 0.0), res["param"]
+        assert res["after"] == [(BLOCKS + 1) * step for step in (1, 2, 3)], res["after"]
+
+
 @dataclasses.dataclass
 class _Out:
     logits: torch.Tensor
