@@ -60,7 +60,7 @@ Tested by tests/test_compile_parity.py::test_a_second_job_hits_the_caches[whole]
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -395,18 +395,21 @@ def reduce_later(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = ReduceLater.bind(args, kwargs)
     specs = split_specs(m.full_shapes, m.ndims, m.world_size, m.divide_factor)
     grads, targets = list(m.grads), list(m.targets)
-    flat = pack_grads(EAGER, grads, specs)
-    if m.world_size == 1:
-        pending = comm.PendingCollective(flat.clone(), None)
-    else:
-        pending = comm.reduce_scatter_flat(flat, _group(m.group_name), m.reduce_by_all_to_all)
     local_rows, dtypes = list(m.local_rows), [t.dtype for t in targets]
 
-    def rows(_bucket: torch.Tensor = flat) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # (``_bucket``: the collective reads it until the wait, so it lives as long as this does)
-        return list(zip(targets, split_reduced(EAGER, pending.wait(), specs, local_rows, dtypes)))
+    def launch() -> Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]:
+        flat = pack_grads(EAGER, grads, specs)
+        if m.world_size == 1:
+            pending = comm.PendingCollective(flat.clone(), None)
+        else:
+            pending = comm.reduce_scatter_flat(flat, _group(m.group_name), m.reduce_by_all_to_all)
 
-    registry.CORE.later_reduces.issue(rows)
+        def rows(_bucket: torch.Tensor = flat) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            # (``_bucket``: the collective reads it until the wait, so it lives as long as this does)
+            return list(zip(targets, split_reduced(EAGER, pending.wait(), specs, local_rows, dtypes)))
+        return rows
+
+    registry.CORE.later_reduces.issue(launch)
     return grads[0].new_empty([0])
 
 

@@ -174,14 +174,18 @@ class LaterReduces:
         """``receiver`` takes the reduced rows of ``shard`` (and of any tensor on its data)."""
         self.receivers[_where(shard)] = (weakref.ref(shard), receiver)
 
-    def issue(self, rows: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """An issued reduce (``rows`` waits it: each shard and its reduced
-        rows), in a backward; the ones issued before it are finished."""
-        earlier, self.pending = self.pending, [rows]
+    def issue(self, launch: Callable[[], Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        """In a backward: finishes the reduces issued before, then issues one
+        (``launch`` packs and issues it, and returns what waits it: each shard
+        and its reduced rows). Finished first, the earlier bucket is freed
+        before the next is packed (the next queues behind it on the link
+        either way)."""
+        earlier, self.pending = self.pending, []
+        self._deliver(earlier)
+        self.pending = [launch()]
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        self._deliver(earlier)
 
     def finish(self) -> None:
         """Wait every pending reduce and hand its rows over."""
