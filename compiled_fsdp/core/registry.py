@@ -152,7 +152,8 @@ class LaterReduces:
     makes a region's reduce bucket ``compiled_fsdp::reduce_later`` (an opaque
     op, with a side effect), which packs the gradients and issues the
     reduce-scatter, not waited, and the graph returns no gradient for those
-    shards. The next ``reduce_later`` (after issuing its own) and the end of
+    shards. The next ``reduce_later`` (before packing its own, so that one
+    packed bucket is alive at a time) and the end of
     the backward (``finish``, queued on autograd's engine by the first one, so
     before ``backward()`` returns, whatever the model's output) wait the earlier ones and hand each parameter's rows to
     the receiver its shard registered (``receivers``: the region adds them to
