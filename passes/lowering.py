@@ -32,22 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Literal
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
 
 from compiled_fsdp.core import copy_out
 from compiled_fsdp.core.layout import joined_shapes, reduce_input, split_reduced
-from compiled_fsdp.core.marker import ReduceLater, Regather
+from compiled_fsdp.core.marker import Regather
 
 from ._emit import emit_all_reduce, emit_gather, emit_gather_bytes, emit_pack_grads, emit_reduce, emit_unpack
 from .bucketing import merge_small_buckets
+from .buckets import BucketKind, BucketPlan, Slot, comm_dtype_of
 from .config import overlap
 from .graph import (
     ChainTag,
-    MarkerArgs,
     NodeBuilder,
     accumulation_root,
     chain_meta,
@@ -60,100 +58,15 @@ from .graph import (
     parse_marker,
     region_calls,
     stable_topological_sort,
-    tangent_dependents,
     through_identity_views,
 )
 from .handoff import HandoffPlan, apply_handoff, handed_in_units, is_handoff_marker, plan_handoff
 from .post_forward import backward_reads, gather_again, read_under_checkpoint
+from .region_reduce import emit_reduce_later, keep_a_backward_output, reduced_later, region_shards
 from .units import Unit, choose_units, slot_uses
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-@dataclasses.dataclass
-class Slot:
-    """One parameter in a bucket, with every marker that refers to it."""
-
-    args: MarkerArgs
-    markers: list[fx.Node]  # graph order
-    inputs: list[fx.Node]  # marker tensor inputs, same order
-    acc_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # reduce only
-    root: fx.Node | None = None  # reduce only: node whose uses get the shard grad
-    # reduce only: the gradient kept from micro-batches without sync (a graph input).
-    kept: fx.Node | None = None
-    # reduce only: the shard a compile region's read took (a graph input),
-    # whose parameter a later reduce hands the gradient (see [Note: A
-    # region's reduce-scatter waited outside its graph] in compiled_fsdp/core/registry.py).
-    target: fx.Node | None = None
-
-
-# "keep": a gradient kept without sync, no collective (see [Note:
-# Accumulation without sync in graphs] in compiled_fsdp/core/ops.py).
-BucketKind = Literal["gather", "reduce", "keep"]
-
-
-@dataclasses.dataclass
-class BucketPlan:
-    kind: BucketKind
-    module_key: int
-    group_name: str
-    world_size: int
-    reshard_after_forward: bool | None
-    slots: list[Slot]  # sorted by (module order in the bucket, param_index)
-    # reduce buckets: an all-to-all and a local sum (the markers say; see
-    # [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)
-    by_all_to_all: bool = False
-    unit: int = 0  # module_key's unit (see units.py)
-    # Every (module_key, unit) in the bucket; more than one after bucketing
-    # merged small ones.
-    units: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # gathers of an int reshard_after_forward: (group, size, rank) kept after
-    # forward ([Note: Resharding to a smaller group in graphs] in
-    # post_forward.py); None otherwise.
-    post_forward: tuple[str, int, int] | None = None
-
-    @property
-    def after_reduce(self) -> tuple:
-        """What follows the bucket's reduce, which a merged bucket must share:
-        the all-reduce over the replicas (HSDP) and the divisor."""
-        args = self.slots[0].args
-        return (args.replicate_group_name, args.spec.divisor)
-
-    @property
-    def module_keys(self) -> list[int]:
-        """Every application in the bucket."""
-        return sorted({k for k, _ in self.units})
-
-    @property
-    def total_numel(self) -> int:
-        """A rank's elements in the bucket, in its ``comm_dtype``."""
-        return sum(self.slot_bytes(s) for s in self.slots) // (self.world_size * self.comm_dtype.itemsize)
-
-    @property
-    def as_bytes(self) -> bool:
-        """Whether the bucket gathers its slots as their bytes: [Note: Byte buckets] in _emit.py."""
-        return self.kind == "gather" and len({_comm_dtype(self.kind, s) for s in self.slots}) > 1
-
-    @property
-    def comm_dtype(self) -> torch.dtype:
-        """The dtype the bucket's collective moves (one per bucket)."""
-        return torch.uint8 if self.as_bytes else _comm_dtype(self.kind, self.slots[0])
-
-    def slot_bytes(self, slot: Slot) -> int:
-        """Unsharded bytes of one slot in this bucket's collective."""
-        return slot.args.spec.shard_numel * self.world_size * _comm_dtype(self.kind, slot).itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.slot_bytes(s) for s in self.slots)
-
-
-def _comm_dtype(kind: str, slot: Slot) -> torch.dtype:
-    """The gathered (compute) dtype, or the reduce dtype, of one slot; see
-    [Note: Mixed precision] in compiled_fsdp/runtime/policy.py."""
-    wanted = slot.args.param_dtype if kind == "gather" else slot.args.reduce_dtype
-    return wanted or slot.inputs[0].meta["val"].dtype
 
 
 @dataclasses.dataclass
@@ -268,7 +181,7 @@ def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> B
         slot.markers.append(m)
         slot.inputs.append(inp)
     ordered = [slots[k] for k in sorted(slots)]
-    dtypes = {str(_comm_dtype(kind, s)) for s in ordered}
+    dtypes = {str(comm_dtype_of(kind, s)) for s in ordered}
     if len(dtypes) != 1 and (kind != "gather" or first.take_ahead or first.post_forward is not None):
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:
@@ -372,14 +285,14 @@ def plan_lowering(gm: fx.GraphModule, bucket_bytes: int | None = None) -> Loweri
                 skipped.append((kind, key, str(e)))
         if kind == "gather":
             units = _plan_units(gm.graph, planned, bucket_bytes)
-            region_shards = _region_shards(planned)
+            read_shards = region_shards(planned)
         else:
             for bucket in planned:
                 for s in bucket.slots:
-                    s.target = region_shards.get((bucket.module_key, s.args.param_index))
+                    s.target = read_shards.get((bucket.module_key, s.args.param_index))
         planned = [b for p in planned for b in _by_unit(p, units)]
         if kind == "reduce":
-            _keep_a_backward_output(gm.graph, planned)
+            keep_a_backward_output(gm.graph, planned)
         # (a kept gradient is not communicated: nothing to merge)
         buckets.extend(planned if kind == "keep" else
                        merge_small_buckets(gm.graph, planned, bucket_bytes, _combine))
@@ -411,7 +324,7 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
                        plan.module_key, plan.slots[0].args.param_dtype)
         elif plan.as_bytes:
             waited = None
-            fulls = emit_gather_bytes(b, sources, specs, [_comm_dtype("gather", s) for s in plan.slots],
+            fulls = emit_gather_bytes(b, sources, specs, [comm_dtype_of("gather", s) for s in plan.slots],
                                       plan.world_size, plan.group_name)
         else:
             gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
@@ -440,44 +353,6 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
                 graph.erase_node(dead)
 
 
-def _region_shards(gathers: list[BucketPlan]) -> dict[tuple[int, int], fx.Node]:
-    """(module_key, param_index) -> the shard input of each read a compile
-    region makes (``take_ahead``), where the read takes the graph input itself."""
-    out = {}
-    for bucket in gathers:
-        for s in bucket.slots:
-            shard = through_identity_views(s.inputs[0])
-            if s.args.take_ahead and shard is s.inputs[0] and shard.op == "placeholder":
-                out[(bucket.module_key, s.args.param_index)] = shard
-    return out
-
-
-def _keep_a_backward_output(graph: fx.Graph, reduces: list[BucketPlan]) -> None:
-    """A region's reduces are waited after its graph only if its backward
-    still returns some gradient (its input's): a backward returning None
-    alone is a call nothing uses, which the outer graph's partitioner drops,
-    reduce and all (a region fed by data that needs no gradient)."""
-    roots = {s.root for b in reduces for s in b.slots if s.target is not None}
-    if not roots:
-        return
-    backward = tangent_dependents(graph)
-    outs = [a for a in tree_leaves(graph.output_node().args) if isinstance(a, fx.Node)]
-    if not any(a in backward and a not in roots for a in outs):
-        for b in reduces:
-            for s in b.slots:
-                s.target = None
-
-
-def _reduced_later(plan: BucketPlan) -> bool:
-    """Whether ``plan`` is a compile region's reduce that ``reduce_later``
-    issues and the registry waits after the graph: every parameter's shard
-    known, its gradient a graph output only, no replicas (HSDP keeps its
-    reduce in the graph)."""
-    return (plan.kind == "reduce" and plan.slots[0].args.replicate_group_name is None
-            and all(s.target is not None and s.root is not None and s.root.users
-                    and all(u.op == "output" for u in s.root.users) for s in plan.slots))
-
-
 def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
     order = node_order(graph)
     last_marker = max((m for s in plan.slots for m in s.markers), key=order.__getitem__)
@@ -487,13 +362,8 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         grads = [reduce_input(b, _summed(b, s), s.kept, s.args.reduce_dtype) for s in plan.slots]
         if plan.kind == "keep":  # the full gradients, for the sinks
             return _replace_roots(graph, plan, grads)
-        if _reduced_later(plan):
-            later = ReduceLater(
-                grads=grads, targets=[s.target for s in plan.slots], full_shapes=joined_shapes(specs),
-                ndims=[len(s.full_shape) for s in specs], local_rows=[s.args.local_rows for s in plan.slots],
-                group_name=plan.group_name, world_size=plan.world_size, reduce_by_all_to_all=plan.by_all_to_all,
-                divide_factor=plan.slots[0].args.divide_factor)
-            b(ReduceLater.op().default, *later.values().values())
+        if reduced_later(plan):
+            emit_reduce_later(b, plan, grads, specs)
             return _replace_roots(graph, plan, [None] * len(plan.slots))
         summed = emit_reduce(b, emit_pack_grads(b, grads, specs), plan.world_size, plan.group_name,
                              plan.by_all_to_all)
