@@ -32,9 +32,10 @@ prototype"):
    traced the forward, whole or in part. Where the region's reduce is
    waited after its graph, the graph returns no gradient for the alias and
    the registry hands the rows to the same addition (``_add_grad``: [Note:
-   A region's reduce-scatter waited outside its graph] in core/registry.py). An alias is made again whenever the local shard's storage
-   changed (``refresh``, each step before tracing: DCP, ``to_empty``), and
-   a gradient a raised backward left on one is dropped there.
+   A region's reduce-scatter waited outside its graph] in core/registry.py).
+   An alias is made again whenever the local shard's storage changed
+   (``refresh``, each step before tracing: DCP, ``to_empty``), and a
+   gradient a raised backward left on one is dropped there.
 3. ``joint_custom_pass`` sees only the outer joint graph, where the regions
    are already partitioned: the region's own partitioner (``_partition``)
    runs the joint passes on its joint graph, then the min-cut partitioner.
