@@ -23,6 +23,13 @@ from _parity import assert_close, in_regions, run_parity
 BLOCKS = 3
 
 
+def _shard(model: torch.nn.Module) -> None:
+    """Each block, then the root: the usual form."""
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+
+
 def _build() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab=67, dim=24, n_layers=BLOCKS, n_heads=2, seq=16))
@@ -48,10 +55,6 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
                        "dtensor_inputs": sum(isinstance(t, torch.distributed.tensor.DTensor) for t in inputs)})
         return lookup_backend(backend)(gm, inputs)
 
-    def shard(model: GPT) -> None:
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
 
     model_of: list[GPT] = []
 
@@ -64,7 +67,7 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
     CORE.backward_gathers.reset()
     CORE.later_reduces.reset()
     with recording() as rec:
-        res = run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=wrap,
+        res = run_parity(rank, _build, _shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=wrap,
                          after_step=lambda m: (CORE.backward_gathers.taken, CORE.later_reduces.delivered))
     res["graphs"] = graphs
     res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
@@ -131,17 +134,13 @@ def _break_rank(rank: int, world: int, in_place: bool) -> dict:
     compiled_fsdp.config.comm.block_regions = True
     build, make_batch, loss = break_case("block")  # layers.1, a block of another class, breaks inside
 
-    def shard(model: torch.nn.Module) -> None:
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
 
     def after_step(model: torch.nn.Module) -> dict:
         return {"paths": [(r.fqn, r.path) for r in compiled_fsdp.explain(model)], "regions": in_regions(model)}
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = run_parity(rank, build, shard, make_batch, loss, steps=3, after_step=after_step,
+        res = run_parity(rank, build, _shard, make_batch, loss, steps=3, after_step=after_step,
                          wrap=partial(_in_place, backend="aot_eager") if in_place
                          else partial(torch.compile, backend="aot_eager"))
     res["warnings"] = [str(w.message) for w in caught if "compile region" in str(w.message)]
@@ -232,12 +231,8 @@ class _Stack(torch.nn.Module):
 def _variants_rank(rank: int, world: int) -> dict:
     compiled_fsdp.config.comm.block_regions = True
 
-    def shard(model: torch.nn.Module) -> None:
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
 
-    return run_parity(rank, lambda: _Stack(10), shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
+    return run_parity(rank, lambda: _Stack(10), _shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
         ).manual_seed(10 * step)),), lambda out, x: out.square().mean(), steps=2,
         after_step=lambda m: in_regions(m), wrap=partial(torch.compile, backend="aot_eager"))
 
@@ -324,17 +319,13 @@ def _own_frames_rank(rank: int, world: int) -> dict:
     compiled_fsdp.config.comm.block_regions = True
     cfg = _build().cfg
 
-    def shard(model: GPT) -> None:
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
 
     def compile_blocks(model: GPT) -> GPT:
         for block in model.layers:
             block.compile(backend="aot_eager", fullgraph=True)
         return model
 
-    return run_parity(rank, _build, shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=compile_blocks,
+    return run_parity(rank, _build, _shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=compile_blocks,
                       after_step=in_regions)
 
 
@@ -470,13 +461,9 @@ def _twice_rank(rank: int, world: int, backend: str) -> dict:
         torch.manual_seed(0)
         return _TwiceGPT(GPTConfig(vocab=67, dim=24, n_layers=BLOCKS, n_heads=2, seq=16))
 
-    def shard(model: GPT) -> None:
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
 
     CORE.later_reduces.reset()
-    return run_parity(rank, build, shard, lambda step: (batch(build().cfg, 2, step),), loss_fn,
+    return run_parity(rank, build, _shard, lambda step: (batch(build().cfg, 2, step),), loss_fn,
                       wrap=lambda m: torch.compile(m, backend=backend, fullgraph=True),
                       after_step=lambda m: CORE.later_reduces.delivered)
 
@@ -517,12 +504,8 @@ def _dataclass_rank(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         return _DataclassGPT(GPTConfig(vocab=67, dim=24, n_layers=BLOCKS, n_heads=2, seq=16))
 
-    def shard(model: GPT) -> None:
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
 
-    return run_parity(rank, build, shard, lambda step: (batch(build().cfg, 2, step),),
+    return run_parity(rank, build, _shard, lambda step: (batch(build().cfg, 2, step),),
                       lambda out, tokens: loss_fn(out.logits, tokens),
                       wrap=lambda m: torch.compile(m, backend="aot_eager", fullgraph=True))
 
