@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _sizes() -> dict:
     return {
         "owners": len(CORE.owners), "added": len(CORE.added), "pending": len(CORE.backward_gathers.pending),
+        "receivers": len(CORE.later_reduces.receivers),
         "managed": len(RUNTIME.managed),
         "traced_frames": sorted(map(repr, SESSION.traced_frames)),
         "units": sorted(k for k in SESSION.reports.units if k >= 0),
@@ -76,7 +77,9 @@ def test_a_deleted_model_leaves_nothing_behind(regions: bool) -> None:
     """Also with the blocks compile regions ([Note: Blocks as compile
     regions]): a region's gradient hook on its shard's alias held its
     parameter, from C++, where gc cannot see the cycle; every model
-    outlived its last reference until the hook held it weakly."""
+    outlived its last reference until the hook held it weakly. The receivers
+    of regions' later reduces outlived their shards until each entry went
+    with its shard."""
     for res in run_distributed(_rank, 2, regions):
         before = res["before"]
         for how in HOW:
@@ -84,6 +87,9 @@ def test_a_deleted_model_leaves_nothing_behind(regions: bool) -> None:
             assert r["freed"], f"{how}: the model outlived its last reference"
             # (the records existed while the model lived, so the check can fail)
             assert r["during"]["owners"] == 3 and (r["during"]["traced_frames"] or how == "eager"), r["during"]
+            # (each region's shard registers where its reduced rows go: [Note:
+            # A region's reduce-scatter waited outside its graph])
+            assert (r["during"]["receivers"] > 0) == regions, r["during"]
             assert r["after"] == before, (how, r["after"], before)
     # (The FSDP<Module> classes are held weakly (RUNTIME.subclasses) but not
     # counted: Dynamo stores each compiled function in the traced code's module

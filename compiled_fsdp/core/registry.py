@@ -172,8 +172,16 @@ class LaterReduces:
         self.receivers: dict[tuple[int, int], tuple[weakref.ref, Callable[[torch.Tensor], None]]] = {}
 
     def receive(self, shard: torch.Tensor, receiver: Callable[[torch.Tensor], None]) -> None:
-        """``receiver`` takes the reduced rows of ``shard`` (and of any tensor on its data)."""
-        self.receivers[_where(shard)] = (weakref.ref(shard), receiver)
+        """``receiver`` takes the reduced rows of ``shard`` (and of any tensor
+        on its data) while ``shard`` lives: its entry goes with it, unless a
+        later shard on the same data took the entry over."""
+        where = _where(shard)
+
+        def forget(ref: weakref.ref) -> None:
+            if self.receivers.get(where, (None,))[0] is ref:
+                del self.receivers[where]
+
+        self.receivers[where] = (weakref.ref(shard, forget), receiver)
 
     def issue(self, launch: Callable[[], Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
         """In a backward: finishes the reduces issued before, then issues one
