@@ -3,7 +3,8 @@
 # GPU's 15 minutes (about 5 minutes on one H100 with torch 2.11, cold kernel
 # caches): torchtitan's pattern beside FSDP2 under the emulated network at 8
 # and 64 GPUs (step, first step, peak memory, exposed communication), then
-# the whole model compiled at 8. Run from the repository root:
+# the whole model compiled at 8, as one graph and with compile regions (the
+# default, never yet run on a GPU). Run from the repository root:
 #
 #     bash benchmarks/gpu_session.sh OUT_DIR
 #
@@ -37,7 +38,7 @@ run() {  # name, then emulated.py's arguments
     rm -rf "$tmp"
 }
 run titan_plain --pattern titan_plain --worlds 8 64 --kinds floor ours_blocks fsdp2_blocks --warmup 3 --steps 10
-run whole_model --pattern plain --worlds 8 --kinds ours --warmup 2 --steps 6
+run whole_model --pattern plain --worlds 8 --kinds ours ours_regions --warmup 2 --steps 6
 if python3 -c 'import torchao.float8' 2>/dev/null; then
     python3 benchmarks/gpu_check.py --parts f8offload --out "$out/f8offload" --warmup 2 --steps 4 \
         --worker-timeout 240 2>&1 | tee "$out/f8offload.log" | tail -12
