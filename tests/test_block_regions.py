@@ -248,6 +248,54 @@ def test_blocks_of_one_class_in_ten_shapes() -> None:
         assert res["after"][-1] == [False] + [True] * 10, res["after"]
 
 
+class _Indexed(torch.nn.Module):
+    """A block whose forward reads its index, a Python int that differs
+    between blocks (a guard on every block)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x) * (1.0 + self.index / 8)
+
+
+class _IndexedStack(_Stack):
+    def __init__(self, blocks: int) -> None:
+        torch.nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_Indexed(i) for i in range(blocks))
+
+
+def _retraced_rank(rank: int, world: int, indexed: bool) -> dict:
+    compiled_fsdp.config.comm.block_regions = True
+    build = (lambda: _IndexedStack(4)) if indexed else (lambda: _Stack(10))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_parity(rank, build, _shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
+            ).manual_seed(10 * step)),), lambda out, x: out.square().mean(), steps=2,
+            after_step=lambda m: in_regions(m), wrap=partial(torch.compile, backend="aot_eager"))
+    res["warnings"] = [str(w.message) for w in caught if "traced the compile region" in str(w.message)]
+    return res
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+def test_a_region_traced_again_for_an_equal_block_warns(indexed: bool) -> None:
+    """Blocks whose forward reads a per-block Python int are each traced
+    and compiled on their own: one warning on every rank, naming the class
+    and the second block, and the numbers still bitwise the reference's.
+    Blocks of one class in ten shapes (variants that must be) do not warn.
+    See [Note: A region traced again for an equal block]."""
+    for res in run_distributed(_retraced_rank, 2, indexed, timeout=900):
+        assert_close(res, 0.0)
+        if indexed:
+            assert len(res["warnings"]) == 1 and "'_Indexed'" in res["warnings"][0] \
+                and "layers.1" in res["warnings"][0], res["warnings"]
+        else:
+            assert res["warnings"] == [], res["warnings"]
+
+
 def _partly_run_rank(rank: int, world: int) -> dict:
     from _models import BreakBlock, BreakGPT, gpt_batch, gpt_loss
 

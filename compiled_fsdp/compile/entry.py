@@ -79,12 +79,13 @@ Tested by tests/test_handoff.py.
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from compiled_fsdp.compile import frames
+from compiled_fsdp.compile import frames, install
 from compiled_fsdp.core import ops, registry
 from compiled_fsdp.core.layout import joined_shapes
 from compiled_fsdp.core.marker import GatherNext
@@ -168,7 +169,7 @@ class CompiledEntry:
         self.reads_alias = False
         self.region_shards: list[Optional[torch.Tensor]] = [None] * len(group.fsdp_params)
         # Its reads' ``param_settings`` and flags and its issue-ahead's
-        # arguments, encoded ([Note: A region's read settings] in regions.py).
+        # arguments, encoded ([Note: A region's read settings] in region_reads.py).
         self.region_key = ""
         # The regions whose gathers the outer graph issues before calling this
         # one: the one expected to run after it (and the first region's own)
@@ -183,7 +184,12 @@ class CompiledEntry:
         self.record_entry_trace = [lambda ctx, i=i: frames.record_marker_trace(key, i, split_key)
                                    for i in range(len(group.fsdp_params))]
         self.record_handoff_trace = lambda ctx: self._record_handoff()
-        self.record_region_call = lambda ctx: frames.record_bucket_trace(key)
+        self.record_region_call = lambda ctx: self._region_called()
+
+    def _region_called(self) -> None:
+        frames.record_bucket_trace(self.group.key)
+        # ([Note: A region traced again for an equal block] in regions.py)
+        install.SESSION.region_calling = weakref.ref(self)
 
     def _record_handoff(self) -> None:
         if self.handoff_next is not None:

@@ -307,7 +307,13 @@ class CompileSession:
         # ([Note: A region that breaks the graph] in regions.py). Kept by
         # reset(), as region_classes.
         self.broken_regions: set[type] = set()
-        self._tracing = threading.local()  # (each thread's: ``region_traced``)
+        self._tracing = threading.local()  # (each thread's: ``region_traced``, ``region_calling``)
+        # The compile under way (its trace id), and for each region class the
+        # blocks each variant Dynamo traced was made for (their shapes and
+        # settings); the classes warned of. See [Note: A region traced again
+        # for an equal block] in regions.py.
+        self._region_variants: tuple[str, dict[type, set[Hashable]]] = ("", {})
+        self.retraced_regions: set[type] = set()
         self._watched: dict[int, int] = {}  # key -> id of the owner whose death forgets it
 
     @property
@@ -319,6 +325,28 @@ class CompileSession:
     @region_traced.setter
     def region_traced(self, region: Optional[tuple[type, Any]]) -> None:
         self._tracing.region = region
+
+    @property
+    def region_calling(self) -> Any:
+        """(Weakly) the entry of the block whose compile region this thread's
+        Dynamo is calling (None: none)."""
+        return getattr(self._tracing, "calling", None)
+
+    @region_calling.setter
+    def region_calling(self, entry: Any) -> None:
+        self._tracing.calling = entry
+
+    def region_variant(self, cls: type, block: Hashable) -> bool:
+        """Records that Dynamo traced a variant of ``cls``'s region for a block
+        described by ``block``; whether it traced one for an equal block
+        before in the same compile (the same trace attempt)."""
+        trace = str(torch._guards.CompileContext.current_trace_id())
+        if self._region_variants[0] != trace:
+            self._region_variants = (trace, {})
+        seen = self._region_variants[1].setdefault(cls, set())
+        again = block in seen
+        seen.add(block)
+        return again
 
     def record_trace(self, key: int, param_index: int, frame: int, split_key: Optional[Hashable]) -> None:
         """A marker of ``key``'s parameter ``param_index`` traced in Dynamo
@@ -358,6 +386,8 @@ class CompileSession:
             self.traced_frames.clear()
             self.compile_markers.clear()
             self._split_keys.clear()
+            self._region_variants = ("", {})
+            self.retraced_regions.clear()
 
 
 SESSION = CompileSession()

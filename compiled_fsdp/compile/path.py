@@ -29,7 +29,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils._pytree import tree_flatten
 
-from compiled_fsdp.compile import frames, install, regions
+from compiled_fsdp.compile import frames, install, region_reads, regions
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import (
     compat,
@@ -126,7 +126,7 @@ class TorchCompilePath(CompiledPath):
             entry_of(g).reset()
             entry_of(g).reads_alias = aliased or g.casts_in_graph
             if entry_of(g).reads_alias:
-                regions.refresh(g)
+                region_reads.refresh(g)
         regions.predict_order(ctx.groups())
 
     def on_backward(self, ctx: RootContext) -> None:
@@ -140,8 +140,8 @@ class TorchCompilePath(CompiledPath):
         own = entry.active  # see [Note: Blocks compiled on their own] in entry.py
         if entry.in_region and not own:
             # Inside a compile region (never an extension group's): its
-            # settings from one guarded key ([Note: A region's read settings] in regions.py).
-            return regions.traced_read(entry, param)
+            # settings from one guarded key ([Note: A region's read settings] in region_reads.py).
+            return region_reads.traced_read(entry, param)
         if group.gathers_eagerly and (own or not group.casts_in_graph):
             # See [Note: Extension groups run the eager runtime].
             torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))

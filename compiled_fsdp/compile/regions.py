@@ -13,7 +13,7 @@ region, in the outer graph. Three things make a sharded block's trace fit
 every block (each found by trying: RESULTS, "Blocks as compile regions: a
 prototype"):
 
-1. A read inside a region (``traced_read`` here) emits a marker keyed
+1. A read inside a region (``traced_read`` in region_reads.py) emits a marker keyed
    ``ENTRY_KEY``, with no per-block ``comptime`` record: keyed by its group,
    the next block failed the guard on ``group.key``, each block got its own
    subgraph, and Dynamo inlined every single-use subgraph (today's one graph).
@@ -25,7 +25,7 @@ prototype"):
    ``to_local()`` on it (an error on 2.13 and 2.15). The alias's gradient,
    the reduced shard, moves into the ``DTensor``'s ``.grad`` as soon as
    autograd accumulates it (a post-accumulate-grad hook on the alias,
-   ``_move_grad``, holding its parameter weakly: the hook is held from C++,
+   ``_move_grad`` in region_reads.py, holding its parameter weakly: the hook is held from C++,
    where gc cannot see the cycle back to the alias, and every model with
    regions outlived its last reference, tests/test_state.py), adding to
    what is there, as autograd would; whatever
@@ -34,7 +34,7 @@ prototype"):
    the registry hands the rows to the same addition (``_add_grad``: [Note:
    A region's reduce-scatter waited outside its graph] in core/registry.py).
    An alias is made again whenever the local shard's storage changed
-   (``refresh``, each step before tracing: DCP, ``to_empty``), and a
+   (``refresh`` in region_reads.py, each step before tracing: DCP, ``to_empty``), and a
    gradient a raised backward left on one is dropped there.
 3. ``joint_custom_pass`` sees only the outer joint graph, where the regions
    are already partitioned: the region's own partitioner (``_partition``)
@@ -128,10 +128,7 @@ bitwise equal to its single-process reference.
 """
 from __future__ import annotations
 
-import json
 import warnings
-import weakref
-from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -139,15 +136,15 @@ import torch.nn as nn
 from torch._dynamo.comptime import comptime
 
 from compiled_fsdp.compile import install
-from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
+from compiled_fsdp.compile.entry import CompiledEntry, entry_of
+from compiled_fsdp.compile.region_reads import issue_ahead
 from compiled_fsdp.core import compat, registry
-from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Regather, Unshard
+from compiled_fsdp.core.marker import Regather
 from compiled_fsdp.runtime.extension import compiled_path
-from compiled_fsdp.runtime.param import FSDPParam, from_canonical, to_canonical
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 from compiled_fsdp.runtime.state import get_fsdp_state
 
-__all__ = ["make_region", "make_region_root", "predict_order", "read_settings", "refresh", "traced_read"]
+__all__ = ["make_region", "make_region_root", "predict_order"]
 
 
 def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -171,10 +168,14 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
     return forward, backward
 
 
-def _region_of(forward: Callable) -> Callable:
+def _region_of(forward: Callable, cls: type) -> Callable:
     from torch._higher_order_ops.invoke_subgraph import NestedCompileRegionOptions
 
+    def traced(ctx: Any) -> None:
+        _variant_traced(cls, ctx)
+
     def body(module: nn.Module, token: torch.Tensor, shards: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        comptime(traced)  # ([Note: A region traced again for an equal block])
         return forward(module, *args, **kwargs)  # (the reads take ``shards`` from the entry: (4))
 
     with torch._dynamo.config.patch(enable_invoke_subgraph_regional_compile=True):
@@ -196,13 +197,13 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
     region_cls = install.SESSION.region_classes.get(cls)
     if region_cls is None:
         plain = cls.forward
-        region = _region_of(plain)
+        region = _region_of(plain, cls)
 
         def tracing(ctx: Any) -> None:  # (at trace time, through comptime)
             install.SESSION.region_traced = (cls, compat.outermost_traced_code(ctx))
 
         def traced(ctx: Any) -> None:
-            install.SESSION.region_traced = None
+            install.SESSION.region_traced = install.SESSION.region_calling = None
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             entry = self.__dict__["_fsdp_region_entry"]
@@ -212,7 +213,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             if torch.compiler.is_dynamo_compiling():
                 after = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
                 for ahead in entry.region_ahead:  # (one after the other: the token orders them)
-                    token = _issue_ahead(ahead, after if token is None else [token, *after])
+                    token = issue_ahead(ahead, after if token is None else [token, *after])
             if token is None:  # (the token's like, so that the last region's call is the others')
                 token = entry.region_shards[0].new_empty([0]) if entry.region_shards[0] is not None \
                     else torch.empty(0)
@@ -228,6 +229,42 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
                                                   "__module__": cls.__module__})
         install.SESSION.region_classes[cls] = region_cls
     module.__class__ = region_cls
+
+
+# [Note: A region traced again for an equal block]
+# Dynamo reuses a region's trace for a block only if every guard of the first
+# trace holds on that block. Blocks of one class in other shapes or settings
+# are traced again, a variant each, as they must be. But a forward that reads
+# something else that differs between blocks (a Python attribute such as a
+# layer index, a global) fails a guard on every block, and each block is then
+# traced and compiled on its own: the first step grows with depth again, and
+# nothing said so (``compat.nested_compile_region`` lifts torch's cap of 8
+# variants, whose error was the only sign). So each time Dynamo traces a
+# variant (``_variant_traced``, through ``comptime`` in the region's body),
+# the block it is traced for is recorded for its class by its parameters'
+# shapes and its settings (``region_key``), per compile attempt; a block equal
+# to one traced before warns, once per class, naming the block. Tested by
+# tests/test_block_regions.py::test_a_region_traced_again_for_an_equal_block_warns.
+_RETRACED = (
+    "compiled_fsdp: Dynamo traced the compile region of {cls!r} again for {block}, whose parameters and FSDP "
+    "settings equal those of a block of that class traced before in this compile: something else its forward "
+    "reads differs between the blocks (a Python attribute such as a layer index, a global, an input of another "
+    "shape). So each such block is traced and compiled on its own, and the first step grows with the model's "
+    "depth. TORCH_LOGS=hierarchical_compile names the guard that failed; make that value the same for every "
+    "block, or pass it in as a tensor.")
+
+
+def _variant_traced(cls: type, ctx: Any) -> None:
+    """At trace time: Dynamo traces a variant of ``cls``'s region (see the note above)."""
+    calling = install.SESSION.region_calling
+    entry = calling() if calling is not None else None
+    if entry is None:
+        return
+    shards = tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in entry.region_shards if a is not None)
+    if install.SESSION.region_variant(cls, (entry.region_key, shards)) and cls not in install.SESSION.retraced_regions:
+        install.SESSION.retraced_regions.add(cls)
+        name = getattr(cls, "_fsdp_base_class", cls).__name__
+        warnings.warn(_RETRACED.format(cls=name, block=entry.group.label), stacklevel=2)
 
 
 def _own(entry: CompiledEntry) -> list[torch.Tensor]:
@@ -299,7 +336,7 @@ def _falling_back(module: nn.Module, plain: Callable, args: tuple, kwargs: dict)
     session = install.SESSION
     callback = compat.frame_callback()
     while True:
-        session.region_traced = None
+        session.region_traced = session.region_calling = None
         try:
             return plain(module, *args, **kwargs)
         except UncapturedHigherOrderOpError as exc:
@@ -347,171 +384,3 @@ def predict_order(groups: list[FSDPParamGroup]) -> None:
             gathers.chain(after.bucket_key(), entry.issue_backward_gather)
     if entries:  # (the first region's own first: issued ahead of the next, not queued behind it)
         entries[0].region_ahead.insert(0, entries[0])
-
-
-# [Note: A region's read settings]
-# Dynamo reuses a region's graph for the next block after evaluating, on that
-# block, every guard the first trace installed. A read's settings (shapes,
-# group names, dtypes, the policy) reached through the group and the
-# parameter's spec were about 35 guards a parameter, each on a source 8-10
-# attributes deep: 800 guards a block, re-evaluated per block (0.15 s under
-# cProfile). So a read inside a region takes them from ``read_settings``,
-# which Dynamo calls at trace time and takes as constants
-# (``assume_constant_result``: no guards), given one string that encodes
-# them all (``region_key``, made by ``refresh`` before each step's tracing).
-# That one string is guarded: a setter that changes a setting changes the
-# key, and the frame recompiles. The key also holds what the read decides
-# by (``_read_flags``: sync or not, whether a gradient sink exists, the shard
-# dim, whether a DTensor wraps the result), so the region's read
-# (``traced_read`` here) reaches only the entry, the parameter's index, its
-# alias and, where one exists, its sink: each attribute read on the way
-# through the parameter and its group was a guard of its own, on a source
-# through that parameter (12 parameters a block). The issue-ahead the outer graph traces
-# before each region call (``_issue_ahead``) takes its arguments from the
-# same key, all but its group's key (the reads' must not differ between
-# blocks): traced through the group and its specs, they cost 55 ms a block
-# in Dynamo's trace (its own profiler, ``dynamo_profiler``, warm, 24 blocks),
-# 34 ms after. Tested by
-# tests/test_block_regions.py::test_a_setting_changed_between_steps_recompiles.
-
-
-# [Note: No DTensor inputs beside regions]
-# A read inside a region takes a plain alias of the local shard (2). In a
-# model with regions every other group's read in the outer graph does too
-# (``CompiledEntry.reads_alias``, set each step): one ``DTensor`` input
-# (the root's embedding, say) turns AOTAutograd's subclass handling on for
-# the whole graph, which traces the joint once more to learn the outputs'
-# subclass layout, and each of those traces re-traces every region call for
-# its schema (``invoke_subgraph``'s mutation check): three traces a region
-# call instead of two. Measured under cProfile at 8 blocks: 26 schema
-# traces, 18 after. The aliases' gradients move into the ``DTensor``s'
-# ``.grad`` as the regions' do (2). A tensor hook (``register_hook``) a user
-# puts on such a ``DTensor`` parameter does not see the gradient arrive, nor
-# does ``torch.autograd.grad(loss, param)``, as for every region's parameter;
-# its post-accumulate-grad hooks run when the gradient lands (``add_grad``),
-# as in the eager runtime and FSDP2. Tested by
-# tests/test_block_regions.py::test_identical_blocks_compile_once (no
-# ``DTensor`` among the outer graph's inputs).
-
-
-def _ahead_settings(group: FSDPParamGroup) -> dict[str, Any]:
-    """The issue-ahead's arguments other than tensors and its group's key
-    (which every block's differs in, and the region's reads must not: the
-    key is one guard of the outer graph), and whether its shards are
-    canonical as they are (every shard dim 0)."""
-    first = group.fsdp_params[0]
-    return dict(full_shapes=list(entry_of(group).full_shapes), group_name=group.group_name,
-                world_size=group.specs[0].world_size, param_dtype=first.param_dtype,
-                canonical=all(p.shard_dim == 0 for p in group.fsdp_params))
-
-
-def _read_flags(param: FSDPParam) -> dict[str, Any]:
-    """What else a read inside a region decides by: whether it reduces its
-    gradient in the graph, whether it has a gradient sink, its shard dim,
-    and whether the module reads the gathered tensor as it is (no DTensor
-    or annotated parameter around it)."""
-    return dict(sync=read_syncs(param), sink=param.grad_sink is not None, shard_dim=param.shard_dim,
-                plain=param.dtensor_spec is None and param.annotated is None)
-
-
-def _encode(group: FSDPParamGroup) -> str:
-    def plain(settings: dict[str, Any]) -> dict[str, Any]:
-        return {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for k, v in settings.items()}
-
-    return json.dumps({"reads": [plain({**param_settings(p), **_read_flags(p)}) for p in group.fsdp_params],
-                       "ahead": plain(_ahead_settings(group))}, sort_keys=True)
-
-
-def _decode(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    # (pairs: a dict made by Dynamo from a constant has no source to guard
-    # its keys on; the traced code ``dict()``s them)
-    return tuple((k, getattr(torch, v) if k.endswith("_dtype") and v is not None else v)
-                 for k, v in settings.items())
-
-
-@torch._dynamo.assume_constant_result
-def read_settings(key: str, index: int) -> tuple[tuple[str, Any], ...]:
-    """Parameter ``index``'s ``param_settings`` and ``_read_flags`` from its region's key."""
-    return _decode(json.loads(_made(key))["reads"][index])
-
-
-def _made(key: str) -> str:
-    if not key:  # (made by the root's pre-forward hook, run as Python: see [Note: Hooks under Dynamo])
-        raise RuntimeError(
-            "compiled_fsdp: a compile region (config.comm.block_regions) is traced inside a graph that also "
-            "traces its sharded root's call, so the root's pre-forward never ran to prepare it. Compile the "
-            "sharded root itself (torch.compile(model) or model.compile()), or set "
-            "compiled_fsdp.config.comm.block_regions = False before fully_shard.")
-    return key
-
-
-def traced_read(entry: CompiledEntry, param: FSDPParam) -> torch.Tensor:
-    """A read inside a compile region, traced (path.py's ``traced_read``
-    otherwise): the alias of the local shard (2), ``ENTRY_KEY``, no per-block
-    record (1), its gather taken from one issued ahead, and everything else
-    from the region's key ([Note: A region's read settings])."""
-    index = param.index
-    settings = dict(read_settings(entry.region_key, index))
-    sync, sink = settings.pop("sync"), settings.pop("sink")
-    shard_dim, plain = settings.pop("shard_dim"), settings.pop("plain")
-    full = Unshard.call(shard=to_canonical(entry.region_shards[index], shard_dim), module_key=ENTRY_KEY,
-                        kept=read_kept(param, sync, sink), sync=sync, take_ahead=True, **settings)
-    full = full if shard_dim == 0 else from_canonical(full, shard_dim).contiguous()
-    return full if plain else param.to_compute(full)
-
-
-@torch._dynamo.assume_constant_result
-def _ahead_of(key: str) -> tuple[tuple[str, Any], ...]:
-    return _decode(json.loads(_made(key))["ahead"])
-
-
-def _issue_ahead(entry: CompiledEntry, after: list[torch.Tensor]) -> torch.Tensor:
-    """``entry``'s region's gather, issued after ``after`` are computed
-    (traced into the outer graph) for its ``regather`` to take; returns the
-    token the region before it takes. Its arguments come from the region's
-    key, as its reads' do ([Note: A region's read settings])."""
-    settings = dict(_ahead_of(entry.region_key))
-    shards = entry.region_shards
-    if not settings.pop("canonical"):
-        shards = [p.to_canonical(shards[p.index]) for p in entry.group.fsdp_params]
-    return IssueAhead.call(shards=shards, after=after, module_key=entry.group.key, **settings)
-
-
-def refresh(group: FSDPParamGroup) -> None:
-    """Makes each parameter's alias again where its local shard's storage
-    changed, or whether it requires grad (2); and, for a region, the key of
-    its reads' settings ([Note: A region's read settings])."""
-    entry = entry_of(group)
-    if entry.in_region:  # (the others' reads guard their settings themselves)
-        entry.region_key = _encode(group)
-    shards = entry.region_shards
-    for p in group.fsdp_params:
-        local = p.graph_shard()
-        alias = shards[p.index]
-        if alias is not None:
-            alias.grad = None  # (left by a backward that raised)
-        if alias is None or alias.data_ptr() != local.data_ptr() or alias.shape != local.shape \
-                or alias.dtype != local.dtype or alias.requires_grad != p.sharded.requires_grad:
-            alias = shards[p.index] = local.detach().requires_grad_(p.sharded.requires_grad)
-            if alias.requires_grad:  # (weakly: a hook's reference to its own model, held
-                # from C++, is a cycle gc cannot see; the model outlived its last reference)
-                alias.register_post_accumulate_grad_hook(partial(_move_grad, weakref.ref(p)))
-                # (a reduce waited after the graph: [Note: A region's reduce-scatter waited outside its graph])
-                registry.CORE.later_reduces.receive(alias, partial(_add_grad, weakref.ref(p)))
-
-
-def _move_grad(param_ref: weakref.ref, alias: torch.Tensor) -> None:
-    """The alias's gradient into its ``DTensor``'s ``.grad`` (2); none
-    without sync, where the graph returns none for it."""
-    grad, alias.grad = alias.grad, None
-    if grad is not None:
-        _add_grad(param_ref, grad)
-
-
-def _add_grad(param_ref: weakref.ref, grad: torch.Tensor) -> None:
-    """``grad`` (the local rows) added to its parameter's ``.grad``."""
-    param = param_ref()
-    if param is None:
-        return
-    with compat.no_spmd_typecheck():  # (as the eager runtime's reductions: [Note: spmd_types parameters])
-        param.add_grad(param.to_canonical(grad))
