@@ -104,7 +104,17 @@ class GraphCapture:
 
 
 def count(gm: fx.GraphModule, target: Any) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+    """Calls of ``target`` in ``gm``, and in each compile region it calls, per
+    call (torch 2.13 and 2.15 inline a region called once; 2.11 keeps it)."""
+    total = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is target:
+            total += 1
+        elif n.target is torch.ops.higher_order.invoke_subgraph and n.args[0].op == "get_attr":
+            total += count(gm.get_submodule(n.args[0].target), target)
+    return total
 
 
 def count_reduces(gm: fx.GraphModule) -> int:

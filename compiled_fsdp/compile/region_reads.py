@@ -101,9 +101,15 @@ def _decode(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 @torch._dynamo.assume_constant_result
-def read_settings(key: str, index: int) -> tuple[tuple[str, Any], ...]:
-    """Parameter ``index``'s ``param_settings`` and ``_read_flags`` from its region's key."""
-    return _decode(json.loads(_made(key))["reads"][index])
+def read_settings(key: str) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """Each parameter's ``param_settings`` and ``_read_flags`` from its
+    region's key, in the group's order. Indexed in the traced code, not here:
+    Dynamo passes a constant result's arguments as constants, and torch 2.11
+    made a parameter's index symbolic where a second model's compile of the
+    same code read another value at the same attribute (two models in one
+    process: tests/test_hsdp.py::test_replicate); indexing a constant tuple
+    with it specializes it."""
+    return tuple(_decode(settings) for settings in json.loads(_made(key))["reads"])
 
 
 def _made(key: str) -> str:
@@ -122,7 +128,7 @@ def traced_read(entry: CompiledEntry, param: FSDPParam) -> torch.Tensor:
     record (1), its gather taken from one issued ahead, and everything else
     from the region's key ([Note: A region's read settings])."""
     index = param.index
-    settings = dict(read_settings(entry.region_key, index))
+    settings = dict(read_settings(entry.region_key)[index])
     sync, sink = settings.pop("sync"), settings.pop("sink")
     shard_dim, plain = settings.pop("shard_dim"), settings.pop("plain")
     full = Unshard.call(shard=to_canonical(entry.region_shards[index], shard_dim), module_key=ENTRY_KEY,
