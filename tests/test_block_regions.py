@@ -66,9 +66,11 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
 
     CORE.backward_gathers.reset()
     CORE.later_reduces.reset()
-    with recording() as rec:
+    with recording() as rec, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         res = run_parity(rank, _build, _shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=wrap,
                          after_step=lambda m: (CORE.backward_gathers.taken, CORE.later_reduces.delivered))
+    res["retraced"] = [str(w.message) for w in caught if "traced the compile region" in str(w.message)]
     res["graphs"] = graphs
     res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
                       for r in compiled_fsdp.explain(model_of[0])]
@@ -113,6 +115,9 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         assert res["after"] == [(0, BLOCKS), (2 * BLOCKS, 2 * BLOCKS), (4 * BLOCKS, 3 * BLOCKS)], res["after"]
         # (no DTensor input: [Note: No DTensor inputs beside regions])
         assert res["graphs"] == [{"subgraphs": ["subgraph_0"], "calls": BLOCKS, "dtensor_inputs": 0}]
+        # (traced once: the last block's token, made without the issue-ahead op, required no
+        # gradient where the others' did, and Dynamo traced the region again for it)
+        assert res["retraced"] == [], res["retraced"]
         # (the region's joint graph: its block's bucket; the outer one: the root's units)
         assert (1, 1) in res["joint"] and len(res["joint"]) == 2, res["joint"]
         assert res["explain"][0][:2] == ("", "compiled")  # (the root: the outer graph's units)

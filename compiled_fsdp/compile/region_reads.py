@@ -146,12 +146,18 @@ def issue_ahead(entry: CompiledEntry, after: list[torch.Tensor]) -> torch.Tensor
     """``entry``'s region's gather, issued after ``after`` are computed
     (traced into the outer graph) for its ``regather`` to take; returns the
     token the region before it takes. Its arguments come from the region's
-    key, as its reads' do ([Note: A region's read settings])."""
+    key, as its reads' do ([Note: A region's read settings]). The token needs
+    no gradient, and has none: the last region takes a token made without
+    the op, and a token that required a gradient failed the first block's
+    reuse check there, so Dynamo traced the region's body again for the last
+    block of every model ([Note: A region traced again for an equal block]
+    in regions.py found it)."""
     settings = dict(_ahead_of(entry.region_key))
     shards = entry.region_shards
     if not settings.pop("canonical"):
         shards = [p.to_canonical(shards[p.index]) for p in entry.group.fsdp_params]
-    return IssueAhead.call(shards=shards, after=after, module_key=entry.group.key, **settings)
+    with torch.no_grad():
+        return IssueAhead.call(shards=shards, after=after, module_key=entry.group.key, **settings)
 
 
 def refresh(group: FSDPParamGroup) -> None:
