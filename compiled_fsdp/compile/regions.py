@@ -243,8 +243,11 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # variant (``_variant_traced``, through ``comptime`` in the region's body),
 # the block it is traced for is recorded for its class by its parameters'
 # shapes and its settings (``region_key``), per compile attempt; a block equal
-# to one traced before warns, once per class, naming the block. Tested by
-# tests/test_block_regions.py::test_a_region_traced_again_for_an_equal_block_warns.
+# to one traced before warns, once per class, naming the block. (Its first
+# find was our own: the last block's token, ``issue_ahead`` in
+# region_reads.py.) Tested by
+# tests/test_block_regions.py::test_a_region_traced_again_for_an_equal_block_warns
+# and, for no retrace, ::test_identical_blocks_compile_once.
 _RETRACED = (
     "compiled_fsdp: Dynamo traced the compile region of {cls!r} again for {block}, whose parameters and FSDP "
     "settings equal those of a block of that class traced before in this compile: something else its forward "
