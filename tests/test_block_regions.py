@@ -301,6 +301,27 @@ def test_a_region_traced_again_for_an_equal_block_warns(indexed: bool) -> None:
             assert res["warnings"] == [], res["warnings"]
 
 
+def _two_models_rank(rank: int, world: int) -> list[str]:
+    compiled_fsdp.config.comm.block_regions = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # (as the numerics checker's variants do)
+            torch._dynamo.reset()
+            run_parity(rank, lambda: _Stack(3), _shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
+                ).manual_seed(10 * step)),), lambda out, x: out.square().mean(), steps=1,
+                wrap=partial(torch.compile, backend="aot_eager"))
+    return [str(w.message) for w in caught if "traced the compile region" in str(w.message)]
+
+
+def test_a_second_model_after_a_dynamo_reset_does_not_warn() -> None:
+    """Compile ids start again after ``torch._dynamo.reset()``: the second
+    model's first block was taken for the first model's, traced again, and
+    warned (the numerics checker's Inductor variant in CI); each root's
+    step now starts the record afresh."""
+    for res in run_distributed(_two_models_rank, 2, timeout=900):
+        assert res == [], res
+
+
 def _partly_run_rank(rank: int, world: int) -> dict:
     from _models import BreakBlock, BreakGPT, gpt_batch, gpt_loss
 

@@ -336,10 +336,16 @@ class CompileSession:
     def region_calling(self, entry: Any) -> None:
         self._tracing.calling = entry
 
+    def forget_region_variants(self) -> None:
+        """Each root's step starts afresh: a compile id repeats after
+        ``torch._dynamo.reset()``, so the next model's first block looked
+        like the last model's, traced again."""
+        self._region_variants = ("", {})
+
     def region_variant(self, cls: type, block: Hashable) -> bool:
         """Records that Dynamo traced a variant of ``cls``'s region for a block
         described by ``block``; whether it traced one for an equal block
-        before in the same compile (the same trace attempt)."""
+        before in the same compile (the same trace attempt, since the step began)."""
         trace = str(torch._guards.CompileContext.current_trace_id())
         if self._region_variants[0] != trace:
             self._region_variants = (trace, {})

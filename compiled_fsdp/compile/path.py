@@ -120,6 +120,7 @@ class TorchCompilePath(CompiledPath):
         registry.CORE.backward_gathers.drop_pending()  # (what the last step kept and did not take)
         frames.arm()  # (again after a torch._dynamo.reset())
         install.close_backward_windows()
+        install.SESSION.forget_region_variants()  # ([Note: A region traced again for an equal block])
         _root(ctx).backward_checked = False
         aliased = any(entry_of(g).in_region for g in ctx.groups())
         for g in ctx.groups():  # before any tracing: see [Note: Accumulation without sync in graphs]

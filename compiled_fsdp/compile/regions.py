@@ -242,8 +242,9 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # variants, whose error was the only sign). So each time Dynamo traces a
 # variant (``_variant_traced``, through ``comptime`` in the region's body),
 # the block it is traced for is recorded for its class by its parameters'
-# shapes and its settings (``region_key``), per compile attempt; a block equal
-# to one traced before warns, once per class, naming the block. (Its first
+# shapes and its settings (``region_key``), per compile attempt since the
+# root's step began; a block equal to one traced before warns, once per class,
+# naming the block. (Its first
 # find was our own: the last block's token, ``issue_ahead`` in
 # region_reads.py.) Tested by
 # tests/test_block_regions.py::test_a_region_traced_again_for_an_equal_block_warns
@@ -252,9 +253,9 @@ _RETRACED = (
     "compiled_fsdp: Dynamo traced the compile region of {cls!r} again for {block}, whose parameters and FSDP "
     "settings equal those of a block of that class traced before in this compile: something else its forward "
     "reads differs between the blocks (a Python attribute such as a layer index, a global, an input of another "
-    "shape). So each such block is traced and compiled on its own, and the first step grows with the model's "
-    "depth. TORCH_LOGS=hierarchical_compile names the guard that failed; make that value the same for every "
-    "block, or pass it in as a tensor.")
+    "shape). So Dynamo traces each such block on its own (and compiles it on its own where the traces differ), "
+    "and the first step grows with the model's depth. TORCH_LOGS=hierarchical_compile names the guard that "
+    "failed; make that value the same for every block, or pass it in as a tensor.")
 
 
 def _variant_traced(cls: type, ctx: Any) -> None:
