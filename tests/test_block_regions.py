@@ -15,6 +15,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
+from compiled_fsdp.core import compat
 from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
@@ -291,13 +292,14 @@ def test_a_region_traced_again_for_an_equal_block_warns(indexed: bool) -> None:
     and compiled on their own: one warning on every rank, naming the class
     and the second block, and the numbers still bitwise the reference's.
     Blocks of one class in ten shapes (variants that must be) do not warn.
-    See [Note: A region traced again for an equal block]."""
+    Torch 2.11 traces every call of a region (no reuse to fail): no warning
+    there. See [Note: A region traced again for an equal block]."""
     for res in run_distributed(_retraced_rank, 2, indexed, timeout=900):
         assert_close(res, 0.0)
-        if indexed:
+        if indexed and compat.region_traces_reused():
             assert len(res["warnings"]) == 1 and "'_Indexed'" in res["warnings"][0] \
                 and "layers.1" in res["warnings"][0], res["warnings"]
-        else:
+        else:  # (torch 2.11 traces every call: nothing to warn of)
             assert res["warnings"] == [], res["warnings"]
 
 

@@ -244,7 +244,8 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # the block it is traced for is recorded for its class by its parameters'
 # shapes and its settings (``region_key``), per compile attempt since the
 # root's step began; a block equal to one traced before warns, once per class,
-# naming the block. (Its first
+# naming the block. (Torch 2.11 traces every call of a region and keeps one
+# subgraph for equal graphs: there is no reuse to fail, and no warning.) (Its first
 # find was our own: the last block's token, ``issue_ahead`` in
 # region_reads.py.) Tested by
 # tests/test_block_regions.py::test_a_region_traced_again_for_an_equal_block_warns
@@ -259,7 +260,10 @@ _RETRACED = (
 
 
 def _variant_traced(cls: type, ctx: Any) -> None:
-    """At trace time: Dynamo traces a variant of ``cls``'s region (see the note above)."""
+    """At trace time: Dynamo traces a variant of ``cls``'s region (see the
+    note above). Not on torch 2.11, which traces every call."""
+    if not compat.region_traces_reused():
+        return
     calling = install.SESSION.region_calling
     entry = calling() if calling is not None else None
     if entry is None:

@@ -513,6 +513,15 @@ def nested_compile_region(fn: Callable[..., Any], options: Any) -> Callable[...,
     return region(fn, options=options)
 
 
+@functools.lru_cache(1)
+def region_traces_reused() -> bool:
+    """Whether Dynamo reuses a ``nested_compile_region``'s trace for a later
+    call whose guards hold (2.13, 2.15: the variants ``max_reuse_entries``
+    caps), rather than tracing every call and keeping one subgraph for equal
+    graphs (2.11)."""
+    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+
 def cudagraph_unsafe_tags() -> tuple:
     """``torch.Tag.cudagraph_unsafe`` where this torch has it: an op Inductor
     must never capture in a CUDA graph (a replay would skip its Python, as
