@@ -105,10 +105,9 @@ def read_settings(key: str) -> tuple[tuple[tuple[str, Any], ...], ...]:
     """Each parameter's ``param_settings`` and ``_read_flags`` from its
     region's key, in the group's order. Indexed in the traced code, not here:
     Dynamo passes a constant result's arguments as constants, and torch 2.11
-    made a parameter's index symbolic where a second model's compile of the
-    same code read another value at the same attribute (two models in one
-    process: tests/test_hsdp.py::test_replicate); indexing a constant tuple
-    with it specializes it."""
+    gave a parameter's index as a symbolic int in a second model's compile of
+    the same code (tests/test_hsdp.py::test_replicate); indexing a constant
+    tuple with it specializes it."""
     return tuple(_decode(settings) for settings in json.loads(_made(key))["reads"])
 
 
