@@ -508,7 +508,7 @@ def nested_compile_region(fn: Callable[..., Any], options: Any) -> Callable[...,
     is traced and compiled as its own variant then, as in one graph);
     2.11 has no cap."""
     region = torch.compiler.nested_compile_region
-    if "max_reuse_entries" in inspect.signature(region).parameters:
+    if region_traces_reused():
         return region(fn, options=options, max_reuse_entries=2**31)
     return region(fn, options=options)
 
