@@ -5,8 +5,10 @@ reduced inside it by the passes. See [Note: Blocks as compile regions] in
 compiled_fsdp/compile/regions.py."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -29,6 +31,25 @@ def _shard(model: torch.nn.Module) -> None:
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
+
+
+@contextlib.contextmanager
+def _caught(about: str) -> Iterator[list[str]]:
+    """The messages of the warnings raised inside that mention ``about``
+    (filled when the block ends)."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield found
+    found.extend(str(w.message) for w in caught if about in str(w.message))
+
+
+def _stack_parity(rank: int, build: Any, steps: int, **kwargs: Any) -> dict:
+    """A stack of toy blocks, sharded and compiled whole under ``aot_eager``,
+    against its reference: a fresh random batch a step, the output's mean square."""
+    return run_parity(rank, build, _shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
+        ).manual_seed(10 * step)),), lambda out, x: out.square().mean(), steps=steps,
+        wrap=partial(torch.compile, backend="aot_eager"), **kwargs)
 
 
 def _build() -> GPT:
@@ -67,11 +88,10 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
 
     CORE.backward_gathers.reset()
     CORE.later_reduces.reset()
-    with recording() as rec, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recording() as rec, _caught("traced the compile region") as retraced:
         res = run_parity(rank, _build, _shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=wrap,
                          after_step=lambda m: (CORE.backward_gathers.taken, CORE.later_reduces.delivered))
-    res["retraced"] = [str(w.message) for w in caught if "traced the compile region" in str(w.message)]
+    res["retraced"] = retraced
     res["graphs"] = graphs
     res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
                       for r in compiled_fsdp.explain(model_of[0])]
@@ -144,12 +164,11 @@ def _break_rank(rank: int, world: int, in_place: bool) -> dict:
     def after_step(model: torch.nn.Module) -> dict:
         return {"paths": [(r.fqn, r.path) for r in compiled_fsdp.explain(model)], "regions": in_regions(model)}
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _caught("compile region") as found:
         res = run_parity(rank, build, _shard, make_batch, loss, steps=3, after_step=after_step,
                          wrap=partial(_in_place, backend="aot_eager") if in_place
                          else partial(torch.compile, backend="aot_eager"))
-    res["warnings"] = [str(w.message) for w in caught if "compile region" in str(w.message)]
+    res["warnings"] = found
     return res
 
 
@@ -236,11 +255,7 @@ class _Stack(torch.nn.Module):
 
 def _variants_rank(rank: int, world: int) -> dict:
     compiled_fsdp.config.comm.block_regions = True
-
-
-    return run_parity(rank, lambda: _Stack(10), _shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
-        ).manual_seed(10 * step)),), lambda out, x: out.square().mean(), steps=2,
-        after_step=lambda m: in_regions(m), wrap=partial(torch.compile, backend="aot_eager"))
+    return _stack_parity(rank, lambda: _Stack(10), 2, after_step=in_regions)
 
 
 def test_blocks_of_one_class_in_ten_shapes() -> None:
@@ -277,12 +292,9 @@ class _IndexedStack(_Stack):
 def _retraced_rank(rank: int, world: int, indexed: bool) -> dict:
     compiled_fsdp.config.comm.block_regions = True
     build = (lambda: _IndexedStack(4)) if indexed else (lambda: _Stack(10))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        res = run_parity(rank, build, _shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
-            ).manual_seed(10 * step)),), lambda out, x: out.square().mean(), steps=2,
-            after_step=lambda m: in_regions(m), wrap=partial(torch.compile, backend="aot_eager"))
-    res["warnings"] = [str(w.message) for w in caught if "traced the compile region" in str(w.message)]
+    with _caught("traced the compile region") as found:
+        res = _stack_parity(rank, build, 2, after_step=in_regions)
+    res["warnings"] = found
     return res
 
 
@@ -305,14 +317,11 @@ def test_a_region_traced_again_for_an_equal_block_warns(indexed: bool) -> None:
 
 def _two_models_rank(rank: int, world: int) -> list[str]:
     compiled_fsdp.config.comm.block_regions = True
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _caught("traced the compile region") as found:
         for _ in range(2):  # (as the numerics checker's variants do)
             torch._dynamo.reset()
-            run_parity(rank, lambda: _Stack(3), _shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
-                ).manual_seed(10 * step)),), lambda out, x: out.square().mean(), steps=1,
-                wrap=partial(torch.compile, backend="aot_eager"))
-    return [str(w.message) for w in caught if "traced the compile region" in str(w.message)]
+            _stack_parity(rank, lambda: _Stack(3), 1)
+    return found
 
 
 def test_a_second_model_after_a_dynamo_reset_does_not_warn() -> None:
