@@ -21,6 +21,10 @@ Kinds (see gpu_check.py's docstring for what each row means):
   offload_ours_blocks / offload_fsdp2_blocks
                    CPUOffloadPolicy(), each block compiled on its own: shards,
                    gradients and AdamW on the CPU
+  offload_ours_compiled
+                   the same, the whole model compiled: each shard copied to the
+                   GPU inside the graph, with its gather ([Note: CPU offload in
+                   graphs])
 """
 from __future__ import annotations
 
@@ -46,8 +50,8 @@ import llama  # noqa: E402
 
 WS1_KINDS = ("floor", "ours_compiled", "ours_onegraph", "ours_eager", "fsdp2_blocks")
 SIM_KINDS = ("sim_ours", "sim_fsdp2")
-F8_OFFLOAD_KINDS = ("f8_ours_compiled", "f8_ours_blocks", "f8_fsdp2_blocks", "offload_ours_blocks",
-                    "offload_fsdp2_blocks")
+F8_OFFLOAD_KINDS = ("f8_ours_compiled", "f8_ours_blocks", "f8_fsdp2_blocks", "offload_ours_compiled",
+                    "offload_ours_blocks", "offload_fsdp2_blocks")
 KINDS = WS1_KINDS + SIM_KINDS + F8_OFFLOAD_KINDS + ("block_times",)
 
 

@@ -36,6 +36,7 @@ from compiled_fsdp.core.layout import (
     pack_grads,
     pack_shards,
     sum_received,
+    to_device,
     unpack_gathered,
 )
 
@@ -53,9 +54,11 @@ def _issue(b: NodeBuilder, op: object, gated: object, live: fx.Node | None, *arg
 def emit_gather(
     b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[ShardSpec],
     dtypes: Sequence[torch.dtype | None], world_size: int, group_name: str, live: fx.Node | None = None,
+    device: str | None = None,
 ) -> fx.Node:
-    """The bucket's pack and its ``all_gather_into_tensor``, not waited."""
-    return _issue(b, AG, AG_IF, live, emit_pack_shards(b, shards, specs, dtypes), world_size, group_name)
+    """The bucket's pack (its shards first copied to ``device``: CPU offload)
+    and its ``all_gather_into_tensor``, not waited."""
+    return _issue(b, AG, AG_IF, live, emit_pack_shards(b, shards, specs, dtypes, device), world_size, group_name)
 
 
 def _shapes(specs: Sequence[ShardSpec]) -> tuple[list[int], list[int]]:
@@ -70,12 +73,15 @@ def _as_one_op(b: NodeBuilder, like: fx.Node) -> bool:
 
 
 def emit_pack_shards(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[ShardSpec],
-                     dtypes: Sequence[torch.dtype | None]) -> fx.Node:
+                     dtypes: Sequence[torch.dtype | None], device: str | None = None) -> fx.Node:
     """``pack_shards`` as one ``pack_bucket`` op ([Note: One copy-out per
     bucket] in compiled_fsdp/core/copy_out.py), or as aten ops where one
-    shard needs no copy, the dtypes differ, or the bucket is not on the CPU."""
-    if len(specs) == 1 or len(set(dtypes)) > 1 or not _as_one_op(b, shards[0]):
-        return pack_shards(b, list(shards), list(specs), list(dtypes))
+    shard needs no copy, the dtypes differ, or the bucket is not on the CPU
+    (``device``: where CPU offload copies the shards, part of the chain the
+    schedule issues early: [Note: CPU offload in graphs] in lowering.py)."""
+    moved = device is not None and b.value(shards[0]).device != torch.device(device)
+    if len(specs) == 1 or len(set(dtypes)) > 1 or moved or not _as_one_op(b, shards[0]):
+        return pack_shards(b, list(shards), list(specs), list(dtypes), device)
     return b(copy_out.pack_bucket._opoverload, list(shards), *_shapes(specs), specs[0].world_size, dtypes[0])
 
 
@@ -126,14 +132,16 @@ def emit_all_reduce(b: NodeBuilder, summed: fx.Node, group_name: str, live: fx.N
 
 
 def emit_gather_bytes(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[ShardSpec],
-                      dtypes: Sequence[torch.dtype], world_size: int, group_name: str) -> list[fx.Node]:
-    """[Note: Byte buckets]: each shard cast to its compute dtype (``dtypes``),
+                      dtypes: Sequence[torch.dtype], world_size: int, group_name: str,
+                      device: str | None = None) -> list[fx.Node]:
+    """[Note: Byte buckets]: each shard copied to ``device`` (CPU offload:
+    ``to_device``) and cast to its compute dtype (``dtypes``),
     viewed ``[rows, bytes per row]`` in ``uint8``, gathered in one bucket,
     waited, and each full value viewed back."""
     wire, byte_specs = [], []
     for shard, spec, dtype in zip(shards, specs, dtypes):
         rows = b.value(shard).shape[0]
-        x = cast(b, shard, dtype)
+        x = cast(b, to_device(b, shard, device), dtype)
         if shard.op != "placeholder":  # (a permuted view: Shard(d > 0); decided alike on every rank)
             x = b(aten.clone.default, x, memory_format=torch.contiguous_format)
         x = b(aten.view.default, x, [rows, math.prod(spec.rest)])

@@ -73,6 +73,7 @@ def _compatible(a, b) -> bool:  # noqa: ANN001
         and a.post_forward == b.post_forward
         and a.comm_dtype == b.comm_dtype
         and a.after_reduce == b.after_reduce
+        and a.device == b.device
     )
 
 

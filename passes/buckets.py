@@ -63,6 +63,12 @@ class BucketPlan:
         return (args.replicate_group_name, args.spec.divisor)
 
     @property
+    def device(self) -> str | None:
+        """Where CPU offload copies the bucket's shards before its gather, or
+        its reduced rows after its reduce (None: no copy)."""
+        return self.slots[0].args.device
+
+    @property
     def module_keys(self) -> list[int]:
         """Every application in the bucket."""
         return sorted({k for k, _ in self.units})

@@ -308,6 +308,28 @@ def _copied_meta(src: fx.Node, plan: BucketPlan, role: str | None = None) -> dic
     ))
 
 
+# [Note: CPU offload in graphs]
+# Under FSDP2's ``CPUOffloadPolicy`` ([Note: CPU offload] in
+# runtime/policy.py) a whole-model graph reads the shard where it lives, on
+# the CPU: its ``unshard`` says which compute device the gathered parameter
+# is on (``device``), and its ``reduce_grad`` the device the reduced rows go
+# back to. The lowering copies each shard to the device as the first step of
+# its bucket's pack (``to_device`` in core/layout.py, shared with the
+# markers' eager code), so the copy belongs to the gather's issue chain and
+# the schedule issues it with the gather, ahead of the compute it overlaps
+# ([Note: Scheduling rules] in schedule.py); and it copies each reduced
+# gradient back as the last step of its reduce's tail, after the wait. A
+# bucket never mixes offloaded and resident parameters (``device`` is part
+# of the markers' bucket signature). A group under offload is no compile
+# region (its region's gather would be issued ahead on the CPU shards), and a
+# block compiled on its own gathers it eagerly ([Note: Extension groups run
+# the eager runtime] in compile/path.py). On a machine without an
+# accelerator the compute device is the CPU and no copy is emitted. Tested by
+# tests/test_offload.py (the graphs on the CPU) and
+# tests/test_passes_fx.py::test_offloaded_shards_copied_in_the_gather_chain
+# (a graph traced for a CUDA device on fake tensors).
+
+
 def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
     order = node_order(graph)
     first_marker = min((m for s in plan.slots for m in s.markers), key=order.__getitem__)
@@ -325,10 +347,10 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
         elif plan.as_bytes:
             waited = None
             fulls = emit_gather_bytes(b, sources, specs, [comm_dtype_of("gather", s) for s in plan.slots],
-                                      plan.world_size, plan.group_name)
+                                      plan.world_size, plan.group_name, plan.device)
         else:
             gathered = emit_gather(b, sources, specs, [s.args.param_dtype for s in plan.slots],
-                                   plan.world_size, plan.group_name)
+                                   plan.world_size, plan.group_name, device=plan.device)
             waited = b(c10d.wait_tensor.default, gathered)
         if waited is not None:
             fulls = emit_unpack(b, waited, specs)
@@ -371,7 +393,7 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         if replicate_group is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
             summed = emit_all_reduce(b, summed, replicate_group)
         results = split_reduced(b, summed, specs, [s.args.local_rows for s in plan.slots],
-                                [s.args.grad_dtype for s in plan.slots])
+                                [s.args.grad_dtype for s in plan.slots], plan.device)
     _replace_roots(graph, plan, results)
 
 

@@ -4,8 +4,10 @@ is the CPU, so the copies to and from it are none: what is checked is where
 every tensor lives after training (shards, gradients, AdamW's state: the
 CPU), the numerics through the offload paths (eager, ``aot_eager`` whole and
 per block, meta-device init) against a single-process reference and FSDP2's
-offload, and that a compiled model gathers such modules in the eager
-runtime. The copies themselves need an accelerator (benchmarks/gpu_check.py)."""
+offload, and that a whole-model graph gathers such modules itself. The
+copies themselves need an accelerator (benchmarks/gpu_check.py); their place
+in a graph is checked on fake CUDA tensors by
+tests/test_passes_fx.py::test_offloaded_shards_copied_in_the_gather_chain."""
 from __future__ import annotations
 
 from typing import Any
@@ -18,6 +20,7 @@ import compiled_fsdp
 from compiled_fsdp import CPUOffloadPolicy, fully_shard
 
 from _dist import run_distributed
+from _graphs import GraphCapture
 from _parity import full_diff, full_params, reference_grads
 
 D = 16
@@ -56,7 +59,9 @@ def _train(rank: int, world: int, model: nn.Module, run: Any) -> dict:
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     worst, devices = 0.0, set()
     for step in range(3):
+        compiled_fsdp.reset_collective_counts()
         run(_batch(step, rank)).backward()
+        eager_collectives = compiled_fsdp.collective_counts()
         devices |= {("grad", p.grad.to_local().device.type) for p in model.parameters()}
         reference_grads(ref, lambda r: ref(_batch(step, r)), world)
         for opt in opts:
@@ -66,7 +71,7 @@ def _train(rank: int, world: int, model: nn.Module, run: Any) -> dict:
     devices |= {("param", p.to_local().device.type) for p in model.parameters()}
     devices |= {("optim", t.device.type) for state in opts[0].state.values() for t in state.values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0}
-    return {"worst": worst, "devices": sorted(devices)}
+    return {"worst": worst, "devices": sorted(devices), "eager_collectives": eager_collectives}
 
 
 def _shard(model: nn.Module, fn: Any, policy: Any) -> nn.Module:
@@ -85,7 +90,10 @@ def _rank(rank: int, world: int) -> dict:
     eager = _shard(Model(), fully_shard, CPUOffloadPolicy())
     out["eager"] = _train(rank, world, eager, eager)
     whole = _shard(Model(), fully_shard, TorchOffload(pin_memory=False))  # (torch's class, taken as ours)
-    out["aot_eager"] = _train(rank, world, whole, torch.compile(whole, backend="aot_eager"))
+    capture = GraphCapture()
+    out["aot_eager"] = _train(rank, world, whole, torch.compile(whole, backend=capture.backend, fullgraph=True))
+    out["in_graph"] = capture.take_runtime()
+    out["graphs"] = len(capture.forward), len(capture.backward)
     out["explain"] = {r.fqn: (r.path, r.reason) for r in compiled_fsdp.explain(whole)}
     blocks = _shard(Model(), fully_shard, CPUOffloadPolicy())
     for layer in blocks.layers:
@@ -106,14 +114,22 @@ def _rank(rank: int, world: int) -> dict:
 
 
 def test_cpu_offload() -> None:
-    """Eager, ``aot_eager`` (whole model: the offloaded modules fall back,
-    ``explain`` names CPU offload) and per block, and from a meta-device
-    init: bitwise to the reference after 3 AdamW steps, and eager bitwise to
-    FSDP2's offload; shards, gradients and AdamW's state on the CPU."""
+    """Eager, ``aot_eager`` (the whole model in one graph, ``fullgraph=True``:
+    every module gathered and reduced in it, no eager collective; no module a
+    compile region, ``explain`` says why) and per block, and from a
+    meta-device init: bitwise to the reference after 3 AdamW steps, and eager
+    bitwise to FSDP2's offload; shards, gradients and AdamW's state on the
+    CPU. See [Note: CPU offload in graphs] in passes/lowering.py."""
     for res in run_distributed(_rank, 2, timeout=600):
         for case in ("eager", "aot_eager", "blocks", "meta", "fsdp2"):
             assert res[case]["worst"] == 0.0, (case, res[case])
             assert res[case]["devices"] == [("grad", "cpu"), ("optim", "cpu"), ("param", "cpu")], (case, res)
         assert res["vs_fsdp2"] == 0.0, res
+        assert res["aot_eager"]["eager_collectives"] == {}, res["aot_eager"]
+        assert res["blocks"]["eager_collectives"].get("all_gather", 0) >= 2, res["blocks"]
+        assert res["graphs"] == (1, 1), res["graphs"]
+        runs = res["in_graph"]  # (3 steps; small buckets merge, so at least one gather a step each way)
+        assert runs.get("fw_all_gather", 0) >= 3 and runs.get("bw_reduce_scatter", 0) >= 3, runs
+        assert {path for path, _ in res["explain"].values()} == {"compiled"}, res["explain"]
         path, reason = res["explain"]["layers.0"]
-        assert path == "fallback" and "CPU offload" in reason, res["explain"]
+        assert "not a compile region" in reason and "CPU offload" in reason, res["explain"]

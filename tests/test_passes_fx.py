@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -29,7 +30,9 @@ from compiled_fsdp.passes import (
     run_joint_passes,
     tag_recompute,
 )
+from compiled_fsdp.passes.config import OverlapConfig
 from compiled_fsdp.passes.graph import chain_tag, through_identity_views
+from compiled_fsdp.passes.schedule import schedule_graph
 
 from _graphs import ancestors
 
@@ -156,6 +159,74 @@ def test_copies_are_aten_ops_off_the_cpu() -> None:
     gathers = _calls(on["meta"], c10d.all_gather_into_tensor.default)
     assert [g.args[0].target for g in gathers] == [torch.ops.aten.cat.default, torch.ops.aten.view.default]
     assert [tuple(g.meta["val"].shape) for g in gathers] == [(30,), (20,)]
+
+
+def _offloaded_graph() -> fx.GraphModule:
+    """``_two_module_graph`` (``tied``) under CPU offload: the shards on the
+    CPU, the parameters and the compute on a CUDA device, traced on fake
+    tensors (no GPU needed). The backward is written out (autograd's engine
+    wants a real CUDA context): each read's ``reduce_grad`` of a stand-in
+    gradient, the tied reads' summed, as AOTAutograd's joint has them."""
+    dev = "cuda:0"
+    shapes = ([5, 4], [5], [3, 5])
+
+    def R(grad, key, index):  # noqa: N802 - the read's backward, as the marker's autograd calls it
+        full = shapes[index if key == 0 else 2]
+        return torch.ops.compiled_fsdp.reduce_grad(grad, full, GROUP, 2, key, index, _shard_shape(full, 2)[0],
+                                                   device="cpu")
+
+    def joint(s_w, s_b, s_w2, x):
+        w = U(s_w, [5, 4], GROUP, 2, 0, 0, True, device=dev)
+        b = U(s_b, [5], GROUP, 2, 0, 1, True, device=dev)
+        w_again = U(s_w, [5, 4], GROUP, 2, 0, 0, True, device=dev)
+        h = torch.relu(torch.nn.functional.linear(x, w, b))
+        h = h + torch.nn.functional.linear(x, w_again).sum()
+        w2 = U(s_w2, [3, 5], GROUP, 2, 1, 0, True, device=dev)
+        out = torch.nn.functional.linear(h, w2).sum()
+        g_w2 = R(w2 * out, 1, 0)
+        g_w = R(w * out, 0, 0) + R(w_again * 2, 0, 0)
+        return out, g_w, R(b * out, 0, 1), g_w2
+
+    with FakeTensorMode():
+        shards = [torch.randn(_shard_shape(s, 2)) for s in shapes]
+        x = torch.randn(7, 4, device=dev)
+    return make_fx(joint, tracing_mode="fake")(*shards, x)
+
+
+def test_offloaded_shards_copied_in_the_gather_chain() -> None:
+    """[Note: CPU offload in graphs]: each shard (a CPU graph input) is
+    copied to the device as the first step of its bucket's pack, inside the
+    gather's chain, so the schedule prefetches the copy with the gather
+    (module 1's copy moves above module 0's matmul); each reduced gradient is
+    copied back to the CPU after its reduce's wait, and the graph returns the
+    shards' gradients on the CPU. Without the lowering's copies the pack would
+    concatenate CPU shards into a CUDA bucket."""
+    gm = _offloaded_graph()
+    report = run_joint_passes(gm)
+    assert report.lowering.skipped == [] and _markers(gm) == []
+    puts = _calls(gm, torch.ops.prims.device_put.default)
+    to_cuda = [n for n in puts if n.meta["val"].device.type == "cuda"]
+    to_cpu = [n for n in puts if n.meta["val"].device.type == "cpu"]
+    assert len(to_cuda) == 3 and len(to_cpu) == 3, [n.format_node() for n in puts]
+    assert all(n.args[0].op == "placeholder" and n.args[2] is True for n in to_cuda)  # (non-blocking)
+    assert all(n.args[2] is False for n in to_cpu)  # (blocking: the optimizer reads it at once)
+    assert [_role(n) for n in to_cuda] == ["gather_chain"] * 3
+    assert [_role(n) for n in to_cpu] == ["reduce_chain"] * 3
+    for gather in _calls(gm, c10d.all_gather_into_tensor.default):
+        assert gather.meta["val"].device.type == "cuda"
+        assert {n for n in ancestors(gather) if n in to_cuda}, gather.format_node()
+    for put in to_cpu:
+        assert any(a.target is c10d.wait_tensor.default for a in ancestors(put))
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    assert [o.meta["val"].device.type for o in outputs[1:]] == ["cpu"] * 3
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first_mm = min((n for n in gm.graph.nodes if n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)),
+                   key=order.__getitem__)
+    module1_put = next(n for n in to_cuda if chain_tag(n).module_key == 1)
+    assert order[module1_put] > order[first_mm]  # (where the lowering put it: at module 1's read)
+    schedule_graph(gm.graph, OverlapConfig(cover=1e9))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    assert order[module1_put] < order[first_mm]
 
 
 def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:

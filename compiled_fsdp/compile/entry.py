@@ -108,6 +108,8 @@ def param_settings(param: FSDPParam) -> dict[str, Any]:
         param_dtype=param.param_dtype, reduce_dtype=param.reduce_dtype, outermost=group.outermost,
         reduce_by_all_to_all=group.reduce_by_all_to_all, replicate_group_name=group.replicate_group_name,
         replicas=spec.replicas, divide_factor=spec.divide_factor)
+    if param.offload:  # (copied to the device before its gather: [Note: CPU offload] in runtime/policy.py)
+        settings.update(device=str(param.compute_device))
     if param.extension is not None and param.extension.casts_in_graph:
         settings.update(cast_from_shard=True)  # (torchao's float8 weights: FSDP2 casts their shard)
     if group.post_forward_args is not None:  # ([Note: Resharding to a smaller group] in runtime/param_group.py)

@@ -52,7 +52,9 @@ __all__ = ["TorchCompilePath"]
 # is gathered by the eager runtime, in the extension's form, and its module's
 # compiled code reads the unsharded values (torchao's float8 weights) as
 # graph inputs. So is a group under CPU offload ([Note: CPU offload] in
-# runtime/policy.py), whose shards are copied to the device before a gather.
+# runtime/policy.py), whose shards are copied to the device before a gather,
+# but inside a whole-model graph (``group.copies_in_graph``: [Note: CPU
+# offload in graphs] in passes/lowering.py).
 # A read while Dynamo traces the module inside a larger graph breaks the
 # graph there, so the module falls back ([Note: Fallback decision rule] in
 # frames.py); a block compiled on its own runs its hooks eagerly and
@@ -67,8 +69,7 @@ __all__ = ["TorchCompilePath"]
 # tests/test_offload.py.
 _EXTENSION_BREAK = (
     "compiled_fsdp: {fqn!r} of {module} is gathered by the eager runtime, not inside a graph (its all-gather "
-    "extension, fsdp_pre_all_gather / fsdp_post_all_gather as torchao's float8 weights define it, or CPU "
-    "offload): its module runs outside this graph, and its forward is compiled as a frame of its own. Under "
+    "extension, fsdp_pre_all_gather / fsdp_post_all_gather as torchao's float8 weights define it): its module runs outside this graph, and its forward is compiled as a frame of its own. Under "
     "fullgraph=True compile such modules on their own (module.compile()) instead of the whole model.")
 
 
@@ -143,7 +144,7 @@ class TorchCompilePath(CompiledPath):
             # Inside a compile region (never an extension group's): its
             # settings from one guarded key ([Note: A region's read settings] in region_reads.py).
             return region_reads.traced_read(entry, param)
-        if group.gathers_eagerly and (own or not group.casts_in_graph):
+        if group.gathers_eagerly and (own or not (group.casts_in_graph or group.copies_in_graph)):
             # See [Note: Extension groups run the eager runtime].
             torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))
         # At trace time; see [Note: Fallback decision rule] in frames.py.
@@ -207,7 +208,8 @@ class TorchCompilePath(CompiledPath):
         # ``torch.compile(model)`` (an OptimizedModule calls it) or ``model.compile()``
         # (its own call is compiled in place): tests/test_fsdp2_api.py::test_every_module_compiled
         compiled = in_compiled_call or _compiled_in_place(state.module)
-        return compiled and (group is None or (not frames.is_split(group.key) and not group.gathers_eagerly))
+        return compiled and (group is None or (not frames.is_split(group.key)
+                                               and (not group.gathers_eagerly or group.copies_in_graph)))
 
     def predicts_own_frame(self, state: FSDPState) -> bool:
         """As its last forward was; before its first, from how it is compiled

@@ -172,6 +172,19 @@ def cast(op: Emit, x: Any, dtype: Optional[torch.dtype]) -> Any:
     return op(torch.ops.prims.convert_element_type.default, x, dtype)
 
 
+def to_device(op: Emit, x: Any, device: Optional[str]) -> Any:
+    """``x`` on ``device`` (a new tensor), or ``x`` itself when it is there
+    (``device`` None: wherever it is). CPU offload's copies ([Note: CPU
+    offload] in runtime/policy.py): a shard to the compute device before its
+    gather, non-blocking (from pinned memory the copy overlaps); a reduced
+    gradient back to the CPU, blocking (the optimizer reads it at once). The
+    prim, not ``aten._to_copy``, as ``cast`` says."""
+    if device is None or op.value(x).device == torch.device(device):
+        return x
+    target = torch.device(device)
+    return op(torch.ops.prims.device_put.default, x, target, target.type != "cpu")
+
+
 def _pad_rows(spec: ShardSpec, rows: int) -> list[int]:
     """``constant_pad_nd``'s pad argument that appends ``rows`` zero rows."""
     return [0, 0] * len(spec.rest) + [0, rows]
@@ -179,13 +192,14 @@ def _pad_rows(spec: ShardSpec, rows: int) -> list[int]:
 
 def pack_shards(
     op: Emit, shards: Sequence[Any], specs: Sequence[ShardSpec],
-    dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
+    dtypes: Optional[Sequence[Optional[torch.dtype]]] = None, device: Optional[str] = None,
 ) -> Any:
-    """The all-gather input ``[T]``: each local shard cast to its compute dtype
-    (``dtypes``), zero-padded to ``shard_d0`` rows, flattened, concatenated."""
+    """The all-gather input ``[T]``: each local shard copied to ``device``
+    (``to_device``), cast to its compute dtype (``dtypes``), zero-padded to
+    ``shard_d0`` rows, flattened, concatenated."""
     flats = []
     for i, (shard, spec) in enumerate(zip(shards, specs)):
-        shard = cast(op, shard, dtypes[i] if dtypes is not None else None)
+        shard = cast(op, to_device(op, shard, device), dtypes[i] if dtypes is not None else None)
         missing = spec.shard_dim0 - op.value(shard).shape[0]
         padded = op(aten.constant_pad_nd.default, shard, _pad_rows(spec, missing))
         flats.append(op(aten.view.default, padded, [spec.shard_numel]))
@@ -273,15 +287,15 @@ def sum_received(op: Emit, received: Any, world: int) -> Any:
 
 def split_reduced(
     op: Emit, summed: Any, specs: Sequence[ShardSpec], local_rows: Sequence[int],
-    dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
+    dtypes: Optional[Sequence[Optional[torch.dtype]]] = None, device: Optional[str] = None,
 ) -> list[Any]:
     """The averaged gradient of each local shard from the summed ``[T]``, in
-    the parameter's dtype (``dtypes``)."""
+    the parameter's dtype (``dtypes``), on ``device`` (``to_device``)."""
     avg = op(aten.div.Tensor, summed, specs[0].divisor)
     grads = []
     for i, (spec, off, rows) in enumerate(zip(specs, bucket_offsets(specs), local_rows)):
         piece = op(aten.slice.Tensor, avg, 0, off, off + spec.shard_numel)
         shard = op(aten.view.default, piece, list(spec.shard_shape))
         rows_only = op(aten.slice.Tensor, shard, 0, 0, rows)
-        grads.append(cast(op, rows_only, dtypes[i] if dtypes is not None else None))
+        grads.append(to_device(op, cast(op, rows_only, dtypes[i] if dtypes is not None else None), device))
     return grads

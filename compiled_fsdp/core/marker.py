@@ -153,6 +153,7 @@ class _OneParameter:
     replicate_group_name: Optional[str]
     replicas: int
     divide_factor: Optional[float]
+    device: Optional[str]
 
     @property
     def spec(self) -> ShardSpec:
@@ -169,7 +170,7 @@ class _OneParameter:
     def bucket_signature(self) -> tuple:
         """What every marker of one bucket shares: its groups and how it reduces."""
         return (self.group_name, self.world_size, self.reduce_by_all_to_all, self.replicate_group_name,
-                self.replicas, self.divide_factor)
+                self.replicas, self.divide_factor, self.device)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,6 +201,11 @@ class _ParamMarker(Marker):
     replicate_group_name: Optional[str] = _arg("str?", None)
     replicas: int = _arg("int", 1)
     divide_factor: Optional[float] = _arg("float?", None)
+    # CPU offload ([Note: CPU offload] in runtime/policy.py): for ``unshard``,
+    # the compute device the shard is copied to before its gather; for
+    # ``reduce_grad``, the device the reduced rows go back to (the shard's).
+    # None: no copy.
+    device: Optional[str] = _arg("str?", None)
 
 
 # The static ints of every parameter marker.
@@ -277,9 +283,12 @@ class ReduceGrad(_ParamMarker, _OneParameter):
     post_forward: ClassVar[None] = None
 
     @classmethod
-    def of_read(cls, read: Unshard, grad: Any, grad_dtype: torch.dtype, handed: bool) -> "ReduceGrad":
+    def of_read(cls, read: Unshard, grad: Any, grad_dtype: torch.dtype, handed: bool,
+                shard_device: Optional[str] = None) -> "ReduceGrad":
         """The backward of ``read`` (``handed``: it read a handed-over gather),
-        reduced on its reduce group."""
+        reduced on its reduce group; under CPU offload the reduced rows go
+        back to ``shard_device`` (without sync the full gradient stays: the
+        sink is on the compute device)."""
         return cls(grad=grad, full_shape=list(read.full_shape), group_name=read.reduce_group,
                    world_size=read.world_size, module_key=read.module_key, param_index=read.param_index,
                    local_rows=read.local_rows, reduce_dtype=read.reduce_dtype, grad_dtype=grad_dtype,
@@ -288,7 +297,8 @@ class ReduceGrad(_ParamMarker, _OneParameter):
                    bucket_numel=read.bucket_numel if handed else 0,
                    reduce_by_all_to_all=read.reduce_by_all_to_all,
                    replicate_group_name=read.replicate_group_name, replicas=read.replicas,
-                   divide_factor=read.divide_factor)
+                   divide_factor=read.divide_factor,
+                   device=shard_device if read.device is not None and read.sync and not handed else None)
 
 
 @dataclasses.dataclass(frozen=True)

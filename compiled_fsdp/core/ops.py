@@ -130,7 +130,7 @@ def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
     if m.gathered is not None:  # handed over: see [Note: Gathers handed to the next block's graph]
         flat = torch.ops._c10d_functional.wait_tensor(m.gathered)
         return comm.unaliased(unpack_gathered(EAGER, flat, specs, [m.bucket_offset], m.bucket_numel)[0], m.gathered)
-    flat = pack_shards(EAGER, [m.shard], specs, [m.param_dtype])
+    flat = pack_shards(EAGER, [m.shard], specs, [m.param_dtype], m.device)
     if m.world_size == 1:
         gathered = flat.clone()
     else:
@@ -144,12 +144,13 @@ def unshard(*args: Any, **kwargs: Any) -> torch.Tensor:
 @unshard.register_fake
 def _unshard_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = Unshard.bind(args, kwargs)
-    return m.shard.new_empty(list(m.full_shape), dtype=m.param_dtype or m.shard.dtype)
+    return m.shard.new_empty(list(m.full_shape), dtype=m.param_dtype or m.shard.dtype, device=m.device)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     read = Unshard.bind(inputs, {})
     ctx.grad_dtype, ctx.handed = read.shard.dtype, read.gathered is not None
+    ctx.shard_device = str(read.shard.device)  # (where CPU offload's reduced rows go back to)
     # Without the shard and the handed-in bucket: only what the backward reads
     # (the kept gradient with sync) stays alive until then.
     ctx.read = dataclasses.replace(read, shard=None, gathered=None, kept=read.kept if read.sync else None)
@@ -157,7 +158,7 @@ def _unshard_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-unty
 
 def _unshard_backward(ctx, grad):  # type: ignore[no-untyped-def]
     read = ctx.read
-    g = ReduceGrad.call(**ReduceGrad.of_read(read, grad, ctx.grad_dtype, ctx.handed).values())
+    g = ReduceGrad.call(**ReduceGrad.of_read(read, grad, ctx.grad_dtype, ctx.handed, ctx.shard_device).values())
     # The shard's gradient, or (without sync) the sink's, or the handed-over
     # gather's; none for the rest.
     receiver = "gathered" if ctx.handed else "shard" if read.sync else "kept"
@@ -193,7 +194,7 @@ def reduce_grad(*args: Any, **kwargs: Any) -> torch.Tensor:
         _before_collective("reduce-scatter", m.module_key, m.param_index)
     summed = _over_replicas(_reduced(flat, m.world_size, m.group_name, m.reduce_by_all_to_all), m, m.param_index)
     # Sum then divide, cut to the local rows: the bucketed path's steps.
-    return split_reduced(EAGER, summed, specs, [m.local_rows], [m.grad_dtype])[0]
+    return split_reduced(EAGER, summed, specs, [m.local_rows], [m.grad_dtype], m.device)[0]
 
 
 @reduce_grad.register_fake
@@ -205,7 +206,7 @@ def _reduce_grad_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
     if not m.sync:
         return grad.new_empty(list(m.full_shape), dtype=m.reduce_dtype or grad.dtype)
     rest = ShardSpec(tuple(m.full_shape), m.world_size).rest
-    return grad.new_empty([m.local_rows, *rest], dtype=m.grad_dtype or grad.dtype)
+    return grad.new_empty([m.local_rows, *rest], dtype=m.grad_dtype or grad.dtype, device=m.device)
 
 
 # ---------------------------------------------------------------------------

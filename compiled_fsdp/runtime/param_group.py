@@ -163,6 +163,10 @@ class FSDPParamGroup:
         # before their gather in graphs] in passes/cast_gather.py).
         self.casts_in_graph = self.extension_gather is not None and not any(p.offload for p in fsdp_params) \
             and all(p.extension is None or p.extension.casts_in_graph for p in fsdp_params)
+        # Whether a whole-model graph gathers it all the same: its shards are
+        # offloaded, and the graph copies each to the compute device before
+        # its gather ([Note: CPU offload in graphs] in passes/lowering.py).
+        self.copies_in_graph = self.extension_gather is None and any(p.offload for p in fsdp_params)
         # Whether its module's code computes with DTensors ([Note: FSDP over
         # DTensor parameters] in param.py: tensor parallelism, dp_mesh_dims) or
         # spmd_types-typed tensors ([Note: spmd_types parameters]): such a

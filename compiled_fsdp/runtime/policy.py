@@ -171,12 +171,12 @@ class OffloadPolicy:
 # are on the CPU and the optimizer steps there. The unsharded buffers, the gradient sink
 # and kept gradients are on the compute device. A shard left on another
 # device (``to_empty(device="cuda")`` after a meta init) is refused at the
-# first forward with FSDP2's error. Under compile a group with offload is
-# gathered by the eager runtime ([Note: Extension groups run the eager
-# runtime] in compile/path.py): in a graph the copy would be an input the
-# passes do not yet schedule. On a machine without an accelerator the
-# compute device is the CPU and the copies are none. Tested by
-# tests/test_offload.py.
+# first forward with FSDP2's error. In a whole-model graph the copies are
+# the graph's, scheduled with the gathers ([Note: CPU offload in graphs] in
+# passes/lowering.py); a block compiled on its own is gathered by the eager
+# runtime ([Note: Extension groups run the eager runtime] in
+# compile/path.py). On a machine without an accelerator the compute device
+# is the CPU and the copies are none. Tested by tests/test_offload.py.
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             path = _last_path(state.ctx.root)  # (a region's reads leave no record: its root's graph ran it)
         reason = None
         last = state.last_path()
-        if path in ("fallback", "eager") and group is not None and group.gathers_eagerly:
+        if path in ("fallback", "eager") and group is not None and group.gathers_eagerly \
+                and not (path == "fallback" and group.copies_in_graph):  # (it fell back for another reason)
             reason = _EXTENSION
         elif path == "compiled" and group is not None and group.region_refusal is not None:
             reason = _NOT_A_REGION + group.region_refusal
@@ -109,7 +110,8 @@ _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an act
 
 _EXTENSION = ("its parameters are gathered by the eager runtime, around its compiled code: in their all-gather "
               "extension's form (fsdp_pre_all_gather: torchao's float8 weights as float8), or copied from the CPU "
-              "first (CPU offload); see [Note: Extension groups run the eager runtime] in compile/path.py")
+              "first (CPU offload, in a block compiled on its own: compile the whole model to copy them in its "
+              "graph); see [Note: Extension groups run the eager runtime] in compile/path.py")
 
 
 _SPLIT = ("a parameter of the root was traced in more than one Dynamo frame, so in-graph collectives "
