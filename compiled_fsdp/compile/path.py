@@ -69,7 +69,8 @@ __all__ = ["TorchCompilePath"]
 # tests/test_offload.py.
 _EXTENSION_BREAK = (
     "compiled_fsdp: {fqn!r} of {module} is gathered by the eager runtime, not inside a graph (its all-gather "
-    "extension, fsdp_pre_all_gather / fsdp_post_all_gather as torchao's float8 weights define it): its module runs outside this graph, and its forward is compiled as a frame of its own. Under "
+    "extension, fsdp_pre_all_gather / fsdp_post_all_gather as torchao's float8 weights define it): its "
+    "module runs outside this graph, and its forward is compiled as a frame of its own. Under "
     "fullgraph=True compile such modules on their own (module.compile()) instead of the whole model.")
 
 
