@@ -320,14 +320,18 @@ def _copied_meta(src: fx.Node, plan: BucketPlan, role: str | None = None) -> dic
 # ([Note: Scheduling rules] in schedule.py); and it copies each reduced
 # gradient back as the last step of its reduce's tail, after the wait. A
 # bucket never mixes offloaded and resident parameters (``device`` is part
-# of the markers' bucket signature). A group under offload is no compile
-# region (its region's gather would be issued ahead on the CPU shards), and a
-# block compiled on its own gathers it eagerly ([Note: Extension groups run
-# the eager runtime] in compile/path.py). On a machine without an
-# accelerator the compute device is the CPU and no copy is emitted. Tested by
-# tests/test_offload.py (the graphs on the CPU) and
-# tests/test_passes_fx.py::test_offloaded_shards_copied_in_the_gather_chain
-# (a graph traced for a CUDA device on fake tensors).
+# of the markers' bucket signature). In a compile region the gather is an
+# opaque op (``regather``, and the ``issue_ahead`` the outer graph issues it
+# with: [Note: Gathers issued ahead of compile regions] in
+# compile/regions.py): it takes the CPU shards, keyed by them as always, and
+# names the device, and its eager code copies them as the first step of the
+# same pack. A block compiled on its own gathers it in the eager runtime
+# ([Note: Extension groups run the eager runtime] in compile/path.py). On a
+# machine without an accelerator the compute device is the CPU and no copy
+# is emitted. Tested by tests/test_offload.py (the graphs and regions on the
+# CPU) and tests/test_passes_fx.py::test_offloaded_shards_copied_in_the_gather_chain
+# and ::test_offloaded_region_read_regathers_on_the_device (graphs traced for
+# a CUDA device on fake tensors).
 
 
 def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
@@ -343,7 +347,7 @@ def _apply_gather(graph: fx.Graph, plan: BucketPlan) -> None:
             # (taken from a gather issued ahead, if one was: [Note: Gathers
             # issued ahead of compile regions] in compiled_fsdp/compile/regions.py)
             waited = b(Regather.op().default, sources, joined_shapes(specs), plan.group_name, plan.world_size,
-                       plan.module_key, plan.slots[0].args.param_dtype)
+                       plan.module_key, plan.slots[0].args.param_dtype, device=plan.device)
         elif plan.as_bytes:
             waited = None
             fulls = emit_gather_bytes(b, sources, specs, [comm_dtype_of("gather", s) for s in plan.slots],

@@ -229,6 +229,27 @@ def test_offloaded_shards_copied_in_the_gather_chain() -> None:
     assert order[module1_put] < order[first_mm]
 
 
+def test_offloaded_region_read_regathers_on_the_device() -> None:
+    """A compile region's reads under CPU offload ([Note: CPU offload in
+    graphs]): the lowering's ``regather`` takes the CPU shards and names the
+    device, where it gathers (its eager code copies them first, as the
+    issue-ahead's does), so the region computes on the device."""
+    def fn(s_w, s_b, x):
+        w = U(s_w, [5, 4], GROUP, 2, 0, 0, True, device="cuda:0", take_ahead=True)
+        b = U(s_b, [5], GROUP, 2, 0, 1, True, device="cuda:0", take_ahead=True)
+        return torch.nn.functional.linear(x, w, b).sum()
+
+    with FakeTensorMode():
+        shards = [torch.randn(_shard_shape(s, 2)) for s in ([5, 4], [5])]
+        x = torch.randn(7, 4, device="cuda:0")
+    gm = make_fx(fn, tracing_mode="fake")(*shards, x)
+    run_joint_passes(gm)
+    (regather,) = _calls(gm, torch.ops.compiled_fsdp.regather.default)
+    assert regather.kwargs["device"] == "cuda:0" and regather.meta["val"].device.type == "cuda"
+    assert [s.op for s in regather.args[0]] == ["placeholder"] * 2
+    assert _calls(gm, torch.ops.prims.device_put.default) == []
+
+
 def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:
     gm = _two_module_graph(tied=True)
     before = len(_calls(gm, torch.ops.aten.add.Tensor))

@@ -109,7 +109,7 @@ def param_settings(param: FSDPParam) -> dict[str, Any]:
         reduce_by_all_to_all=group.reduce_by_all_to_all, replicate_group_name=group.replicate_group_name,
         replicas=spec.replicas, divide_factor=spec.divide_factor)
     if param.offload:  # (copied to the device before its gather: [Note: CPU offload] in runtime/policy.py)
-        settings.update(device=str(param.compute_device))
+        settings.update(device=param.gather_device)
     if param.extension is not None and param.extension.casts_in_graph:
         settings.update(cast_from_shard=True)  # (torchao's float8 weights: FSDP2 casts their shard)
     if group.post_forward_args is not None:  # ([Note: Resharding to a smaller group] in runtime/param_group.py)
@@ -248,7 +248,7 @@ class CompiledEntry:
         group = self.group
         return ops.issue_if_wanted([p.canonical_shard() for p in group.fsdp_params], list(group.specs),
                                    group.fsdp_params[0].param_dtype, group.group_name, group.key,
-                                   backward=True, kept=kept)
+                                   backward=True, kept=kept, device=group.fsdp_params[0].gather_device)
 
     def bucket_key(self) -> registry.BucketKey:
         """The registry's key of this module's whole bucket (``ops.shards_key``)."""

@@ -72,7 +72,7 @@ def _ahead_settings(group: FSDPParamGroup) -> dict[str, Any]:
     canonical as they are (every shard dim 0)."""
     first = group.fsdp_params[0]
     return dict(full_shapes=list(entry_of(group).full_shapes), group_name=group.group_name,
-                world_size=group.specs[0].world_size, param_dtype=first.param_dtype,
+                world_size=group.specs[0].world_size, param_dtype=first.param_dtype, device=first.gather_device,
                 canonical=all(p.shard_dim == 0 for p in group.fsdp_params))
 
 

@@ -401,6 +401,9 @@ class Regather(Marker):
     # then issues the one the registry chains after its own (a compile
     # region's: [Note: Gathers issued ahead of compile regions] in compile/regions.py).
     backward: bool = _arg("bool", False)
+    # CPU offload: the compute device the shards are copied to before the
+    # gather (None: no copy), as ``unshard``'s.
+    device: Optional[str] = _arg("str?", None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

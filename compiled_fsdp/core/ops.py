@@ -229,11 +229,13 @@ def gather_next(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def issue_gather(shards: list[torch.Tensor], specs: list[ShardSpec], param_dtype: Optional[torch.dtype],
-                 group_name: str, module_key: int, counted: bool = True) -> torch.Tensor:
-    """One bucket's pack and all-gather, not waited (a fresh tensor);
-    ``counted`` in ``collective_counts`` (a graph's ``regather`` is not: it
-    stands for the graph's own gather)."""
-    flat = pack_shards(EAGER, shards, specs, [param_dtype] * len(specs))
+                 group_name: str, module_key: int, counted: bool = True, device: Optional[str] = None
+                 ) -> torch.Tensor:
+    """One bucket's pack (its shards first copied to ``device``: CPU
+    offload) and all-gather, not waited (a fresh tensor); ``counted`` in
+    ``collective_counts`` (a graph's ``regather`` is not: it stands for the
+    graph's own gather)."""
+    flat = pack_shards(EAGER, shards, specs, [param_dtype] * len(specs), device)
     world_size = specs[0].world_size
     if world_size == 1:
         return flat.clone()
@@ -319,7 +321,8 @@ def shards_key(shards: list[torch.Tensor]) -> registry.BucketKey:
 
 
 def issue_if_wanted(shards: list[torch.Tensor], specs: list[ShardSpec], param_dtype: Optional[torch.dtype],
-                    group_name: str, module_key: int, *, backward: bool, kept: bool = False) -> bool:
+                    group_name: str, module_key: int, *, backward: bool, kept: bool = False,
+                    device: Optional[str] = None) -> bool:
     """Issue the gather of ``shards`` for a ``regather`` to take, not waited,
     if one of its kind (``backward`` or not) took this bucket before and none
     is pending; returns whether it was issued ([Note: Backward re-gathers
@@ -328,7 +331,7 @@ def issue_if_wanted(shards: list[torch.Tensor], specs: list[ShardSpec], param_dt
     gathers = registry.CORE.backward_gathers
     if not gathers.wanted(key, backward):
         return False
-    gathers.issue(key, issue_gather(shards, specs, param_dtype, group_name, module_key, counted=False), kept)
+    gathers.issue(key, issue_gather(shards, specs, param_dtype, group_name, module_key, False, device), kept)
     return True
 
 
@@ -348,7 +351,7 @@ def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
     gathered = gathers.take(key, m.backward)
     if gathered is None:
         gathered = issue_gather(shards, _regather_specs(m), m.param_dtype, m.group_name, m.module_key,
-                                counted=False)
+                                counted=False, device=m.device)
     if m.backward:
         gathers.issue_next(key)
     return torch.ops._c10d_functional.wait_tensor(gathered)
@@ -358,7 +361,8 @@ def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
 def _regather_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = Regather.bind(args, kwargs)
     total = sum(s.shard_numel for s in _regather_specs(m))
-    return m.shards[0].new_empty([m.world_size * total], dtype=m.param_dtype or m.shards[0].dtype)
+    return m.shards[0].new_empty([m.world_size * total], dtype=m.param_dtype or m.shards[0].dtype,
+                                 device=m.device)
 
 
 @torch.library.custom_op(IssueAhead.qualname(), mutates_args=(), schema=IssueAhead.schema(),
@@ -368,7 +372,8 @@ def issue_ahead(*args: Any, **kwargs: Any) -> torch.Tensor:
     ``regather`` took this bucket before). Returns an empty tensor: what the
     pin orders ([Note: Inductor reorders for peak memory] in passes/pin.py)."""
     m = IssueAhead.bind(args, kwargs)
-    issue_if_wanted(list(m.shards), _regather_specs(m), m.param_dtype, m.group_name, m.module_key, backward=False)
+    issue_if_wanted(list(m.shards), _regather_specs(m), m.param_dtype, m.group_name, m.module_key, backward=False,
+                    device=m.device)
     return m.shards[0].new_empty([0])
 
 

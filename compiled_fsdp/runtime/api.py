@@ -471,11 +471,7 @@ def _region_refusal(group: FSDPParamGroup, modules: list[nn.Module]) -> Optional
     if group.casts_in_graph:
         return ("its float8 weights are cast before their gather by the root graph's passes ([Note: Float8 "
                 "weights cast before their gather in graphs] in passes/cast_gather.py)")
-    if group.copies_in_graph:
-        return ("its shards are offloaded to the CPU (CPU offload): the root graph copies them to the device "
-                "before their gather ([Note: CPU offload in graphs] in passes/lowering.py), while a region's "
-                "gathers are issued ahead of it on the shards where they live")
-    if group.gathers_eagerly:
+    if group.gathers_eagerly and not group.copies_in_graph:
         return ("its parameters are gathered by the eager runtime (an all-gather extension)")
     if group.computes_dtensors:
         return ("its parameters compute as DTensors (tensor parallelism, dp_mesh_dims) or spmd_types-typed "

@@ -267,6 +267,13 @@ class FSDPParam:
             self.sharded._local_tensor = local.pin_memory()
 
     @property
+    def gather_device(self) -> Optional[str]:
+        """Where a graph's gather copies the shard to first: under CPU
+        offload the compute device ([Note: CPU offload in graphs] in
+        passes/lowering.py); None otherwise."""
+        return str(self.compute_device) if self.offload else None
+
+    @property
     def device(self) -> torch.device:
         """Where the unsharded parameter, its gradient sink and kept gradients live."""
         return self.compute_device if self.offload else self.local_shard().device
