@@ -45,6 +45,12 @@ Every configuration runs the GPT-like ~30M model (``examples.gpt:bench``, batch
                          python benchmarks/run.py --rounds 0 --paired-kinds
                            ours_compiled_float8 ours_compiled_blocks_float8
                            fsdp2_compiled_blocks_float8 compute_compiled_float8
+  ..._offload            CPUOffloadPolicy on both FSDPs (shards, gradients and
+                         AdamW on the CPU; on a CPU-only machine no copies: what
+                         is measured is the offload paths' own cost). Only when
+                         named: python benchmarks/run.py --rounds 0 --paired-kinds
+                           ours_compiled_regions_offload ours_compiled_blocks_offload
+                           fsdp2_compiled_blocks_offload fsdp2_eager_offload compute_compiled
   ..._hsdp               ours_compiled, ours_eager, fsdp2_eager, fsdp2_compiled
                          on a (2, world/2) HSDP mesh: gathers and reduce-scatters
                          within each half, gradients all-reduced across them.

@@ -112,6 +112,10 @@ def _build(kind: str, n_layers: int = 8, tag: str = "", dim: int = 512,
         config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("layers"))
         kind = kind.removesuffix("_float8")
+    # Shards, gradients and AdamW on the CPU (both FSDPs' CPUOffloadPolicy; on
+    # a CPU-only machine the compute device is the CPU, so no copies).
+    offload = kind.endswith("_offload")
+    kind = kind.removesuffix("_offload")
     bf16 = kind.endswith("_bf16")
     mesh = None
     if kind.endswith("_hsdp"):  # 2 replicas, each sharded over half the ranks
@@ -132,19 +136,21 @@ def _build(kind: str, n_layers: int = 8, tag: str = "", dim: int = 512,
         import compiled_fsdp
 
         mp = compiled_fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
+        policy = compiled_fsdp.CPUOffloadPolicy(pin_memory=False) if offload else None
         if "_single" not in kind:  # manual nesting; else one call (see [Note: Units])
             for block in model.layers:
-                compiled_fsdp.fully_shard(block, mesh=mesh, mp_policy=mp)
-        compiled_fsdp.fully_shard(model, mesh=mesh, mp_policy=mp)
+                compiled_fsdp.fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
+        compiled_fsdp.fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     elif kind.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mesh = mesh or init_device_mesh("cpu", (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+        policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     elif bf16:
         model.to(torch.bfloat16)
     if "_blocks" in kind:
@@ -170,6 +176,7 @@ def _knobs(kind: str) -> Iterator[None]:
     from compiled_fsdp import config as comm_config
     from compiled_fsdp.passes import config
 
+    kind = kind.removesuffix("_offload")  # (a policy, no knob: see ``_build``)
     saved = dataclasses.replace(config.overlap)
     saved_comm = dataclasses.replace(comm_config.comm)
     config.overlap.schedule = kind != "ours_compiled_nosched"
