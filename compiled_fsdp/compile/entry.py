@@ -165,6 +165,9 @@ class CompiledEntry:
         # aliasing its local shard that a read inside it takes ([Note: Blocks
         # as compile regions] in regions.py).
         self.in_region = False
+        # Whether its reads were traced outside its region, which never ran
+        # ([Note: A block whose region never runs] in region_reads.py).
+        self.region_bypassed = False
         # Whether a read in a graph takes ``region_shards``, not the DTensor's
         # local tensor: every group's, in a model with regions ([Note: No
         # DTensor inputs beside regions] in regions.py).
@@ -187,6 +190,7 @@ class CompiledEntry:
                                    for i in range(len(group.fsdp_params))]
         self.record_handoff_trace = lambda ctx: self._record_handoff()
         self.record_region_call = lambda ctx: self._region_called()
+        self.record_region_bypassed = lambda ctx: setattr(self, "region_bypassed", True)
 
     def _region_called(self) -> None:
         frames.record_bucket_trace(self.group.key)

@@ -142,9 +142,11 @@ class TorchCompilePath(CompiledPath):
         comptime(_ensure_window)  # see [Note: Passes installed while compiling] in install.py
         own = entry.active  # see [Note: Blocks compiled on their own] in entry.py
         if entry.in_region and not own:
-            # Inside a compile region (never an extension group's): its
-            # settings from one guarded key ([Note: A region's read settings] in region_reads.py).
-            return region_reads.traced_read(entry, param)
+            if region_reads.in_a_region():
+                # Inside a compile region (never an extension group's): its
+                # settings from one guarded key ([Note: A region's read settings] in region_reads.py).
+                return region_reads.traced_read(entry, param)
+            comptime(entry.record_region_bypassed)  # ([Note: A block whose region never runs])
         if group.gathers_eagerly and (own or not (group.casts_in_graph or group.copies_in_graph)):
             # See [Note: Extension groups run the eager runtime].
             torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))

@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Unshard
 from compiled_fsdp.runtime.param import FSDPParam, from_canonical, to_canonical
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
-__all__ = ["issue_ahead", "read_settings", "refresh", "traced_read"]
+__all__ = ["in_a_region", "issue_ahead", "read_settings", "refresh", "traced_read"]
 
 
 # [Note: A region's read settings]
@@ -119,6 +120,29 @@ def _made(key: str) -> str:
             "sharded root itself (torch.compile(model) or model.compile()), or set "
             "compiled_fsdp.config.comm.block_regions = False before fully_shard.")
     return key
+
+
+# [Note: A block whose region never runs]
+# A block is made a compile region by its class (``make_region``), so a
+# ``forward`` of the instance's own (``module.forward = ...``, as a
+# library's hooks set it: accelerate's) is called instead of the region, and
+# Dynamo traces the block's reads in the outer graph. Taken as a region's
+# reads there, they asked for gathers issued ahead that nothing issued, and
+# the lowering left them to their markers' eager code: one collective per
+# parameter, each way, and ``explain`` said "compile region". So a read is
+# a region's only while Dynamo traces a region's body (``in_a_region``, from
+# what the region's call records at trace time; which region is not asked:
+# the block's group key, a constant argument, would be a guard that every
+# other block fails); otherwise it is traced as the read of a block that is
+# no region, gathered and reduced in the outer graph's buckets, and
+# ``explain`` says why. Tested by
+# tests/test_block_regions.py::test_a_block_with_its_own_forward_is_read_in_the_root_graph.
+@torch._dynamo.assume_constant_result
+def in_a_region() -> bool:
+    """Whether Dynamo is tracing a compile region's body (at trace time; a
+    constant to the traced code)."""
+    calling = install.SESSION.region_calling
+    return calling is not None and calling() is not None
 
 
 def traced_read(entry: CompiledEntry, param: FSDPParam) -> torch.Tensor:

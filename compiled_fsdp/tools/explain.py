@@ -64,6 +64,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             reason = _EXTENSION
         elif path == "compiled" and group is not None and group.region_refusal is not None:
             reason = _NOT_A_REGION + group.region_refusal
+        elif path == "compiled" and group is not None and entry_of(group).region_bypassed:
+            reason = _NOT_A_REGION + _OWN_FORWARD
         elif (path == "compiled" and group is not None and group.block_regions and not entry_of(group).in_region
               and not state.is_root and last is not Path.OWN_FRAME and len(iter_fsdp_states(state.module)) == 1):
             reason = _NOT_A_REGION + _ROOT_SAID_NO
@@ -79,7 +81,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
         # on their own] in compile/entry.py.
         key = ENTRY_KEY if last is Path.OWN_FRAME else getattr(group, "key", None)
         graphs = install.units_of(key) if key is not None else {}
-        if path == "compiled" and group is not None and entry_of(group).in_region and last is not Path.OWN_FRAME:
+        if path == "compiled" and group is not None and entry_of(group).in_region and last is not Path.OWN_FRAME \
+                and not entry_of(group).region_bypassed:
             units = _REGION_UNIT
         elif path == "compiled" and graphs:
             units = tuple(line for params in sorted(graphs, key=min) for line in graphs[params]
@@ -101,6 +104,11 @@ _REGION_UNIT = ("a compile region (config.comm.block_regions): one subgraph, tra
 _NOT_A_REGION = "not a compile region (config.comm.block_regions; its reads are traced in the root's graph): "
 _ROOT_SAID_NO = ("the module above it was sharded with config.comm.block_regions off (it was on when this one was "
                  "sharded: set it once, before the first fully_shard)")
+
+
+_OWN_FORWARD = ("its region never ran: the module has a forward of its own (module.forward = ..., set by the "
+                "user or a library's hook), which its region's class does not call; see [Note: A block whose "
+                "region never runs] in compile/region_reads.py")
 
 
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
