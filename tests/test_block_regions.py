@@ -286,7 +286,7 @@ def test_a_block_with_its_own_forward_is_read_in_the_root_graph() -> None:
     forward of their own never call their region; their reads are traced in
     the root's graph and gathered and reduced in its buckets. Before, they
     were taken as a region's reads there, and each parameter was gathered
-    and reduced on its own by the markers' eager code (12 gathers and 8
+    and reduced on its own by the markers' eager code (17 gathers and 12
     reduces a step here) while ``explain`` said "compile region". Bitwise
     after 3 steps, no eager collective, and ``explain`` names the cause."""
     for res in run_distributed(_own_forward_rank, 2, timeout=900):
