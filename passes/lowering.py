@@ -329,7 +329,7 @@ def _copied_meta(src: fx.Node, plan: BucketPlan, role: str | None = None) -> dic
 # ([Note: Extension groups run the eager runtime] in compile/path.py). On a
 # machine without an accelerator the compute device is the CPU and no copy
 # is emitted. Tested by tests/test_offload.py (the graphs and regions on the
-# CPU) and tests/test_passes_fx.py::test_offloaded_shards_copied_in_the_gather_chain
+# CPU) and tests/test_offload_fx.py::test_offloaded_shards_copied_in_the_gather_chain
 # and ::test_offloaded_region_read_regathers_on_the_device (graphs traced for
 # a CUDA device on fake tensors).
 

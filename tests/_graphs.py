@@ -173,3 +173,32 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
         seen.add(cur)
         stack.extend(i for i in cur.all_input_nodes if i not in seen)
     return seen
+
+
+def U(shard, full, group, n, key, index, reshard, **kw):  # noqa: ANN001, ANN201, N802 - the marker, as the property calls it
+    """An ``unshard`` marker of ``shard`` (a hand-built graph's parameter read)."""
+    return torch.ops.compiled_fsdp.unshard(shard, full, group, n, key, index, shard.shape[0], reshard, **kw)
+
+
+def shard_shape(full: list[int], n: int, rank: int = 0) -> list[int]:
+    """``rank``'s local shard shape (``torch.chunk``'s rows)."""
+    rows = -(-full[0] // n)
+    return [max(0, min(rows, full[0] - rank * rows)), *full[1:]]
+
+
+def calls(gm: fx.GraphModule, target: Any) -> list[fx.Node]:
+    """The nodes of ``gm`` that call ``target``."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def chain_role(n: fx.Node) -> str | None:
+    """The role the lowering tagged ``n`` with (None: not its node)."""
+    tag = chain_tag(n)
+    return tag.role if tag is not None else None
+
+
+def marker_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The marker ops left in ``gm``."""
+    ops = {m.op().default for m in MARKERS}
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+

@@ -20,7 +20,7 @@ from compiled_fsdp.passes.config import OverlapConfig
 from compiled_fsdp.passes.graph import ChainTag, chain_tag, has_markers, tangent_dependents
 from compiled_fsdp.passes.schedule import schedule_graph
 
-from _graphs import ancestors
+from _graphs import ancestors, calls, chain_role
 
 c10d = torch.ops._c10d_functional
 AG, RS, WAIT = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
@@ -64,10 +64,6 @@ def _joint(reshard: bool, kept: bool) -> fx.GraphModule:
     return gm
 
 
-def _calls(gm: fx.GraphModule, target) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
-
-
 def _pure_functions_of(node: fx.Node) -> set[fx.Node]:
     """``node`` and the nodes computed from it alone (views, casts, transposes
     of a weight): what keeps its buffer alive if saved."""
@@ -76,11 +72,6 @@ def _pure_functions_of(node: fx.Node) -> set[fx.Node]:
         if n.op == "call_function" and n.all_input_nodes and all(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
-
-
-def _role(n: fx.Node) -> str | None:
-    tag = chain_tag(n)
-    return tag.role if tag is not None else None
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -93,12 +84,12 @@ def test_handoff_lowering(reshard: bool) -> None:
     gathered = gm.graph.find_nodes(op="placeholder")[4]
     outputs = gm.graph.output_node().args[0]
     # The next block's gather: issued, not waited here, returned.
-    (issue,) = [g for g in _calls(gm, AG_IF) if _role(g) == "handoff_issue"]
+    (issue,) = [g for g in calls(gm, AG_IF) if chain_role(g) == "handoff_issue"]
     assert not any(u.target is WAIT for u in issue.users) and outputs[1] is issue
     # This block's: one wait on the handed-in input; the forward reads it.
-    (wait,) = [w for w in _calls(gm, WAIT) if w.args[0] is gathered]
-    assert _role(wait) == "handoff_chain"
-    regathers = [g for g in _calls(gm, REGATHER) if _role(g) == "gather_chain"]
+    (wait,) = [w for w in calls(gm, WAIT) if w.args[0] is gathered]
+    assert chain_role(wait) == "handoff_chain"
+    regathers = [g for g in calls(gm, REGATHER) if chain_role(g) == "gather_chain"]
     if reshard:  # the backward re-gathers from the shards (one regather op), only in backward, recomputed
         (again,) = regathers
         assert again.meta["partitioner_tag"] == "must_be_in_backward"
@@ -115,12 +106,12 @@ def test_handoff_lowering(reshard: bool) -> None:
     # The handed-in gather's gradient: one pack ([Note: One copy-out per bucket]) of the
     # read parameters' gradients at their offsets; the unread parameter's columns stay zero.
     grad_of_gathered = outputs[2 + 4]
-    assert _role(grad_of_gathered) == "handoff_grad"
+    assert chain_role(grad_of_gathered) == "handoff_grad"
     assert grad_of_gathered.target is torch.ops.compiled_fsdp.pack_bucket_grads.default
     assert list(grad_of_gathered.args[4]) == [OFFSETS[0], OFFSETS[2]] and grad_of_gathered.args[5] == TOTAL
     # The next block's gradient: kept gradients packed and added, one reduce-scatter.
-    (rs,) = _calls(gm, RS_IF)
-    assert _role(rs) == "reduce_chain" and chain_tag(rs).module_key == NEXT_KEY
+    (rs,) = calls(gm, RS_IF)
+    assert chain_role(rs) == "reduce_chain" and chain_tag(rs).module_key == NEXT_KEY
     live = gm.graph.find_nodes(op="placeholder")[8]  # both run or both skip, as the marker says
     assert issue.args[-1] is live and rs.args[-1] is live
     assert outputs[2 + 2].meta["val"].shape == (3, 4) and outputs[2 + 3].meta["val"].shape == (2,)
@@ -139,9 +130,9 @@ def test_handoff_without_sync_unpacks_for_the_sinks() -> None:
     gm.graph.find_nodes(op="placeholder")[-1].target = "tangents_1"
     report = lower_markers(gm)
     assert report.handoffs == ["issue", "reduce"] and not has_markers(gm.graph)
-    assert _calls(gm, RS) == _calls(gm, RS_IF) == []  # nothing communicated: the sink gets the full gradient
+    assert calls(gm, RS) == calls(gm, RS_IF) == []  # nothing communicated: the sink gets the full gradient
     out = gm.graph.output_node().args[0]
-    assert out[1] is None and out[2].meta["val"].shape == (5, 4) and _role(out[2]) == "keep_chain"
+    assert out[1] is None and out[2].meta["val"].shape == (5, 4) and chain_role(out[2]) == "keep_chain"
 
 
 def test_handoff_issue_scheduled_first() -> None:
@@ -235,7 +226,7 @@ def test_random_ops_are_not_copied_into_the_backward() -> None:
 
     assert len(random_ops()) == 1, random_ops()
     # (the weight-only value the backward reads, b.sum(), is read from the re-gather)
-    (again,) = _calls(gm, REGATHER)
+    (again,) = calls(gm, REGATHER)
     now = tangent_dependents(gm.graph)
-    read = [n for n in _calls(gm, torch.ops.aten.sum.default) if any(u in now for u in n.users)]
+    read = [n for n in calls(gm, torch.ops.aten.sum.default) if any(u in now for u in n.users)]
     assert read and all(again in ancestors(n) for n in read), read

@@ -7,7 +7,7 @@ per block, meta-device init) against a single-process reference and FSDP2's
 offload, and that a whole-model graph gathers such modules itself. The
 copies themselves need an accelerator (benchmarks/gpu_check.py); their place
 in a graph is checked on fake CUDA tensors by
-tests/test_passes_fx.py::test_offloaded_shards_copied_in_the_gather_chain."""
+tests/test_offload_fx.py::test_offloaded_shards_copied_in_the_gather_chain."""
 from __future__ import annotations
 
 from typing import Any

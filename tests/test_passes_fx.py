@@ -15,13 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import compiled_fsdp.core.ops  # noqa: F401  (registers the marker ops)
 from compiled_fsdp.compile import install as _compile
-from compiled_fsdp.core.marker import MARKERS
 from compiled_fsdp.passes import (
     FSDP_AC_GRAPH_ID,
     apply_lowering,
@@ -30,25 +28,12 @@ from compiled_fsdp.passes import (
     run_joint_passes,
     tag_recompute,
 )
-from compiled_fsdp.passes.config import OverlapConfig
 from compiled_fsdp.passes.graph import chain_tag, through_identity_views
-from compiled_fsdp.passes.schedule import schedule_graph
 
-from _graphs import ancestors
-
-
-def U(shard, full, group, n, key, index, reshard, **kw):  # noqa: N802 - the marker, as the property calls it
-    return torch.ops.compiled_fsdp.unshard(shard, full, group, n, key, index, shard.shape[0], reshard, **kw)
-
+from _graphs import U, ancestors, calls, chain_role, marker_nodes, shard_shape
 
 c10d = torch.ops._c10d_functional
 GROUP = "fake_group"
-
-
-def _shard_shape(full: list[int], n: int, rank: int = 0) -> list[int]:
-    """``rank``'s local shard shape (``torch.chunk``'s rows)."""
-    rows = -(-full[0] // n)
-    return [max(0, min(rows, full[0] - rank * rows)), *full[1:]]
 
 
 def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor], rank: int = 0,
@@ -62,7 +47,7 @@ def _joint(fn, shapes: list[list[int]], n: int, extra: list[torch.Tensor], rank:
         grads = torch.autograd.grad(out, shards, allow_unused=True)
         return (out, *grads)
 
-    shards = [torch.randn(_shard_shape(s, n, rank), requires_grad=True, device=device) for s in shapes]
+    shards = [torch.randn(shard_shape(s, n, rank), requires_grad=True, device=device) for s in shapes]
     return make_fx(joint, tracing_mode="fake")(*shards, *[e.to(device) for e in extra])
 
 
@@ -82,23 +67,9 @@ def _two_module_graph(n: int = 2, tied: bool = True, raf1: bool = False, device:
     return _joint(fn, [[5, 4], [5], [3, 5]], n, [torch.randn(7, 4)], device=device)
 
 
-def _role(n: fx.Node) -> str | None:
-    tag = chain_tag(n)
-    return tag.role if tag is not None else None
-
-
-def _calls(gm: fx.GraphModule, target) -> list[fx.Node]:
-    return [node for node in gm.graph.nodes if node.op == "call_function" and node.target is target]
-
-
-def _markers(gm: fx.GraphModule) -> list[fx.Node]:
-    ops = {m.op().default for m in MARKERS}
-    return [node for node in gm.graph.nodes if node.op == "call_function" and node.target in ops]
-
-
 def test_markers_present_before_lowering() -> None:
     gm = _two_module_graph()
-    names = [str(m.target) for m in _markers(gm)]
+    names = [str(m.target) for m in marker_nodes(gm)]
     assert names.count("compiled_fsdp.unshard.default") == 4
     assert names.count("compiled_fsdp.reduce_grad.default") == 4
 
@@ -112,10 +83,10 @@ def test_one_bucket_per_module_and_markers_gone() -> None:
         ("gather", 0, [0, 1]), ("gather", 1, [0]), ("reduce", 0, [0, 1]), ("reduce", 1, [0]),
     ]
     assert low.skipped == []
-    assert _markers(gm) == []
-    assert len(_calls(gm, c10d.all_gather_into_tensor.default)) == 2
-    assert len(_calls(gm, c10d.reduce_scatter_tensor.default)) == 2
-    assert len(_calls(gm, c10d.wait_tensor.default)) == 4
+    assert marker_nodes(gm) == []
+    assert len(calls(gm, c10d.all_gather_into_tensor.default)) == 2
+    assert len(calls(gm, c10d.reduce_scatter_tensor.default)) == 2
+    assert len(calls(gm, c10d.wait_tensor.default)) == 4
     # bucket sizes: module 0 = 3*4 + 3 shard elements, module 1 = 2*5
     assert [b.numel for b in low.buckets] == [15, 10, 15, 10]
 
@@ -131,13 +102,13 @@ def test_every_node_has_val() -> None:
 def test_gather_output_shapes_and_layout() -> None:
     gm = _two_module_graph(n=2)
     run_joint_passes(gm)
-    gathers = _calls(gm, c10d.all_gather_into_tensor.default)
+    gathers = calls(gm, c10d.all_gather_into_tensor.default)
     assert [tuple(g.meta["val"].shape) for g in gathers] == [(30,), (20,)]
     # module 0 input: its shards packed in param_index order, one op ([Note: One copy-out per bucket])
     pack = gathers[0].args[0]
     assert pack.target is torch.ops.compiled_fsdp.pack_bucket.default
     assert [a.meta["val"].numel() for a in pack.args[0]] == [12, 3]
-    rs = _calls(gm, c10d.reduce_scatter_tensor.default)
+    rs = calls(gm, c10d.reduce_scatter_tensor.default)
     assert [r.args[1] for r in rs] == ["sum", "sum"]
     assert sorted(tuple(r.meta["val"].shape) for r in rs) == [(10,), (15,)]
     outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
@@ -156,112 +127,23 @@ def test_copies_are_aten_ops_off_the_cpu() -> None:
     targets = {device: {n.target for n in gm.graph.nodes if n.op == "call_function"} for device, gm in on.items()}
     assert targets["cpu"] >= copy_ops
     assert not targets["meta"] & copy_ops
-    gathers = _calls(on["meta"], c10d.all_gather_into_tensor.default)
+    gathers = calls(on["meta"], c10d.all_gather_into_tensor.default)
     assert [g.args[0].target for g in gathers] == [torch.ops.aten.cat.default, torch.ops.aten.view.default]
     assert [tuple(g.meta["val"].shape) for g in gathers] == [(30,), (20,)]
 
 
-def _offloaded_graph() -> fx.GraphModule:
-    """``_two_module_graph`` (``tied``) under CPU offload: the shards on the
-    CPU, the parameters and the compute on a CUDA device, traced on fake
-    tensors (no GPU needed). The backward is written out (autograd's engine
-    wants a real CUDA context): each read's ``reduce_grad`` of a stand-in
-    gradient, the tied reads' summed, as AOTAutograd's joint has them."""
-    dev = "cuda:0"
-    shapes = ([5, 4], [5], [3, 5])
-
-    def R(grad, key, index):  # noqa: N802 - the read's backward, as the marker's autograd calls it
-        full = shapes[index if key == 0 else 2]
-        return torch.ops.compiled_fsdp.reduce_grad(grad, full, GROUP, 2, key, index, _shard_shape(full, 2)[0],
-                                                   device="cpu")
-
-    def joint(s_w, s_b, s_w2, x):
-        w = U(s_w, [5, 4], GROUP, 2, 0, 0, True, device=dev)
-        b = U(s_b, [5], GROUP, 2, 0, 1, True, device=dev)
-        w_again = U(s_w, [5, 4], GROUP, 2, 0, 0, True, device=dev)
-        h = torch.relu(torch.nn.functional.linear(x, w, b))
-        h = h + torch.nn.functional.linear(x, w_again).sum()
-        w2 = U(s_w2, [3, 5], GROUP, 2, 1, 0, True, device=dev)
-        out = torch.nn.functional.linear(h, w2).sum()
-        g_w2 = R(w2 * out, 1, 0)
-        g_w = R(w * out, 0, 0) + R(w_again * 2, 0, 0)
-        return out, g_w, R(b * out, 0, 1), g_w2
-
-    with FakeTensorMode():
-        shards = [torch.randn(_shard_shape(s, 2)) for s in shapes]
-        x = torch.randn(7, 4, device=dev)
-    return make_fx(joint, tracing_mode="fake")(*shards, x)
-
-
-def test_offloaded_shards_copied_in_the_gather_chain() -> None:
-    """[Note: CPU offload in graphs]: each shard (a CPU graph input) is
-    copied to the device as the first step of its bucket's pack, inside the
-    gather's chain, so the schedule prefetches the copy with the gather
-    (module 1's copy moves above module 0's matmul); each reduced gradient is
-    copied back to the CPU after its reduce's wait, and the graph returns the
-    shards' gradients on the CPU. Without the lowering's copies the pack would
-    concatenate CPU shards into a CUDA bucket."""
-    gm = _offloaded_graph()
-    report = run_joint_passes(gm)
-    assert report.lowering.skipped == [] and _markers(gm) == []
-    puts = _calls(gm, torch.ops.prims.device_put.default)
-    to_cuda = [n for n in puts if n.meta["val"].device.type == "cuda"]
-    to_cpu = [n for n in puts if n.meta["val"].device.type == "cpu"]
-    assert len(to_cuda) == 3 and len(to_cpu) == 3, [n.format_node() for n in puts]
-    assert all(n.args[0].op == "placeholder" and n.args[2] is True for n in to_cuda)  # (non-blocking)
-    assert all(n.args[2] is False for n in to_cpu)  # (blocking: the optimizer reads it at once)
-    assert [_role(n) for n in to_cuda] == ["gather_chain"] * 3
-    assert [_role(n) for n in to_cpu] == ["reduce_chain"] * 3
-    for gather in _calls(gm, c10d.all_gather_into_tensor.default):
-        assert gather.meta["val"].device.type == "cuda"
-        assert {n for n in ancestors(gather) if n in to_cuda}, gather.format_node()
-    for put in to_cpu:
-        assert any(a.target is c10d.wait_tensor.default for a in ancestors(put))
-    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
-    assert [o.meta["val"].device.type for o in outputs[1:]] == ["cpu"] * 3
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    first_mm = min((n for n in gm.graph.nodes if n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)),
-                   key=order.__getitem__)
-    module1_put = next(n for n in to_cuda if chain_tag(n).module_key == 1)
-    assert order[module1_put] > order[first_mm]  # (where the lowering put it: at module 1's read)
-    schedule_graph(gm.graph, OverlapConfig(cover=1e9))
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    assert order[module1_put] < order[first_mm]
-
-
-def test_offloaded_region_read_regathers_on_the_device() -> None:
-    """A compile region's reads under CPU offload ([Note: CPU offload in
-    graphs]): the lowering's ``regather`` takes the CPU shards and names the
-    device, where it gathers (its eager code copies them first, as the
-    issue-ahead's does), so the region computes on the device."""
-    def fn(s_w, s_b, x):
-        w = U(s_w, [5, 4], GROUP, 2, 0, 0, True, device="cuda:0", take_ahead=True)
-        b = U(s_b, [5], GROUP, 2, 0, 1, True, device="cuda:0", take_ahead=True)
-        return torch.nn.functional.linear(x, w, b).sum()
-
-    with FakeTensorMode():
-        shards = [torch.randn(_shard_shape(s, 2)) for s in ([5, 4], [5])]
-        x = torch.randn(7, 4, device="cuda:0")
-    gm = make_fx(fn, tracing_mode="fake")(*shards, x)
-    run_joint_passes(gm)
-    (regather,) = _calls(gm, torch.ops.compiled_fsdp.regather.default)
-    assert regather.kwargs["device"] == "cuda:0" and regather.meta["val"].device.type == "cuda"
-    assert [s.op for s in regather.args[0]] == ["placeholder"] * 2
-    assert _calls(gm, torch.ops.prims.device_put.default) == []
-
-
 def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:
     gm = _two_module_graph(tied=True)
-    before = len(_calls(gm, torch.ops.aten.add.Tensor))
+    before = len(calls(gm, torch.ops.aten.add.Tensor))
     report = run_joint_passes(gm)
     assert report.lowering.buckets[2].markers_replaced == 3  # 2 reads of W + b
     # the add of two reduce_grad outputs is gone; one add of two full grads appears
-    rs0 = next(r for r in _calls(gm, c10d.reduce_scatter_tensor.default) if r.meta["val"].shape[0] == 15)
+    rs0 = next(r for r in calls(gm, c10d.reduce_scatter_tensor.default) if r.meta["val"].shape[0] == 15)
     full_grad_adds = [
-        a for a in _calls(gm, torch.ops.aten.add.Tensor) if tuple(a.meta["val"].shape) == (5, 4)
+        a for a in calls(gm, torch.ops.aten.add.Tensor) if tuple(a.meta["val"].shape) == (5, 4)
     ]
     assert len(full_grad_adds) == 1
-    assert len(_calls(gm, torch.ops.aten.add.Tensor)) == before  # one removed, one added
+    assert len(calls(gm, torch.ops.aten.add.Tensor)) == before  # one removed, one added
     assert full_grad_adds[0] in ancestors(rs0)  # that add feeds module 0's reduce-scatter
 
 
@@ -279,13 +161,13 @@ def test_recompute_tags() -> None:
         elif info and info.role == "reduce_chain":
             assert "recompute" not in node.meta
     # the whole chain is tagged: cat, gather, wait and every view/slice/clone
-    ag = _calls(gm, c10d.all_gather_into_tensor.default)[0]
+    ag = calls(gm, c10d.all_gather_into_tensor.default)[0]
     assert ag.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
     assert ag.args[0].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
     chain, frontier = [], list(ag.users)
     while frontier:
         cur = frontier.pop()
-        if _role(cur) == "gather_chain":
+        if chain_role(cur) == "gather_chain":
             chain.append(cur)
             frontier.extend(cur.users)
     # (the parameters copied out by one op: [Note: One copy-out per bucket])
@@ -296,7 +178,7 @@ def test_recompute_tags() -> None:
 def test_forward_side_metadata_kept_for_partitioner() -> None:
     gm = _two_module_graph()
     run_joint_passes(gm)
-    wait_of_rs = [w for w in _calls(gm, c10d.wait_tensor.default)
+    wait_of_rs = [w for w in calls(gm, c10d.wait_tensor.default)
                   if w.args[0].target is c10d.reduce_scatter_tensor.default]
     assert len(wait_of_rs) == 2
 
@@ -345,7 +227,7 @@ def _uneven_world_3(rank: int) -> fx.GraphModule:
     gm = _joint(fn, [[1], [5, 2]], n, [torch.randn(4, 2)], rank)
     report = run_joint_passes(gm)
     assert report.lowering.count("gather") == 1 and report.lowering.count("reduce") == 1
-    assert _markers(gm) == []
+    assert marker_nodes(gm) == []
     return gm
 
 
@@ -355,7 +237,7 @@ def test_uneven_shards_world_3() -> None:
     same ops (see [Note: Rank-independent graphs] in compiled_fsdp/core/layout.py)."""
     graphs = [_uneven_world_3(rank) for rank in range(3)]
     for rank, gm in enumerate(graphs):
-        ag = _calls(gm, c10d.all_gather_into_tensor.default)[0]
+        ag = calls(gm, c10d.all_gather_into_tensor.default)[0]
         assert tuple(ag.meta["val"].shape) == (3 * (1 + 4),)  # padded shards (1,) and (2, 2)
         outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
         want = {0: [(1,), (2, 2)], 1: [(0,), (2, 2)], 2: [(0,), (1, 2)]}[rank]
@@ -376,10 +258,10 @@ def test_mixed_dtypes_gather_as_bytes_and_reduce_per_parameter() -> None:
     report = run_joint_passes(gm)
     assert [s[:2] for s in report.lowering.skipped] == [("reduce", 0)]
     assert "mixed dtypes" in report.lowering.skipped[0][2]
-    (gather,) = _calls(gm, c10d.all_gather_into_tensor.default)
+    (gather,) = calls(gm, c10d.all_gather_into_tensor.default)
     # 2 rows of 2 float32 and 2 rows of 2 float64 a rank, as bytes
     assert gather.args[0].meta["val"].dtype == torch.uint8 and gather.args[0].meta["val"].numel() == 2 * 8 + 2 * 16
-    assert [m for m in _markers(gm) if "unshard" in str(m.target)] == []
+    assert [m for m in marker_nodes(gm) if "unshard" in str(m.target)] == []
     # the leftover reduce markers' gradients; the byte gather is tagged for reshard-after-forward
     assert gather.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
 
@@ -414,7 +296,7 @@ def test_lowered_graph_matches_markers_numerically(single_rank_group: str) -> No
     gm = make_fx(joint, tracing_mode="fake")(*args)
     expected = gm(*args)  # markers run their eager (real) implementations
     lower_markers(gm)
-    assert _markers(gm) == []
+    assert marker_nodes(gm) == []
     got = gm(*args)
     for e, r in zip(expected, got):
         torch.testing.assert_close(r, e, rtol=0, atol=0)
@@ -447,7 +329,7 @@ def test_windows_install_compose_and_restore() -> None:
             with _compile.recording() as rec:
                 gm = _two_module_graph()
                 out = fc.joint_custom_pass(gm, None)
-                assert out is gm and seen == [gm] and _markers(gm) == []
+                assert out is gm and seen == [gm] and marker_nodes(gm) == []
                 assert len(rec.joint) == 1
                 gm2 = _joint(lambda w, x: (x @ w).sum(), [[4, 2]], 1, [torch.randn(3, 4)])
                 fc.joint_custom_pass(gm2, None)
@@ -484,18 +366,18 @@ def test_mixed_precision_casts_sit_in_the_chains() -> None:
     gm = _mixed_precision_graph()
     report = apply_lowering(gm, plan_lowering(gm, bucket_bytes=1 << 30))
     tag_recompute(gm)
-    gathers = sorted(_calls(gm, c10d.all_gather_into_tensor.default),
+    gathers = sorted(calls(gm, c10d.all_gather_into_tensor.default),
                      key=lambda n: chain_tag(n).module_key)
     assert [g.args[0].meta["val"].dtype for g in gathers] == [BF16, torch.float32]
     assert report.count("gather") == 2
-    casts = [c for c in _calls(gm, CAST) if _role(c) == "gather_chain"]
+    casts = [c for c in calls(gm, CAST) if chain_role(c) == "gather_chain"]
     assert len(casts) == 1 and casts[0].args[1] == BF16
     assert casts[0].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
     assert casts[0].args[0].op == "placeholder"  # the fp32 shard itself
-    reduces = sorted(_calls(gm, c10d.reduce_scatter_tensor.default),
+    reduces = sorted(calls(gm, c10d.reduce_scatter_tensor.default),
                      key=lambda n: chain_tag(n).module_key)
     assert [r.args[0].meta["val"].dtype for r in reduces] == [torch.float32, torch.float32]
-    grad_casts = [c for c in _calls(gm, CAST) if _role(c) == "reduce_chain"]
+    grad_casts = [c for c in calls(gm, CAST) if chain_role(c) == "reduce_chain"]
     assert len(grad_casts) == 1 and grad_casts[0].args[0].target is torch.ops.aten.add.Tensor
     assert grad_casts[0].args[0].meta["val"].dtype == BF16  # summed in bf16, then cast
     out = gm.graph.output_node().args[0]
@@ -529,7 +411,7 @@ def test_kept_gradients_without_sync() -> None:
     off = _no_sync_graph(sync=False)
     report = run_joint_passes(off)
     assert [b.kind for b in report.lowering.buckets] == ["gather", "keep"]
-    assert _markers(off) == [] and not _calls(off, c10d.reduce_scatter_tensor.default)
+    assert marker_nodes(off) == [] and not calls(off, c10d.reduce_scatter_tensor.default)
     sink_grad = off.graph.output_node().args[0][1]
     assert sink_grad.target is CAST and sink_grad.args[0].target is torch.ops.aten.add.Tensor
     assert tuple(sink_grad.meta["val"].shape) == (6, 4) and sink_grad.meta["val"].dtype == torch.float32
@@ -537,9 +419,9 @@ def test_kept_gradients_without_sync() -> None:
     on = _no_sync_graph(sync=True)
     report = run_joint_passes(on)
     assert [b.kind for b in report.lowering.buckets] == ["gather", "reduce"]
-    (rs,) = _calls(on, c10d.reduce_scatter_tensor.default)
+    (rs,) = calls(on, c10d.reduce_scatter_tensor.default)
     kept = [n for n in on.graph.nodes if n.op == "placeholder"][1]
-    adds = [a for a in _calls(on, torch.ops.aten.add.Tensor) if a.args[0] is kept]
+    adds = [a for a in calls(on, torch.ops.aten.add.Tensor) if a.args[0] is kept]
     assert len(adds) == 1 and adds[0].args[1].target is CAST
     assert adds[0] in ancestors(rs)
 
@@ -563,7 +445,7 @@ def test_mixed_precision_and_kept_lowering_matches_markers(single_rank_group: st
     gm = make_fx(joint, tracing_mode="fake")(*args)
     expected = gm(*args)
     lower_markers(gm)
-    assert _markers(gm) == []
+    assert marker_nodes(gm) == []
     for e, r in zip(expected, gm(*args)):
         torch.testing.assert_close(r, e, rtol=0, atol=0)
 
@@ -583,12 +465,12 @@ def test_pipeline_runs_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config.pipeline, "disabled", frozenset({"recompute"}))
     gm = _two_module_graph()
     report = run_joint_passes(gm)
-    assert report.ran == ("cast_gather", "lowering") and report.recompute is None and _markers(gm) == []
+    assert report.ran == ("cast_gather", "lowering") and report.recompute is None and marker_nodes(gm) == []
     assert not any("recompute" in n.meta for n in gm.graph.nodes)
     monkeypatch.setattr(config.pipeline, "disabled", frozenset({"lowering"}))
     gm = _two_module_graph()
     done = run_passes("joint", gm)
-    assert done.disabled == ["lowering"] and done.ran == ["cast_gather", "recompute"] and len(_markers(gm)) == 8
+    assert done.disabled == ["lowering"] and done.ran == ["cast_gather", "recompute"] and len(marker_nodes(gm)) == 8
     monkeypatch.setattr(config.pipeline, "disabled", frozenset({"lowring"}))
     with pytest.raises(ValueError, match="names no pass: \\['lowring'\\]"):
         run_passes("joint", _two_module_graph())
@@ -681,15 +563,15 @@ def test_float8_cast_moves_before_the_gather(single_rank_group: str, hp_use: boo
     gm = make_fx(joint, tracing_mode="fake")(*args)
     expected = gm(*args)
     report = run_joint_passes(gm)
-    gathers = [n.args[0].meta["val"].dtype for n in _calls(gm, c10d.all_gather_into_tensor.default)]
+    gathers = [n.args[0].meta["val"].dtype for n in calls(gm, c10d.all_gather_into_tensor.default)]
     if hp_use:
         assert report.cast_gather.moved == [] and "reads the high-precision value" in report.cast_gather.kept["0.0"]
-        assert gathers == [torch.float32] and _calls(gm, c10d.all_reduce.default) == []
+        assert gathers == [torch.float32] and calls(gm, c10d.all_reduce.default) == []
     else:
         assert report.cast_gather.moved == ["0.0"] and report.cast_gather.kept == {}
         # one byte bucket: the float8 weight beside the float32 bias ([Note: Byte buckets])
         assert gathers == [torch.uint8] and report.lowering.skipped == []
-        assert len(_calls(gm, c10d.all_reduce.default)) == 1
+        assert len(calls(gm, c10d.all_reduce.default)) == 1
         assert not any(n.target is torch.ops.aten.abs.default and n.meta["val"].shape == (4, 6) for n in gm.graph.nodes)
     for e, r in zip(expected, gm(*args)):
         torch.testing.assert_close(r, e, rtol=0, atol=0)
@@ -722,8 +604,8 @@ def test_float8_cast_of_permuted_and_tied_reads(single_rank_group: str) -> None:
     report = run_joint_passes(gm)
     assert report.cast_gather.moved == ["0.0", "0.1"] and report.cast_gather.kept == {}
     assert report.lowering.skipped == []
-    (gather,) = _calls(gm, c10d.all_gather_into_tensor.default)
+    (gather,) = calls(gm, c10d.all_gather_into_tensor.default)
     assert gather.args[0].meta["val"].numel() == 25 + 25 + 5 * 4
-    assert len(_calls(gm, c10d.all_reduce.default)) == 1
+    assert len(calls(gm, c10d.all_reduce.default)) == 1
     for e, r in zip(expected, gm(*args)):
         torch.testing.assert_close(r, e, rtol=0, atol=0)
