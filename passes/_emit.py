@@ -65,11 +65,12 @@ def _shapes(specs: Sequence[ShardSpec]) -> tuple[list[int], list[int]]:
     return joined_shapes(specs), [len(s.full_shape) for s in specs]
 
 
-def _as_one_op(b: NodeBuilder, like: fx.Node) -> bool:
-    """Whether a bucket's copies on ``like``'s device are emitted as one op
-    ([Note: One copy-out per bucket] in compiled_fsdp/core/copy_out.py): on
-    the CPU, yes; on a GPU Inductor's fused copies are kept."""
-    return b.value(like).device.type == "cpu"
+def _as_one_op(b: NodeBuilder, like: fx.Node, device: str | None = None) -> bool:
+    """Whether a bucket's copies on ``device`` (None: ``like``'s device) are
+    emitted as one op ([Note: One copy-out per bucket] in
+    compiled_fsdp/core/copy_out.py): on the CPU, yes; on a GPU Inductor's
+    fused copies are kept."""
+    return (b.value(like).device if device is None else torch.device(device)).type == "cpu"
 
 
 def emit_pack_shards(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[ShardSpec],
@@ -79,8 +80,7 @@ def emit_pack_shards(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[
     shard needs no copy, the dtypes differ, or the bucket is not on the CPU
     (``device``: where CPU offload copies the shards, part of the chain the
     schedule issues early: [Note: CPU offload in graphs] in lowering.py)."""
-    moved = device is not None and b.value(shards[0]).device != torch.device(device)
-    if len(specs) == 1 or len(set(dtypes)) > 1 or moved or not _as_one_op(b, shards[0]):
+    if len(specs) == 1 or len(set(dtypes)) > 1 or not _as_one_op(b, shards[0], device):
         return pack_shards(b, list(shards), list(specs), list(dtypes), device)
     return b(copy_out.pack_bucket._opoverload, list(shards), *_shapes(specs), specs[0].world_size, dtypes[0])
 

@@ -147,7 +147,7 @@ class TorchCompilePath(CompiledPath):
                 # settings from one guarded key ([Note: A region's read settings] in region_reads.py).
                 return region_reads.traced_read(entry, param)
             comptime(entry.record_region_bypassed)  # ([Note: A block whose region never runs])
-        if group.gathers_eagerly and (own or not (group.casts_in_graph or group.copies_in_graph)):
+        if group.gathers_eagerly and (own or not group.casts_in_graph):
             # See [Note: Extension groups run the eager runtime].
             torch._dynamo.graph_break(msg=_EXTENSION_BREAK.format(fqn=param.fqn, module=group.label))
         # At trace time; see [Note: Fallback decision rule] in frames.py.
@@ -211,8 +211,7 @@ class TorchCompilePath(CompiledPath):
         # ``torch.compile(model)`` (an OptimizedModule calls it) or ``model.compile()``
         # (its own call is compiled in place): tests/test_fsdp2_api.py::test_every_module_compiled
         compiled = in_compiled_call or _compiled_in_place(state.module)
-        return compiled and (group is None or (not frames.is_split(group.key)
-                                               and (not group.gathers_eagerly or group.copies_in_graph)))
+        return compiled and (group is None or (not frames.is_split(group.key) and not group.gathers_eagerly))
 
     def predicts_own_frame(self, state: FSDPState) -> bool:
         """As its last forward was; before its first, from how it is compiled
@@ -351,7 +350,7 @@ def _may_compile_own_frame(state: FSDPState) -> bool:
         return False
     if ctx.phase is Phase.COMPILED_FORWARD or ctx.root.path is not Path.EAGER:
         return False
-    if group.gathers_eagerly:  # (see [Note: Extension groups run the eager runtime])
+    if group.gathers_eagerly or group.copies_in_graph:  # (see [Note: Extension groups run the eager runtime])
         return False
     return not frames.is_split(entry_of(group).split_key)
 

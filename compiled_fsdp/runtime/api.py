@@ -471,7 +471,7 @@ def _region_refusal(group: FSDPParamGroup, modules: list[nn.Module]) -> Optional
     if group.casts_in_graph:
         return ("its float8 weights are cast before their gather by the root graph's passes ([Note: Float8 "
                 "weights cast before their gather in graphs] in passes/cast_gather.py)")
-    if group.gathers_eagerly and not group.copies_in_graph:
+    if group.gathers_eagerly:
         return ("its parameters are gathered by the eager runtime (an all-gather extension)")
     if group.computes_dtensors:
         return ("its parameters compute as DTensors (tensor parallelism, dp_mesh_dims) or spmd_types-typed "

@@ -155,17 +155,19 @@ class FSDPParamGroup:
             p.extension is not None for p in fsdp_params) else None
         # Whether only the eager runtime gathers it, compiled or not ([Note:
         # Extension groups run the eager runtime] in compile/path.py): an
-        # extension's or an offloaded shard ([Note: CPU offload] in policy.py).
-        self.gathers_eagerly = self.extension_gather is not None or any(p.offload for p in fsdp_params)
+        # extension's (an offloaded group's only in a block compiled on its
+        # own: ``copies_in_graph``).
+        self.gathers_eagerly = self.extension_gather is not None
         # Whether a whole-model graph gathers it all the same: its extensions
         # are torchao's float8 weights, which the graph reads in high precision
         # and casts itself, before the gather ([Note: Float8 weights cast
         # before their gather in graphs] in passes/cast_gather.py).
         self.casts_in_graph = self.extension_gather is not None and not any(p.offload for p in fsdp_params) \
             and all(p.extension is None or p.extension.casts_in_graph for p in fsdp_params)
-        # Whether a whole-model graph gathers it all the same: its shards are
-        # offloaded, and the graph copies each to the compute device before
-        # its gather ([Note: CPU offload in graphs] in passes/lowering.py).
+        # Whether its shards are offloaded ([Note: CPU offload] in policy.py)
+        # and a whole-model graph copies each to the compute device before its
+        # gather ([Note: CPU offload in graphs] in passes/lowering.py); a block
+        # compiled on its own is gathered by the eager runtime.
         self.copies_in_graph = self.extension_gather is None and any(p.offload for p in fsdp_params)
         # Whether its module's code computes with DTensors ([Note: FSDP over
         # DTensor parameters] in param.py: tensor parallelism, dp_mesh_dims) or

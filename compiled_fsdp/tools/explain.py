@@ -59,8 +59,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             path = _last_path(state.ctx.root)  # (a region's reads leave no record: its root's graph ran it)
         reason = None
         last = state.last_path()
-        if path in ("fallback", "eager") and group is not None and group.gathers_eagerly \
-                and not (path == "fallback" and group.copies_in_graph):  # (it fell back for another reason)
+        if path in ("fallback", "eager") and group is not None \
+                and (group.gathers_eagerly or path == "eager" and group.copies_in_graph):
             reason = _EXTENSION
         elif path == "compiled" and group is not None and group.region_refusal is not None:
             reason = _NOT_A_REGION + group.region_refusal
