@@ -56,11 +56,32 @@ class Model(nn.Module):
         return self.out(h).pow(2).mean()
 
 
-def build(hidden: int = 64, float8_all_gather: bool = True) -> Model:
+class BreakBlock(Block):
+    """A block that breaks the graph inside its forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+class UnrolledModel(Model):
+    """The first block breaks the graph; the blocks are called without a loop
+    (at a break inside a loop Dynamo runs the whole frame as Python)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden)
+        self.layers[0].__class__ = BreakBlock
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers[1](self.layers[0](self.inp(x)))
+        return self.out(h).pow(2).mean()
+
+
+def build(hidden: int = 64, float8_all_gather: bool = True, cls: type = Model) -> Model:
     """The blocks' linears in torchao's float8 (the root's stay plain, as torchtitan leaves the output)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    model = Model(hidden)
+    model = cls(hidden)
     config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=float8_all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("layers"))
     return model
@@ -268,6 +289,27 @@ def test_fullgraph_whole_model_says_why() -> None:
     for msg in run_distributed(_fullgraph_rank, 2, timeout=300):
         assert "is gathered by the eager runtime, not inside a graph" in msg, msg
         assert "compile such modules on their own (module.compile())" in msg, msg
+
+
+def _break_rank(rank: int, world: int) -> dict:
+    model = build(cls=UnrolledModel)
+    _shard(model, fully_shard)
+    out = _train(rank, world, model, build(cls=UnrolledModel), torch.compile(model, backend="aot_eager"))
+    out["explain"] = {r.fqn: (r.path, r.reason) for r in compiled_fsdp.explain(model)}
+    return out
+
+
+def test_a_float8_block_that_breaks_the_graph_says_so() -> None:
+    """A float8 block that breaks the graph inside a whole-model compile
+    falls back to the eager runtime; explain() names its break, not the
+    all-gather extension (a whole-model graph would have gathered its float8
+    weights itself). 4 steps bitwise to the unsharded float8 reference."""
+    for res in run_distributed(_break_rank, 2, timeout=600):
+        assert res["worst"] == 0.0, res
+        path, reason = res["explain"]["layers.0"]
+        assert path == "fallback" and "graph_break()" in reason, res["explain"]
+        assert res["explain"][""] == ("compiled", None), res["explain"]
+        assert res["explain"]["layers.1"][0] == "compiled", res["explain"]
 
 
 def _dcp_rank(rank: int, world: int, root: str) -> tuple:

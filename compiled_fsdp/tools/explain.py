@@ -14,6 +14,7 @@ from compiled_fsdp.compile import frames, install
 from compiled_fsdp.compile.entry import entry_of
 from compiled_fsdp.core.marker import ENTRY_KEY
 from compiled_fsdp.runtime.context import Path
+from compiled_fsdp.runtime.param_group import FSDPParamGroup
 from compiled_fsdp.runtime.state import FSDPState, iter_fsdp_states, module_fqns
 
 
@@ -59,8 +60,7 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             path = _last_path(state.ctx.root)  # (a region's reads leave no record: its root's graph ran it)
         reason = None
         last = state.last_path()
-        if path in ("fallback", "eager") and group is not None \
-                and (group.gathers_eagerly or path == "eager" and group.copies_in_graph):
+        if group is not None and _gathered_eagerly(group, path):
             reason = _EXTENSION
         elif path == "compiled" and group is not None and group.region_refusal is not None:
             reason = _NOT_A_REGION + group.region_refusal
@@ -124,6 +124,18 @@ _EXTENSION = ("its parameters are gathered by the eager runtime, around its comp
 
 _SPLIT = ("a parameter of the root was traced in more than one Dynamo frame, so in-graph collectives "
           "would gather and reduce it twice; see [Note: Fallback decision rule]")
+
+
+def _gathered_eagerly(group: FSDPParamGroup, path: str) -> bool:
+    """Whether ``group``'s module ran outside the graphs because the eager
+    runtime gathers it ([Note: Extension groups run the eager runtime] in
+    compile/path.py). A whole-model graph gathers torchao's float8 weights
+    (``casts_in_graph``) and offloaded shards (``copies_in_graph``) itself:
+    such a module that fell back there did so at a graph break of its own,
+    which explain() names instead."""
+    if path == "eager":
+        return group.gathers_eagerly or group.copies_in_graph
+    return path == "fallback" and group.gathers_eagerly and not group.casts_in_graph
 
 
 def _last_path(state: FSDPState) -> str:
