@@ -101,7 +101,7 @@ def test_reset_iter_state_after_exception(backend: str) -> None:
     # 2.15, aot_eager), ours raised in every step, a Dynamo error counted as
     # a failed step, and matched its reference trained on no step, 0.04 from
     # FSDP2: a second compiled model with a full backward pre-hook failed on
-    # 2.15, since fixed ([Note: The property as a frame] in runtime/param.py,
+    # 2.15, since fixed ([Note: The property as a frame] in runtime/module_class.py,
     # tests/test_untraced_frames.py::test_second_model_with_a_backward_pre_hook).
     for res in run_distributed(_both, 2, backend, timeout=600):
         assert [s for s, _ in res["raised"]] == [1, 2], res

@@ -1,6 +1,6 @@
 """``shard_placement_fn`` returning ``Shard(dim)`` for a dim other than 0
 (experts sharded on their largest dim, as torchtitan shards MoE experts):
-[Note: Shard dims] in compiled_fsdp/runtime/param.py. On gloo ranks, against
+[Note: Shard dims] in compiled_fsdp/core/layout.py. On gloo ranks, against
 a single-process reference after 3 AdamW steps, beside FSDP2 on the same
 mesh, and through DCP into another layout."""
 from __future__ import annotations

@@ -103,7 +103,7 @@ def test_untraced_frames_train_like_eager(way: str) -> None:
     skipped"): untraced from the first step, like the others. The root's
     reason is always that it ran untraced: the parameter property's getter
     is never a Dynamo frame of its own ([Note: The property as a frame] in
-    runtime/param.py), which once gave a failing backend's root and the
+    runtime/module_class.py), which once gave a failing backend's root and the
     disabled block's first step tiny compiled getter graphs that gathered
     and reduced the root's parameters in graphs."""
     for res in run_distributed(_rank, 2, way, timeout=600):

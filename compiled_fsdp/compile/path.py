@@ -135,7 +135,7 @@ class TorchCompilePath(CompiledPath):
     def on_backward(self, ctx: RootContext) -> None:
         install.open_backward_window()
 
-    # -- a parameter read: see [Note: Parameter property] -----------------------
+    # -- a parameter read: see [Note: Parameter property] in module_class.py -----
     def traced_read(self, param: FSDPParam) -> torch.Tensor:
         group = param.group
         entry: CompiledEntry = group.compiled
@@ -161,7 +161,7 @@ class TorchCompilePath(CompiledPath):
         sync = gathered is not None or read_syncs(param)
         kept = None if gathered is not None else read_kept(param, sync, param.grad_sink is not None)
         local = entry.region_shards[param.index] if entry.reads_alias and not own else param.sharded.to_local()
-        full = Unshard.call(  # (canonical: [Note: Shard dims] in runtime/param.py)
+        full = Unshard.call(  # (canonical: [Note: Shard dims] in core/layout.py)
             shard=param.to_canonical(local),
             module_key=ENTRY_KEY if own else group.key,
             kept=kept,

@@ -14,8 +14,9 @@ import torch
 from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import compat, registry
+from compiled_fsdp.core.layout import from_canonical, to_canonical
 from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Unshard
-from compiled_fsdp.runtime.param import FSDPParam, from_canonical, to_canonical
+from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 
 __all__ = ["in_a_region", "issue_ahead", "read_settings", "refresh", "traced_read"]

@@ -9,6 +9,34 @@ tensor is what the registered DTensor holds. For communication each rank's rows
 are zero-padded to ``shard_d0``, so every rank contributes the same shape (which
 the bucketed collectives need) and every size works on every world size.
 
+[Note: Shard dims]
+FSDP2's ``shard_placement_fn`` may shard a parameter on another dim than 0
+(``Shard(1)``: MoE experts, stacked on dim 0, on their largest dim). The
+registered DTensor is then ``Shard(d)``: its local tensor is this rank's
+``torch.chunk(param, N, dim=d)`` piece, contiguous in the parameter's own
+layout, as FSDP2 holds it. Everything below the parameter (the bucket
+layout, the collectives, the marker ops and the passes) sees the parameter
+with dim ``d`` moved first, its *canonical* form, where that piece is a
+dim-0 chunk ([Note: Shard layout]): ``to_canonical`` is
+``movedim(d, 0)``, a view. So the layout and the passes know one dim, and a
+``Shard(d)`` parameter costs, beside a dim-0 one, the copy of its gathered
+value into its own layout (eager: the unsharded buffer is in the
+parameter's layout and the copy-out writes its canonical view; compiled:
+``from_canonical`` and a contiguous copy after the marker, which Inductor
+fuses with the copy-out, and which backward recomputes: [Note: Layout
+copies of a gathered parameter are recomputed] in passes/recompute.py) and
+of its gradient into the canonical layout. A
+dim smaller than the group is refused (``shard_dim`` in validation.py).
+Tested by tests/test_shard_dim.py. Known cost: a ``Shard(d)`` parameter read
+twice in one traced graph (a tied weight, a read in a loop) traces two
+``movedim`` views, which the lowering does not see as one shard, so its
+bucket falls back to a gather per parameter (correct, not bucketed). Tried
+2026-11-27: seeing through the permutation buckets the gathers, but the two
+reads' gradients meet through two permutes, outside the accumulation tree
+the reduce lowering knows, so the reduces stay per parameter. (That attempt
+also found a rank holding an empty piece tracing its reads' views with
+other strides: ``passes/graph.py`` now ignores an empty tensor's strides.)
+
 [Note: Bucket layout]
 A module's parameters are communicated as one bucket, ``T`` elements per rank:
 the padded shards flattened and concatenated in parameter order. The all-gather
@@ -130,6 +158,16 @@ def bucket_offsets(specs: Sequence[ShardSpec]) -> list[int]:
         offsets.append(total)
         total += spec.shard_numel
     return offsets
+
+
+def to_canonical(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
+    """``t`` with ``shard_dim`` first: a view ([Note: Shard dims])."""
+    return t if shard_dim == 0 else t.movedim(shard_dim, 0)
+
+
+def from_canonical(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
+    """``to_canonical`` undone: a view."""
+    return t if shard_dim == 0 else t.movedim(0, shard_dim)
 
 
 class Emit(Protocol):

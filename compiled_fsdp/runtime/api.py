@@ -42,8 +42,10 @@ from compiled_fsdp.config import comm
 from compiled_fsdp.core.comm import ONE_PROCESS_BACKENDS, uses_all_to_all
 from compiled_fsdp.runtime.divergence import Checker, checker_for, ranks_are_processes, ranks_are_threads
 from compiled_fsdp.runtime.extension import compiled_path
+from compiled_fsdp.runtime.groups import post_forward_group_for, reduce_group_for
 from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
-from compiled_fsdp.runtime.param import FSDPParam, install_class
+from compiled_fsdp.runtime.module_class import install_class
+from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 from compiled_fsdp.runtime.policy import (
     CPUOffloadPolicy,
@@ -224,8 +226,8 @@ def _comm_settings() -> tuple[bool, ...]:
 def _with_groups(options: ShardingOptions) -> ShardingOptions:
     """``options`` with its reduce group and checker, created collectively."""
     group = options.process_group
-    reduce_group = _reduce_group_for(group) if comm.separate_reduce_group else group
-    post_forward = _post_forward_group_for(group, options.post_forward_size) if options.post_forward_size else None
+    reduce_group = reduce_group_for(group) if comm.separate_reduce_group else group
+    post_forward = post_forward_group_for(group, options.post_forward_size) if options.post_forward_size else None
     return replace(options, reduce_group=reduce_group, checker=checker_for(group, _mesh_ranks(options)),
                    post_forward_group=post_forward,
                    hand_over_gathers=comm.hand_over_gathers, block_regions=comm.block_regions,
@@ -241,58 +243,6 @@ def _mesh_ranks(options: ShardingOptions) -> Optional[list[int]]:
         return options.mesh.mesh.flatten().tolist()
     return dist.get_process_group_ranks(options.replicate_group)  # replicate over a group
 
-
-
-def _reduce_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """[Note: A second group for reduce-scatters]
-    The overlap passes never reorder two collectives on one process group (the
-    order is what keeps ranks matched), and in backward the next module's
-    all-gather comes after this module's reduce-scatter in program order. On
-    one group the gather could therefore never be issued before the
-    reduce-scatter, i.e. never hidden behind this module's backward compute.
-    With the reduce-scatters on a group of their own (same ranks, same
-    backend), each group keeps its order and the gather moves freely across
-    the reduce-scatter. The eager runtime uses the same two groups, so a
-    compiled and an eager module never interleave differently on one group.
-
-    Created the first time ``fully_shard`` sees the gather group. Every rank
-    calls ``fully_shard`` in the same order (see [Note: Agreeing at
-    fully_shard]), so every member creates it at the same point: for a group
-    spanning the world with ``new_group`` (which all ranks join), for a
-    smaller group with ``use_local_synchronization`` (only its members join).
-    """
-    reduce_group = RUNTIME.reduce_groups.get(group)
-    if reduce_group is None or reduce_group not in dist.distributed_c10d._world.pg_map:
-        # (not created yet, or destroyed with its world by destroy_process_group)
-        ranks = dist.get_process_group_ranks(group)
-        local = len(ranks) != dist.get_world_size()
-        reduce_group = dist.new_group(
-            ranks, backend=dist.get_backend(group), use_local_synchronization=local,
-            group_desc=f"compiled_fsdp_reduce_{group.group_name}",
-        )
-        assert reduce_group is not None
-        RUNTIME.reduce_groups[group] = reduce_group
-    return reduce_group
-
-
-def _post_forward_group_for(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
-    """This rank's group of ``size`` consecutive ranks of ``group`` (FSDP2's
-    ``mesh.view(-1, size)``: on a cluster, ranks of one node), which an int
-    ``reshard_after_forward`` keeps the parameters sharded over after forward.
-    Only its members create it (``use_local_synchronization``), once per
-    shard group and size."""
-    by_size = RUNTIME.post_forward_groups.setdefault(group, {})
-    pf_group = by_size.get(size)
-    if pf_group is None or pf_group not in dist.distributed_c10d._world.pg_map:
-        ranks = dist.get_process_group_ranks(group)
-        first = group.rank() // size * size
-        pf_group = dist.new_group(
-            ranks[first:first + size], backend=dist.get_backend(group), use_local_synchronization=True,
-            group_desc=f"compiled_fsdp_post_forward_{group.group_name}_{size}",
-        )
-        assert pf_group is not None
-        by_size[size] = pf_group
-    return pf_group
 
 
 def _policy_matches(policy: Policy) -> Callable[[nn.Module], bool]:
@@ -328,7 +278,7 @@ def fully_shard(
     ``offload_policy``: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``
     (shards, gradients and the optimizer step on the CPU: [Note: CPU offload]
     in policy.py). ``shard_placement_fn``: each parameter's
-    ``Shard(dim)``, or None for dim 0 ([Note: Shard dims] in param.py). ``dp_mesh_dims``
+    ``Shard(dim)``, or None for dim 0 ([Note: Shard dims] in core/layout.py). ``dp_mesh_dims``
     (torch 2.15's ``DataParallelMeshDims``): ``mesh`` is the full SPMD mesh and
     this names its data-parallel dims ([Note: dp_mesh_dims] in validation.py).
     torch's own policy classes are taken as ours. See README.md, "FSDP2's arguments and methods".

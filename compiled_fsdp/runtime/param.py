@@ -1,22 +1,6 @@
 """One parameter's lifecycle: sharded at rest, unsharded around its module's compute.
-
-[Note: Parameter property]
-``fully_shard`` swaps the class of every module that owns a managed parameter for
-a generated subclass with one property per managed parameter name. The property
-decides what ``module.weight`` means at the moment it is read:
-
-- while the eager runtime has the owning group unsharded (its pre-forward hook ran
-  and its post-forward hook has not): the unsharded tensor the hooks gathered;
-- while Dynamo traces the module and the hooks have not gathered it: the
-  ``compiled_fsdp::unshard`` marker applied to the shard, which the passes lower
-  to a bucketed in-graph all-gather;
-- otherwise (user code, ``state_dict()``, optimizers, guard evaluation): the local
-  shard. A read outside forward/backward never communicates;
-- except during another module's eager forward (a parent reading a child's
-  parameter): the shard would be silently wrong there, so that raises.
-
-``state_dict()`` and ``parameters()`` read ``_parameters`` directly, so they see
-the shards under the original FQNs.
+What a read of ``module.<name>`` returns is [Note: Parameter property] in
+module_class.py; the shard dims, [Note: Shard dims] in core/layout.py.
 
 [Note: Parameters are DTensors]
 The registered parameter is a ``DTensor`` (``Shard(0)`` on the module's mesh)
@@ -29,34 +13,6 @@ themselves, so every rank's graph has the same structure (see [Note:
 Rank-independent graphs]) and AOTAutograd wraps the local gradient into a
 DTensor ``.grad``. Tested by tests/test_dtensor_state.py.
 ``torch.nn.utils.parametrize`` is avoided because it renames state-dict keys.
-
-[Note: Shard dims]
-FSDP2's ``shard_placement_fn`` may shard a parameter on another dim than 0
-(``Shard(1)``: MoE experts, stacked on dim 0, on their largest dim). The
-registered DTensor is then ``Shard(d)``: its local tensor is this rank's
-``torch.chunk(param, N, dim=d)`` piece, contiguous in the parameter's own
-layout, as FSDP2 holds it. Everything below the parameter (the bucket
-layout, the collectives, the marker ops and the passes) sees the parameter
-with dim ``d`` moved first, its *canonical* form, where that piece is a
-dim-0 chunk ([Note: Shard layout] in core/layout.py): ``to_canonical`` is
-``movedim(d, 0)``, a view. So the layout and the passes know one dim, and a
-``Shard(d)`` parameter costs, beside a dim-0 one, the copy of its gathered
-value into its own layout (eager: the unsharded buffer is in the
-parameter's layout and the copy-out writes its canonical view; compiled:
-``from_canonical`` and a contiguous copy after the marker, which Inductor
-fuses with the copy-out, and which backward recomputes: [Note: Layout
-copies of a gathered parameter are recomputed] in passes/recompute.py) and
-of its gradient into the canonical layout. A
-dim smaller than the group is refused (``shard_dim`` in validation.py).
-Tested by tests/test_shard_dim.py. Known cost: a ``Shard(d)`` parameter read
-twice in one traced graph (a tied weight, a read in a loop) traces two
-``movedim`` views, which the lowering does not see as one shard, so its
-bucket falls back to a gather per parameter (correct, not bucketed). Tried
-2026-11-27: seeing through the permutation buckets the gathers, but the two
-reads' gradients meet through two permutes, outside the accumulation tree
-the reduce lowering knows, so the reduces stay per parameter. (That attempt
-also found a rank holding an empty piece tracing its reads' views with
-other strides: ``passes/graph.py`` now ignores an empty tensor's strides.)
 
 [Note: FSDP over DTensor parameters]
 Tensor parallelism first (torch's ``parallelize_module`` on the ``tp`` dim
@@ -77,7 +33,7 @@ redistributed to those placements first (a sequence-parallel norm's
 partial gradient is summed over ``tp`` there), and is reduced over ``dp``
 as any other. Under compile, Dynamo traces tensor parallelism's
 collectives into the same graph as ours: [Note: Foreign collectives] in
-passes/schedule.py says how they are scheduled. One parallel dim only (FSDP2
+passes/collectives.py says how they are scheduled. One parallel dim only (FSDP2
 on most releases; 2-D EP x TP is refused); the two meshes must be named
 dims of one parent (else a ValueError that says how to build them). Under
 ``dp_mesh_dims`` a parameter comes as a DTensor on the whole SPMD mesh
@@ -110,7 +66,7 @@ a DCP load fills them from a checkpoint. A forward while a shard is still on
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -119,7 +75,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from compiled_fsdp.core import compat, registry
-from compiled_fsdp.core.layout import EAGER, ShardSpec, reduce_input
+from compiled_fsdp.core.layout import EAGER, ShardSpec, from_canonical, reduce_input, to_canonical
 from compiled_fsdp.runtime.annotated import annotated_layout
 from compiled_fsdp.runtime.ext_gather import Extension
 from compiled_fsdp.runtime.extension import compiled_path
@@ -517,16 +473,6 @@ class FSDPParam:
         return self.sharded
 
 
-def to_canonical(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
-    """``t`` with ``shard_dim`` first: a view ([Note: Shard dims])."""
-    return t if shard_dim == 0 else t.movedim(shard_dim, 0)
-
-
-def from_canonical(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
-    """``to_canonical`` undone: a view."""
-    return t if shard_dim == 0 else t.movedim(0, shard_dim)
-
-
 def _compute_device(device_type: str) -> torch.device:
     """The device of a mesh of ``device_type``: this process's current one."""
     if device_type in ("cpu", "meta"):
@@ -540,55 +486,3 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= d
     return tuple(reversed(strides))
-
-
-def _make_property(name: str) -> property:
-    def getter(self: nn.Module) -> torch.Tensor:
-        return self._fsdp_params[name].current_value()
-
-    return property(getter, doc=f"managed parameter {name!r}; see [Note: Parameter property]")
-
-
-# [Note: The property as a frame]
-# Inlined into a frame Dynamo traces, the property emits the marker. But when
-# Dynamo runs a frame as Python (it skipped the frame, or its backend failed),
-# it still evaluates the functions that frame calls as frames of their own,
-# and the getter was one: on torch 2.13.0 a root frame skipped for a graph
-# break in its loop over the blocks, or whose backend failed, had each root
-# parameter read compiled as a one-read getter graph that gathered it (and
-# reduced its gradient) in a graph; on 2.15.0, in a second model compiled in
-# the same process with a full backward pre-hook on a sharded block, the
-# getter hit the recompile limit as a frame and Dynamo traced the eager
-# runtime behind it, down to the divergence checker's message, which raised
-# in every step. Called from Python, the read is the eager runtime's, so the
-# getter's code is skipped by frame evaluation, with every frame it calls, as
-# the hooks are ([Note: Hooks under Dynamo] in state.py); inlining is
-# unaffected. Tested by tests/test_untraced_frames.py (the second model; and
-# the failing backend and disabled block, untraced from the first step).
-compat.never_a_frame(_make_property("").fget)  # (every property's getter shares this code object)
-
-
-def install_class(
-    module: nn.Module, names: Optional[dict[str, FSDPParam]] = None, mixin: Optional[type] = None
-) -> None:
-    """Swap ``module``'s class for a generated subclass of its original class with
-    a property for each managed parameter it owns (``names``) and, for a module
-    ``fully_shard`` was applied to, the ``FSDPModule`` methods (``mixin``).
-    Calls accumulate: the class always has every property and mixin so far."""
-    params = module.__dict__.setdefault("_fsdp_params", {})
-    params.update(names or {})
-    mixins = module.__dict__.get("_fsdp_mixins", ())
-    if mixin is not None and mixin not in mixins:
-        mixins = module.__dict__["_fsdp_mixins"] = (*mixins, mixin)
-    # (looked up on the class: a module that forwards unknown attributes to a
-    # wrapped one, as ``checkpoint_wrapper``, would answer with the wrapped
-    # module's base class and become an embedding: tests/test_chunked_loss.py)
-    base = getattr(type(module), "_fsdp_base_class", type(module))
-    key = (base, frozenset(params), mixins)
-    cls = RUNTIME.subclasses.get(key)
-    if cls is None:
-        attrs: dict[str, Any] = {n: _make_property(n) for n in sorted(params)}
-        attrs["_fsdp_base_class"] = base
-        cls = type(f"FSDP{base.__name__}", (*mixins, base), attrs)
-        RUNTIME.subclasses[key] = cls
-    module.__class__ = cls

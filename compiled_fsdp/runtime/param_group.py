@@ -8,7 +8,7 @@ FSDP2's int ``reshard_after_forward=N`` (a factor of the shard group's size
 the backward gathers them again over ``N`` ranks only (on a cluster, within a
 node, over the fast links) instead of all ``W``. The groups are ``N``
 consecutive ranks of the shard group, FSDP2's ``mesh.view(-1, N)``
-(``api._post_forward_group_for``). In the bucket layout ([Note: Bucket layout]
+(``groups.post_forward_group_for``). In the bucket layout ([Note: Bucket layout]
 in core/layout.py) the all-gather output ``[W * T]`` is ``W`` shards in rank
 order, so cutting it into ``N`` equal parts gives each rank of a post-forward
 group a contiguous part, ``W / N`` shards long, and an all-gather of the parts
@@ -105,7 +105,7 @@ class FSDPParamGroup:
         self.fsdp_params = fsdp_params
         self.process_group = process_group
         self.group_name = process_group.group_name
-        # See [Note: A second group for reduce-scatters] in api.py.
+        # See [Note: A second group for reduce-scatters] in groups.py.
         self.reduce_group = reduce_group
         self.reduce_group_name = reduce_group.group_name
         # HSDP: the replicas' group, over which each reduced shard is also
@@ -198,7 +198,7 @@ class FSDPParamGroup:
         self._anchor: Optional[torch.Tensor] = None  # (see _grad_anchor)
         self._reduced_buckets: set[int] = set()
         self._pending_reduces: list[_PendingReduce] = []
-        # Views handed to the module's code while it runs eagerly; see [Note: Parameter property].
+        # Views handed to the module's code while it runs eagerly; see [Note: Parameter property] in module_class.py.
         self.exposed_views: Optional[Sequence[Optional[torch.Tensor]]] = None
         # Autograd outputs of this iteration's UnshardFn (None: its bucket's
         # not applied yet: ``view_of``), reused by later calls.

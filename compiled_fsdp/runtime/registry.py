@@ -21,7 +21,7 @@ modules sharded over it, and what the hooks must find from a module alone:
   ``to_empty()`` from swapping it), to tell our DTensors from a user's
   (tensor parallelism).
 - ``subclasses``: the ``FSDP<Module>`` classes made by ``fully_shard``
-  ([Note: Parameter property] in param.py), reused across modules.
+  ([Note: Parameter property] in module_class.py), reused across modules.
 - ``path``: the compile layer's seam ([Note: The compiled path] in
   extension.py), set when the compile layer loads.
 

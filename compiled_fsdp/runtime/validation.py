@@ -242,7 +242,7 @@ def shared_across_groups(module_name: str, conflicts: list[str]) -> Optional[str
 def shard_dim(fqn: str, param: nn.Parameter,
               shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]], shard_size: int) -> int:
     """The dim FSDP2's ``shard_placement_fn`` shards ``param`` on (None:
-    dim 0), normalised; see [Note: Shard dims] in runtime/param.py."""
+    dim 0), normalised; see [Note: Shard dims] in core/layout.py."""
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
         return 0
