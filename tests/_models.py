@@ -89,18 +89,23 @@ class BreakGPT(GPT):
     - "data_dep": a data-dependent ``if`` on a tensor value inside layers.1
     - "between": in the root's forward, between layers.0 and layers.1
     - "twice": inside layers.0, which the root calls twice
+    - "loop": inside layers.1, called in the tiny GPT's loop over its blocks
     """
 
     def __init__(self, where: str, tie_head: bool = False) -> None:
         torch.manual_seed(0)
         super().__init__(GPTConfig(vocab=67, dim=24, n_layers=2, n_heads=2, seq=16, tie_head=tie_head))
         self.where = where
-        if where in ("block", "data_dep", "twice"):
+        if where in ("block", "data_dep", "twice", "loop"):
             idx = 0 if where == "twice" else 1
             self.layers[idx].__class__ = DataDepBlock if where == "data_dep" else BreakBlock
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        if self.where == "loop":
+            for block in self.layers:
+                x = block(x)
+            return self.head(self.norm(x))
         x = self.layers[0](x)
         if self.where == "twice":
             x = self.layers[0](x)

@@ -116,3 +116,24 @@ def test_fallback_under_inductor() -> None:
         assert_close(res, 1e-5)
         assert res["counts"] == [{"all_gather": 2, "reduce_scatter": 1}] * STEPS
         assert res["after"][-1]["explain"]["layers.1"][0] == "fallback"
+
+
+def test_a_break_inside_the_blocks_loop_says_so() -> None:
+    """A block that breaks the graph, called in the root's ``for`` loop over
+    its blocks: Dynamo cannot resume inside a loop, so it skips the root's
+    frame and runs it as Python (FSDP2's model would run eagerly too), and
+    every module communicates through the eager runtime, bitwise equal to
+    the reference after 4 steps under ``aot_eager``. explain() says so: the
+    root names Dynamo's skip and the break, the breaking block its break,
+    the other block its root (before: a dispatch mode or the recompile
+    limit for the root, nothing for the other block)."""
+    for res in run_distributed(_rank, 2, "loop", False, True, "aot_eager"):
+        assert_close(res, 0.0)
+        # (root, both blocks, and both again in backward; one reduce each)
+        assert res["counts"] == [{"all_gather": 5, "reduce_scatter": 3}] * STEPS, res["counts"]
+        last = res["after"][-1]["explain"]
+        assert {fqn: path for fqn, (path, _) in last.items()} == {
+            "": "fallback", "layers.0": "fallback", "layers.1": "fallback"}, last
+        assert last[""][1].startswith("Dynamo skipped its forward's frame") and "graph_break()" in last[""][1], last
+        assert "graph_break()" in last["layers.1"][1], last
+        assert last["layers.0"][1].startswith("its root's forward ran untraced"), last

@@ -7,15 +7,19 @@ Under ``torch.compile(model)`` the root's pre-forward runs as Python and
 leaves its parameters to the graph Dynamo is about to trace. Dynamo may
 instead run the frame eagerly: under an active dispatch mode
 (``FlopCounterMode``, ``CommDebugMode``), past the recompile limit, with
-``TORCH_COMPILE_DISABLE=1``, or when a failing backend falls back under
-``suppress_errors``. Nothing tells the hook beforehand, but the first read
-of a root parameter outside tracing does (``untraced_read``): the root
+``TORCH_COMPILE_DISABLE=1``, when a failing backend falls back under
+``suppress_errors``, or at a graph break inside a loop (a block that breaks
+the graph, called in ``for layer in self.layers``: Dynamo cannot resume
+there and skips the whole frame, as it would for FSDP2's model; explain()
+names that break, ``compat.skipped_frame_breaks``). Nothing tells the hook
+beforehand, but the first read of a root parameter outside tracing does (``untraced_read``): the root
 switches to the eager runtime for this forward (gather through
 ``UnshardFn``, reduce in its post-backward), as the blocks already do
 (their hooks run as Python and fall back). So such a frame trains exactly
 like eager, with one reduction per gradient. The same holds for a block
 compiled on its own ([Note: Blocks compiled on their own] in entry.py).
-Tested by tests/test_untraced_frames.py.
+Tested by tests/test_untraced_frames.py, and the loop by
+tests/test_graph_breaks.py::test_a_break_inside_the_blocks_loop_says_so.
 """
 from __future__ import annotations
 

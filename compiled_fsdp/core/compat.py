@@ -291,6 +291,19 @@ def restore_frame_callback(callback: Any) -> None:
     set_eval_frame(callback)
 
 
+
+def skipped_frame_breaks(code: Any) -> list[str]:
+    """Dynamo's messages for the graph breaks that made it skip ``code``'s
+    frame, running it as Python (a break inside a ``for`` loop, which Dynamo
+    cannot resume from): its ``unimplemented`` counter, whose message names
+    such a frame "frame skipped: <name> (<file> line <first line>)" on
+    2.11, 2.13 and 2.15 (tests/test_graph_breaks.py::test_a_break_inside_the_blocks_loop_says_so)."""
+    from torch._dynamo.utils import counters
+
+    tag = f"frame skipped: {code.co_name} ({code.co_filename} line {code.co_firstlineno})"
+    return [msg for msg in counters["unimplemented"] if tag in msg]
+
+
 # --- Inductor ---------------------------------------------------------------
 
 def _sequence_of_post_grad_passes() -> bool:

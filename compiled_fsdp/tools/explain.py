@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from compiled_fsdp.compile import frames, install
 from compiled_fsdp.compile.entry import entry_of
+from compiled_fsdp.core import compat
 from compiled_fsdp.core.marker import ENTRY_KEY
 from compiled_fsdp.runtime.context import Path
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
@@ -71,12 +72,15 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             reason = _NOT_A_REGION + _ROOT_SAID_NO
         elif path == "fallback":
             if last is Path.UNTRACED:
-                reason = _UNTRACED
+                reason = _untraced_reason(state.module)
             elif state.is_root and group is not None and frames.is_split(group.key):
                 brk = _break_reason(state.module)
                 reason = _SPLIT + (f"; the break: {brk}" if brk else "")
             else:
                 reason = _break_reason(state.module)
+                if reason is None and not state.is_root and state.ctx is not None \
+                        and state.ctx.root.last_path() is Path.UNTRACED:
+                    reason = _UNDER_UNTRACED
         # A block compiled on its own shares its graph: see [Note: Blocks compiled
         # on their own] in compile/entry.py.
         key = ENTRY_KEY if last is Path.OWN_FRAME else getattr(group, "key", None)
@@ -116,6 +120,15 @@ _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an act
              "[Note: Untraced root frames] in compile/path.py")
 
 
+_SKIPPED = ("Dynamo skipped its forward's frame and ran it as Python: a graph break inside a loop there (a "
+            "block called in `for layer in self.layers`, say) cannot be resumed from, so every sharded module it "
+            "calls communicates through the eager runtime. The break: {brk} (the module whose forward breaks "
+            "names where). Remove that break, or call the blocks without a loop")
+
+
+_UNDER_UNTRACED = "its root's forward ran untraced, and it with it: see the root's reason"
+
+
 _EXTENSION = ("its parameters are gathered by the eager runtime, around its compiled code: in their all-gather "
               "extension's form (fsdp_pre_all_gather: torchao's float8 weights as float8), or copied from the CPU "
               "first (CPU offload, in a block compiled on its own: compile the whole model to copy them in its "
@@ -146,6 +159,14 @@ def _last_path(state: FSDPState) -> str:
     if group is not None and frames.was_traced(group.key):
         return "compiled"
     return "not run"
+
+
+def _untraced_reason(module: nn.Module) -> str:
+    """Why a module's frame ran untraced: the graph break that made Dynamo
+    skip it, where one did (see [Note: Untraced root frames] in compile/path.py)."""
+    base = getattr(type(module), "_fsdp_base_class", type(module))
+    skipped = compat.skipped_frame_breaks(base.forward.__code__)
+    return _SKIPPED.format(brk=skipped[0].splitlines()[0]) if skipped else _UNTRACED
 
 
 def _break_reason(module: nn.Module) -> Optional[str]:
