@@ -39,6 +39,13 @@ class _Recorder:
     def wait_stream(self, other: "_Recorder") -> None:
         self._note("wait_stream", other.name)
 
+    def record_event(self) -> str:
+        self._note("record_event")
+        return self.name  # (the event: the stream it was recorded on)
+
+    def wait_event(self, event: str) -> None:
+        self._note("wait_event", event)
+
     def __enter__(self) -> None:
         self._note("enter")
 
@@ -46,7 +53,7 @@ class _Recorder:
         self._note("exit")
 
 
-def _recording_rank(rank: int, world: int) -> dict:
+def _recording_rank(rank: int, world: int, **shard_kwargs: object) -> dict:
     build, make_batch, loss = gpt_case(False)
     log: list = []
     compute = _Recorder("compute", log)
@@ -61,8 +68,8 @@ def _recording_rank(rank: int, world: int) -> dict:
         log.clear()
         return step_log
 
-    res = run_parity(rank, build, lambda m: _shard_nested(m, reshard_after_forward=True), make_batch, loss,
-                     after_step=install)
+    res = run_parity(rank, build, lambda m: _shard_nested(m, reshard_after_forward=True, **shard_kwargs),
+                     make_batch, loss, after_step=install)
     return res
 
 
@@ -94,6 +101,35 @@ def test_collectives_issued_on_their_streams() -> None:
             for wait, enter, exit_ in reduces:  # packed before, on the compute stream
                 assert exit_[3].get("reduce_scatter") == enter[3].get("reduce_scatter")
                 assert wait[3].get("reduce_scatter", 0) >= 1
+
+
+def _offload_rank(rank: int, world: int) -> dict:
+    return _recording_rank(rank, world, offload_policy=compiled_fsdp.CPUOffloadPolicy(pin_memory=False))
+
+
+def test_a_gather_of_one_rank_is_waited_by_event() -> None:
+    """One rank under CPU offload (the GPU check's offload rows): each gather
+    copies its shards to the device and packs them on the gather stream and
+    communicates nothing, so no work orders the compute stream behind it;
+    the compute stream waits for an event recorded on the gather stream
+    after the copy-in, once per gather, before its copy-out reads the
+    buffer. Two ranks: none, their collectives'
+    works order the streams. Bitwise to the reference both ways. Without
+    [Note: Streams and events]' event the copy-out raced the copy-in on a GPU."""
+    for world, rank_fn in ((1, _offload_rank), (2, _recording_rank)):
+        for res in run_distributed(rank_fn, world):
+            assert_close(res, 0.0)
+            for step_log in res["after"][1:]:
+                events = [(name, what, other) for name, what, other, _ in step_log if "event" in what]
+                n_gathers = len(_spans(step_log, "gather"))
+                if world == 1:
+                    records = [e == ("gather", "record_event", "") for e in events]
+                    waits = [e == ("compute", "wait_event", "gather") for e in events]
+                    assert n_gathers == 5 and sum(records) == sum(waits) == n_gathers, events
+                    # (each wait after its record; a gather prefetched ahead records before the last one's wait)
+                    assert all(sum(waits[:i + 1]) <= sum(records[:i + 1]) for i in range(len(events))), events
+                else:
+                    assert events == [], events
 
 
 def test_streams_context_is_restored_on_error() -> None:

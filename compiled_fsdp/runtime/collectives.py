@@ -38,7 +38,8 @@ def all_gather_bucket(
         flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs, dtypes)
         if group.size() > 1:  # (a group of one communicates nothing)
             comm.count("all_gather", flat_in.numel() * flat_in.element_size())
-        return comm.all_gather_flat(flat_in, group, async_op)
+        pending = comm.all_gather_flat(flat_in, group, async_op)
+    return streams.joined(pending) if streams is not None else pending
 
 
 def all_gather_part(
@@ -49,7 +50,8 @@ def all_gather_part(
     ([Note: Resharding to a smaller group] in param_group.py)."""
     with streams.on_gather() if streams is not None else contextlib.nullcontext():
         comm.count("all_gather", part.numel() * part.element_size())
-        return comm.all_gather_flat(part, group, async_op=True)
+        pending = comm.all_gather_flat(part, group, async_op=True)
+    return streams.joined(pending) if streams is not None else pending
 
 
 def copy_out_all_gather(

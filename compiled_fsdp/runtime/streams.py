@@ -17,6 +17,16 @@ two side streams besides the compute (current) stream::
   collective (``work.wait()`` blocks the stream, not the CPU). The next
   module's all-gather is issued one module ahead (ctx.prefetch_next /
   backward_prefetch_target), so it runs while this module computes.
+* A gather on a group of one rank communicates nothing (``comm.all_gather_flat``
+  hands back its input), so no work orders the compute stream behind its
+  copy-in (the shards' copy from the CPU under offload, their cast to the
+  compute dtype, the pack): ``joined`` records an event on the gather
+  stream after it, and the compute stream waits for that event where it
+  would have waited for the work. Without it the copy-out read the buffer
+  while the gather stream still wrote it (world size 1 with mixed
+  precision or offload, ``replicate``, HSDP with shards of one rank; the
+  helper review of 2026-11-30 found it by reading). Tested by
+  tests/test_streams.py::test_a_gather_of_one_rank_is_waited_by_event.
 * A reduce-scatter's input is packed on the compute stream (the gradients
   are the compute stream's and freed there), then the reduce stream waits
   for the compute stream and issues the collective; the result is read on
@@ -41,6 +51,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from compiled_fsdp.core import compat
+from compiled_fsdp.core.comm import PendingCollective
 
 __all__ = ["CommStreams"]
 
@@ -78,6 +89,21 @@ class CommStreams:
     def on_gather(self) -> contextlib.AbstractContextManager:
         """Where an all-gather's copy-in and collective are issued."""
         return self._on(self.gather, self.post_optim_event)
+
+    def joined(self, pending: PendingCollective) -> PendingCollective:
+        """``pending``, an all-gather issued on the gather stream, made safe
+        to read on the compute stream: one that communicated nothing waits
+        for an event instead of a work (see [Note: Streams and events])."""
+        if self.gather is None or pending.work is not None:
+            return pending
+        event = self.gather.record_event()
+        finish = pending.finish
+
+        def waited(out: torch.Tensor) -> torch.Tensor:
+            self._current(self.device).wait_event(event)
+            return finish(out) if finish is not None else out
+
+        return PendingCollective(pending.output, None, finish=waited)
 
     def on_reduce(self) -> contextlib.AbstractContextManager:
         """Where a reduce-scatter's collective is issued (after its input is packed)."""
