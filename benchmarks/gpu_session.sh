@@ -8,8 +8,8 @@
 #
 #     bash benchmarks/gpu_session.sh OUT_DIR
 #
-# Then, where torchao imports, float8 all-gather and CPU offload at world size
-# 1 beside FSDP2 (gpu_check.py --parts f8offload). The GPU machine has no
+# Then CPU offload at world size 1 beside FSDP2, and, where torchao imports,
+# float8 all-gather (gpu_check.py --parts f8offload). The GPU machine has no
 # network: carry torchao's wheel. Here, once: `echo /.whl/ >> .git/info/exclude;
 # pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation
 # cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0`; there, with
@@ -39,9 +39,12 @@ run() {  # name, then emulated.py's arguments
 }
 run titan_plain --pattern titan_plain --worlds 8 64 --kinds floor ours_blocks fsdp2_blocks --warmup 3 --steps 10
 run whole_model --pattern plain --worlds 8 --kinds ours ours_regions --warmup 2 --steps 6
+kinds="offload_ours_compiled offload_ours_blocks offload_fsdp2_blocks"
 if python3 -c 'import torchao.float8' 2>/dev/null; then
-    python3 benchmarks/gpu_check.py --parts f8offload --out "$out/f8offload" --warmup 2 --steps 4 \
-        --worker-timeout 240 2>&1 | tee "$out/f8offload.log" | tail -12
+    kinds="f8_ours_compiled f8_ours_blocks f8_fsdp2_blocks $kinds"
 else
-    echo "gpu_session: torchao not importable: the float8 and offload rows skipped"
+    echo "gpu_session: torchao not importable: the float8 rows skipped, the offload rows run"
 fi
+# shellcheck disable=SC2086
+python3 benchmarks/gpu_check.py --parts f8offload --kinds $kinds --out "$out/f8offload" --warmup 2 --steps 4 \
+    --worker-timeout 240 2>&1 | tee "$out/f8offload.log" | tail -12
