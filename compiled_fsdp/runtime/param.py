@@ -278,10 +278,13 @@ class FSDPParam:
         test_optimizer_in_backward). Autograd does not run them: it never
         accumulates into the sharded parameter here."""
         grad = self.from_canonical(grad)
-        if self.offload:  # ([Note: CPU offload] in policy.py: blocking, so the optimizer may read it at once)
-            grad = grad.to("cpu")
+        # ([Note: CPU offload] in policy.py: blocking, so the optimizer may read it at once; the copy is
+        # the gradient's own, not cloned again)
+        moved = self.offload and grad.device.type != "cpu"
+        if moved:
+            grad = grad.to("cpu", memory_format=torch.contiguous_format)
         if self.sharded.grad is None:
-            self.sharded.grad = self.to_dtensor(grad.clone(memory_format=torch.contiguous_format))
+            self.sharded.grad = self.to_dtensor(grad if moved else grad.clone(memory_format=torch.contiguous_format))
         else:
             self.sharded.grad._local_tensor += grad
         with torch.no_grad():  # (as FSDP2's reduce: a hook may update the parameter in place)
