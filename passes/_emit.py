@@ -40,7 +40,7 @@ from compiled_fsdp.core.layout import (
     unpack_gathered,
 )
 
-from .cost_model import A2A, A2A_IF, AG, AG_IF, AR, AR_IF, RS, RS_IF, WAIT
+from .cost_model import A2A, A2A_IF, AG_IF, AR, AR_IF, RS, RS_IF, WAIT, all_gather_op
 from .graph import NodeBuilder
 
 aten = torch.ops.aten
@@ -58,7 +58,8 @@ def emit_gather(
 ) -> fx.Node:
     """The bucket's pack (its shards first copied to ``device``: CPU offload)
     and its ``all_gather_into_tensor``, not waited."""
-    return _issue(b, AG, AG_IF, live, emit_pack_shards(b, shards, specs, dtypes, device), world_size, group_name)
+    flat = emit_pack_shards(b, shards, specs, dtypes, device)
+    return _issue(b, all_gather_op(group_name, b.value(flat).device), AG_IF, live, flat, world_size, group_name)
 
 
 def _shapes(specs: Sequence[ShardSpec]) -> tuple[list[int], list[int]]:

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from compiled_fsdp.core import gated
+from compiled_fsdp.core import comm, gated
 
 c10d = torch.ops._c10d_functional
 
@@ -48,11 +48,19 @@ AR = c10d.all_reduce.default
 # handoff's ([Note: A stand-in for the last block's next] in compiled_fsdp/core/gated.py).
 AG_IF, RS_IF, A2A_IF, AR_IF = (gated.all_gather_if._opoverload, gated.reduce_scatter_if._opoverload,
                                gated.all_to_all_single_if._opoverload, gated.all_reduce_if._opoverload)
-GATHERS, REDUCE_SCATTERS, ALL_TO_ALLS, ALL_REDUCES = (AG, AG_IF), (RS, RS_IF), (A2A, A2A_IF), (AR, AR_IF)
+# On gloo an all-gather is the eager collective ([Note: All-gathers on gloo] in
+# compiled_fsdp/core/comm.py), with the functional op's arguments.
+AG_W = comm.all_gather_by_work._opoverload
+GATHERS, REDUCE_SCATTERS, ALL_TO_ALLS, ALL_REDUCES = (AG, AG_IF, AG_W), (RS, RS_IF), (A2A, A2A_IF), (AR, AR_IF)
 ISSUES = (*GATHERS, *REDUCE_SCATTERS, *ALL_TO_ALLS, *ALL_REDUCES)  # the collectives the passes issue (one wait each)
 WAIT = c10d.wait_tensor.default
 # Where each collective's group name is among its arguments.
-_GROUP_ARG = {AG: 2, AG_IF: 2, RS: 3, RS_IF: 3, A2A: 3, A2A_IF: 3, AR: 2, AR_IF: 2}
+_GROUP_ARG = {AG: 2, AG_IF: 2, AG_W: 2, RS: 3, RS_IF: 3, A2A: 3, A2A_IF: 3, AR: 2, AR_IF: 2}
+
+
+def all_gather_op(group_name: str, device: torch.device | str) -> object:
+    """The all-gather a graph issues on ``group_name``: torch's, or on gloo ``AG_W``."""
+    return AG_W if comm.gathers_by_work(group_name, device) else AG
 
 
 def collective_group(node: fx.Node) -> str:

@@ -49,13 +49,14 @@ import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
-from .cost_model import ISSUES, WAIT
+from .cost_model import AG_W, ISSUES, WAIT
 from .graph import chain_tag
 
 ISSUE_AHEAD = torch.ops.compiled_fsdp.issue_ahead.default
 REGATHER = torch.ops.compiled_fsdp.regather.default
-# Our ops that issue collectives Inductor does not know for collectives.
-OPAQUE = (ISSUE_AHEAD, REGATHER)
+# Our ops that issue collectives Inductor does not know for collectives (gloo's
+# all-gather too: [Note: All-gathers on gloo] in compiled_fsdp/core/comm.py).
+OPAQUE = (ISSUE_AHEAD, REGATHER, AG_W)
 
 
 def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:

@@ -35,7 +35,7 @@ import torch.fx as fx
 from compiled_fsdp.core.layout import ShardSpec
 
 from ._emit import emit_unpack
-from .cost_model import AG, WAIT
+from .cost_model import WAIT, all_gather_op
 from .graph import NodeBuilder, tangent_dependents
 
 __all__ = ["backward_reads", "gather_again", "read_under_checkpoint"]
@@ -45,7 +45,8 @@ def gather_again(b: NodeBuilder, part: fx.Node, size: int, group_name: str,
                  specs: Sequence[ShardSpec]) -> list[fx.Node]:
     """The all-gather of the kept parts over the post-forward group, waited and
     unpacked: each parameter again, for backward."""
-    return emit_unpack(b, b(WAIT, b(AG, part, size, group_name)), specs)
+    gather = all_gather_op(group_name, b.value(part).device)
+    return emit_unpack(b, b(WAIT, b(gather, part, size, group_name)), specs)
 
 
 def backward_reads(graph: fx.Graph, fulls: list[fx.Node], again: list[fx.Node], meta: dict[str, Any]) -> None:

@@ -30,7 +30,10 @@ def one_graph() -> None:
 # ops live in the same namespace: compiled_fsdp/core/gated.py, copy_out.py).
 MARKER_OPS = frozenset(str(m.op().default) for m in MARKERS)
 
-AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+# The all-gather of the graphs the suite's gloo ranks compile: the eager
+# collective ([Note: All-gathers on gloo] in compiled_fsdp/core/comm.py; torch's
+# functional op on other groups: the FX tests', the emulated network's).
+AG = torch.ops.compiled_fsdp.all_gather_by_work.default
 RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 # the gloo reduce ([Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)
 A2A = torch.ops._c10d_functional.all_to_all_single.default

@@ -93,10 +93,11 @@ def test_scheduled_aot_eager_parity(world: int, per_norm: bool, bucket_bytes: in
 
 def _code_sequence(code: str) -> list[str]:
     toks = re.findall(
-        r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_to_all_single|wait_tensor)\.default\(",
-        code)
-    return [{"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-             "all_to_all_single": "reduce_scatter", "wait_tensor": "wait"}[t] for t in toks]
+        r"(?:_c10d_functional|compiled_fsdp)\.(all_gather_into_tensor|all_gather_by_work|reduce_scatter_tensor"
+        r"|all_to_all_single|wait_tensor)\.default\(", code)  # (gloo's gather: [Note: All-gathers on gloo])
+    return [{"all_gather_into_tensor": "all_gather", "all_gather_by_work": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "reduce_scatter",
+             "wait_tensor": "wait"}[t] for t in toks]
 
 
 def _inductor_rank(rank: int, world: int) -> dict:

@@ -21,11 +21,35 @@ The decision depends only on the group's backend, which is the same on every
 rank, and on ``compiled_fsdp.config.comm.gloo_reduce_by_all_to_all`` (agreed
 at ``fully_shard``): the runtime makes it once per group (``uses_all_to_all``)
 and passes it to the collectives below and, in the markers, to the lowering.
+
+[Note: All-gathers on gloo]
+Torch's functional all-gather (``_c10d_functional.all_gather_into_tensor``,
+which graphs and the eager prefetches issue without waiting) corrupts memory
+on gloo once two are in flight on one group. Measured on this machine with
+no code of this package (2 gloo ranks, rounds of two all-gathers of a few
+thousand elements issued, then waited, every value checked), on torch 2.11,
+2.13 and 2.15 alike: SIGSEGV or SIGABRT (glibc's "malloc_consolidate():
+unaligned fastbin chunk detected") within 8-30 s; with one in flight, none
+in 20,000 rounds; two in flight through ``dist.all_gather_into_tensor(...,
+async_op=True)``, none; two functional reduce-scatters or all-to-alls, none.
+A gloo worker thread ran ``AsyncAllgatherCoalescedWork``, the work the
+functional op makes, when a rank died. It was the crash the suite met four
+times under load (RESULTS, 2026-11-30: a SIGSEGV in the functional
+all-gather's dispatch, twice; glibc's heap checks, twice), wherever a
+schedule or a prefetch had two gathers in flight. So on gloo every
+all-gather this package leaves unwaited is ``compiled_fsdp::all_gather_by_work``:
+the eager collective, with its work registered for its output
+(``_register_work``, as torch does for a collective a graph takes in flight),
+so that the functional ``wait_tensor`` waits it as it waits the functional
+op's. A graph on gloo carries that op where it carried torch's (the lowering
+asks ``gathers_by_work``; passes/cost_model.py counts it among the gathers);
+NCCL and the one-process groups keep torch's op. Tested by
+tests/test_gloo_reduce.py::test_gathers_in_flight_on_gloo.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,9 +58,9 @@ from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.layout import EAGER, sum_received
 
 __all__ = [
-    "EMULATED_BACKEND", "ONE_PROCESS_BACKENDS", "PendingCollective", "all_gather_flat", "all_reduce_flat",
-    "collective_bytes", "collective_counts", "count", "reduce_scatter_flat", "reset_collective_counts", "unaliased",
-    "uses_all_to_all",
+    "EMULATED_BACKEND", "ONE_PROCESS_BACKENDS", "PendingCollective", "all_gather_by_work", "all_gather_flat",
+    "all_gather_unwaited", "all_reduce_flat", "collective_bytes", "collective_counts", "count", "gathers_by_work",
+    "reduce_scatter_flat", "reset_collective_counts", "unaliased", "uses_all_to_all",
 ]
 
 # The backend name of the emulated network (compiled_fsdp/tools/emulated.py):
@@ -77,6 +101,45 @@ def unaliased(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     a tensor autograd still hands elsewhere)."""
     same = out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
     return out.clone() if same else out
+
+
+def gathers_by_work(group_name: str, device: Union[torch.device, str]) -> bool:
+    """Whether an all-gather left unwaited on the group named ``group_name``
+    is ``all_gather_by_work`` ([Note: All-gathers on gloo]): that group's
+    backend for ``device`` is gloo. False for a name no process group has
+    (a hand-built graph's)."""
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    if gloo is None or not dist.is_initialized():
+        return False
+    try:
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+    except RuntimeError:
+        return False
+    return isinstance(group._get_backend(torch.device(device)), gloo)
+
+
+@torch.library.custom_op("compiled_fsdp::all_gather_by_work", mutates_args=(), tags=compat.cudagraph_unsafe_tags())
+def all_gather_by_work(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """``all_gather_into_tensor``'s result, not waited, issued as the eager
+    collective: ``wait_tensor`` waits it ([Note: All-gathers on gloo])."""
+    out = inp.new_empty([group_size * inp.shape[0], *inp.shape[1:]])
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    work = compat.all_gather_single(out, inp.contiguous(), group=group, async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+@all_gather_by_work.register_fake
+def _(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return inp.new_empty([group_size * inp.shape[0], *inp.shape[1:]])
+
+
+def all_gather_unwaited(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """The all-gather of ``inp`` over ``group_name``, not waited: torch's
+    functional op, or on gloo ``all_gather_by_work`` ([Note: All-gathers on gloo])."""
+    if gathers_by_work(group_name, inp.device):
+        return all_gather_by_work(inp, group_size, group_name)
+    return torch.ops._c10d_functional.all_gather_into_tensor(inp, group_size, group_name)
 
 
 def uses_all_to_all(group: dist.ProcessGroup, enabled: bool) -> bool:

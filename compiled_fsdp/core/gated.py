@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled_fsdp.core import compat
+from compiled_fsdp.core import comm, compat
 
 __all__ = ["all_gather_if", "all_reduce_if", "all_to_all_single_if", "reduce_scatter_if"]
 
@@ -54,9 +54,10 @@ _TAGS = compat.cudagraph_unsafe_tags()  # (a replay would skip the choice)
 
 @torch.library.custom_op("compiled_fsdp::all_gather_if", mutates_args=(), tags=_TAGS)
 def all_gather_if(inp: torch.Tensor, group_size: int, group_name: str, live: torch.Tensor) -> torch.Tensor:
-    """``all_gather_into_tensor`` if ``live``, not waited."""
+    """``all_gather_into_tensor`` if ``live``, not waited ([Note: All-gathers
+    on gloo] in comm.py: on gloo, the eager collective)."""
     if bool(live):
-        return _c10d.all_gather_into_tensor(inp, group_size, group_name)
+        return comm.all_gather_unwaited(inp, group_size, group_name)
     return inp.new_empty([group_size * inp.shape[0], *inp.shape[1:]])
 
 

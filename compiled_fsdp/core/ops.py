@@ -242,7 +242,7 @@ def issue_gather(shards: list[torch.Tensor], specs: list[ShardSpec], param_dtype
     if counted:
         comm.count("all_gather")
     _before_collective("all-gather", module_key, -1)
-    return torch.ops._c10d_functional.all_gather_into_tensor(flat, world_size, group_name)
+    return comm.all_gather_unwaited(flat, world_size, group_name)  # ([Note: All-gathers on gloo] in comm.py)
 
 
 @gather_next.register_fake

@@ -85,7 +85,8 @@ def render_graph(what: str, rec: GraphRecord, rank: int, body: str) -> str:
         "param_index, local_rows, reshard_after_forward, reduce_group, ..., outermost)\n"
         "#   marks a read of a sharded parameter, reduce_grad(...) its gradient; our passes replace them with one\n"
         "#   bucketed _c10d_functional.all_gather_into_tensor / reduce_scatter_tensor (on gloo:\n"
-        "#   all_to_all_single + sum) (+ wait_tensor) per unit (a layer: see the index).\n"
+        "#   compiled_fsdp.all_gather_by_work / all_to_all_single + sum) (+ wait_tensor) per unit (a layer:\n"
+        "#   see the index).\n"
         f"# module_key -> fully sharded module: {_legend(module_names())}\n\n"
         + body
     )
