@@ -30,7 +30,7 @@ from compiled_fsdp.passes import (
 )
 from compiled_fsdp.passes.graph import chain_tag, through_identity_views
 
-from _graphs import U, ancestors, calls, chain_role, marker_nodes, shard_shape
+from _graphs import AG, U, ancestors, calls, chain_role, marker_nodes, shard_shape
 
 c10d = torch.ops._c10d_functional
 GROUP = "fake_group"
@@ -563,7 +563,7 @@ def test_float8_cast_moves_before_the_gather(single_rank_group: str, hp_use: boo
     gm = make_fx(joint, tracing_mode="fake")(*args)
     expected = gm(*args)
     report = run_joint_passes(gm)
-    gathers = [n.args[0].meta["val"].dtype for n in calls(gm, c10d.all_gather_into_tensor.default)]
+    gathers = [n.args[0].meta["val"].dtype for n in calls(gm, AG)]  # (a gloo group's: _graphs.AG)
     if hp_use:
         assert report.cast_gather.moved == [] and "reads the high-precision value" in report.cast_gather.kept["0.0"]
         assert gathers == [torch.float32] and calls(gm, c10d.all_reduce.default) == []
@@ -604,7 +604,7 @@ def test_float8_cast_of_permuted_and_tied_reads(single_rank_group: str) -> None:
     report = run_joint_passes(gm)
     assert report.cast_gather.moved == ["0.0", "0.1"] and report.cast_gather.kept == {}
     assert report.lowering.skipped == []
-    (gather,) = calls(gm, c10d.all_gather_into_tensor.default)
+    (gather,) = calls(gm, AG)  # (a gloo group's: _graphs.AG)
     assert gather.args[0].meta["val"].numel() == 25 + 25 + 5 * 4
     assert len(calls(gm, c10d.all_reduce.default)) == 1
     for e, r in zip(expected, gm(*args)):

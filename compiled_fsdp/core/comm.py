@@ -108,14 +108,14 @@ def gathers_by_work(group_name: str, device: Union[torch.device, str]) -> bool:
     is ``all_gather_by_work`` ([Note: All-gathers on gloo]): that group's
     backend for ``device`` is gloo. False for a name no process group has
     (a hand-built graph's)."""
-    gloo = getattr(dist, "ProcessGroupGloo", None)
-    if gloo is None or not dist.is_initialized():
+    if not (dist.is_initialized() and dist.is_gloo_available()):
         return False
     try:
         group = dist.distributed_c10d._resolve_process_group(group_name)
-    except RuntimeError:
+        backend = group._get_backend(torch.device(device))
+    except RuntimeError:  # (no such group: a hand-built graph's; no backend for the device: torch's thread ranks')
         return False
-    return isinstance(group._get_backend(torch.device(device)), gloo)
+    return isinstance(backend, dist.ProcessGroupGloo)
 
 
 @torch.library.custom_op("compiled_fsdp::all_gather_by_work", mutates_args=(), tags=compat.cudagraph_unsafe_tags())
