@@ -11,10 +11,11 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from .cost_model import ALL_TO_ALLS, GATHERS, REDUCE_SCATTERS, WAIT, collective_group, node_bytes
+from .cost_model import AG, ALL_TO_ALLS, GATHERS, REDUCE_SCATTERS, WAIT, all_gather_op, collective_group, node_bytes
 from .graph import ChainTag, chain_tag
 
-__all__ = ["SCHEDULED", "CollKind", "Collective", "find_collectives", "group_of", "is_barrier", "is_collective_op"]
+__all__ = ["SCHEDULED", "CollKind", "Collective", "find_collectives", "gloo_gathers_by_work", "group_of", "is_barrier",
+           "is_collective_op"]
 
 # The collectives the schedule places. HSDP's all-reduce over the replicas
 # (cost_model.AR) is not one of them: it reads only its reduce-scatter's
@@ -158,3 +159,20 @@ def _lazy_tail(c: Collective) -> list[fx.Node]:
         tail[u] = None
         stack.extend(u.users)
     return list(tail)
+
+
+def gloo_gathers_by_work(graph: fx.Graph) -> int:
+    """Every functional all-gather left in ``graph`` on a gloo group (one
+    Dynamo traced: tensor parallelism's, [Note: Foreign collectives]) made
+    the eager collective the lowering emits there ([Note: All-gathers on
+    gloo] in compiled_fsdp/core/comm.py); returns how many. Same arguments,
+    same ``wait_tensor``."""
+    moved = 0
+    for n in graph.nodes:
+        val = n.args[0].meta.get("val") if n.target is AG and isinstance(n.args[0], fx.Node) else None
+        if n.op == "call_function" and isinstance(val, torch.Tensor):
+            op = all_gather_op(group_of(n) or "", val.device)
+            if op is not AG:
+                n.target = op
+                moved += 1
+    return moved

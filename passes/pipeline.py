@@ -35,6 +35,7 @@ from compiled_fsdp.core import compat
 
 from . import config
 from .cast_gather import CastGatherReport, cast_before_gather
+from .collectives import gloo_gathers_by_work
 from .graph import has_markers, none_from_regions
 from .lowering import lower_markers
 from .recompute import tag_recompute
@@ -113,6 +114,8 @@ def run_passes(stage: Stage, gm: fx.GraphModule, observe: Optional[Observer] = N
     done = PipelineReport(stage)
     before = len(gm.graph.nodes)
     if none_from_regions(gm):  # (not a pass: the graph runs only with it)
+        gm.recompile()
+    if stage == "partitioned" and gloo_gathers_by_work(gm.graph):  # (nor this: gloo runs it safely only so)
         gm.recompile()
     shown: list[tuple[str, Any]] = []  # (observed once the passes amending it ran)
 

@@ -609,3 +609,25 @@ def test_float8_cast_of_permuted_and_tied_reads(single_rank_group: str) -> None:
     assert len(calls(gm, c10d.all_reduce.default)) == 1
     for e, r in zip(expected, gm(*args)):
         torch.testing.assert_close(r, e, rtol=0, atol=0)
+
+
+def test_traced_gathers_on_gloo_become_the_eager_collective(single_rank_group: str) -> None:
+    """[Note: All-gathers on gloo]: a functional all-gather Dynamo traced into
+    a graph (tensor parallelism's) on a gloo group becomes
+    ``compiled_fsdp::all_gather_by_work`` before the partitioned graph's
+    passes; on a group no process group has (a hand-built graph's) it stays."""
+    from compiled_fsdp.passes.collectives import gloo_gathers_by_work
+
+    def graph(group: str) -> fx.GraphModule:
+        def f(x: torch.Tensor) -> torch.Tensor:
+            out = c10d.all_gather_into_tensor.default(x, 1, group)
+            return c10d.wait_tensor.default(out) * 2
+        return make_fx(f, tracing_mode="fake")(torch.randn(4))
+
+    gm = graph(single_rank_group)
+    assert gloo_gathers_by_work(gm.graph) == 1
+    assert len(calls(gm, AG)) == 1 and calls(gm, c10d.all_gather_into_tensor.default) == []
+    gm.recompile()
+    torch.testing.assert_close(gm(torch.ones(4)), torch.full((4,), 2.0))
+    fake = graph(GROUP)
+    assert gloo_gathers_by_work(fake.graph) == 0 and len(calls(fake, c10d.all_gather_into_tensor.default)) == 1

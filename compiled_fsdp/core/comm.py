@@ -42,9 +42,14 @@ the eager collective, with its work registered for its output
 (``_register_work``, as torch does for a collective a graph takes in flight),
 so that the functional ``wait_tensor`` waits it as it waits the functional
 op's. A graph on gloo carries that op where it carried torch's (the lowering
-asks ``gathers_by_work``; passes/cost_model.py counts it among the gathers);
-NCCL and the one-process groups keep torch's op. Tested by
-tests/test_gloo_reduce.py::test_gathers_in_flight_on_gloo.
+asks ``gathers_by_work``; passes/cost_model.py counts it among the gathers),
+and so do the all-gathers Dynamo traced into it on a gloo group (tensor
+parallelism's: ``gloo_gathers_by_work`` in passes/collectives.py, before the
+partitioned graph's passes; the fifth crash, in CI, was such a gather).
+NCCL and the one-process groups keep torch's op. Tensor parallelism's eager
+all-gathers are torch's own and stay as they are. Tested by
+tests/test_gloo_reduce.py::test_gathers_in_flight_on_gloo and, for the
+traced ones, tests/test_tensor_parallel.py.
 """
 from __future__ import annotations
 
