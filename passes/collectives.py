@@ -11,7 +11,17 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from .cost_model import AG, ALL_TO_ALLS, GATHERS, REDUCE_SCATTERS, WAIT, all_gather_op, collective_group, node_bytes
+from .cost_model import (
+    AG,
+    AG_W,
+    ALL_TO_ALLS,
+    GATHERS,
+    REDUCE_SCATTERS,
+    WAIT,
+    all_gather_op,
+    collective_group,
+    node_bytes,
+)
 from .graph import ChainTag, chain_tag
 
 __all__ = ["SCHEDULED", "CollKind", "Collective", "find_collectives", "gloo_gathers_by_work", "group_of", "is_barrier",
@@ -169,10 +179,10 @@ def gloo_gathers_by_work(graph: fx.Graph) -> int:
     same ``wait_tensor``."""
     moved = 0
     for n in graph.nodes:
-        val = n.args[0].meta.get("val") if n.target is AG and isinstance(n.args[0], fx.Node) else None
-        if n.op == "call_function" and isinstance(val, torch.Tensor):
-            op = all_gather_op(group_of(n) or "", val.device)
-            if op is not AG:
-                n.target = op
-                moved += 1
+        if n.target is not AG or not isinstance(n.args[0], fx.Node):
+            continue
+        val = n.args[0].meta.get("val")
+        if isinstance(val, torch.Tensor) and all_gather_op(collective_group(n), val.device) is AG_W:
+            n.target = AG_W
+            moved += 1
     return moved

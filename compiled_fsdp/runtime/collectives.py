@@ -38,8 +38,7 @@ def all_gather_bucket(
         flat_in = pack_shards(EAGER, [s.detach() for s in shards], specs, dtypes)
         if group.size() > 1:  # (a group of one communicates nothing)
             comm.count("all_gather", flat_in.numel() * flat_in.element_size())
-        pending = comm.all_gather_flat(flat_in, group, async_op)
-    return streams.joined(pending) if streams is not None else pending
+        return comm.all_gather_flat(flat_in, group, async_op)
 
 
 def all_gather_part(
@@ -50,8 +49,7 @@ def all_gather_part(
     ([Note: Resharding to a smaller group] in param_group.py)."""
     with streams.on_gather() if streams is not None else contextlib.nullcontext():
         comm.count("all_gather", part.numel() * part.element_size())
-        pending = comm.all_gather_flat(part, group, async_op=True)
-    return streams.joined(pending) if streams is not None else pending
+        return comm.all_gather_flat(part, group, async_op=True)
 
 
 def copy_out_all_gather(

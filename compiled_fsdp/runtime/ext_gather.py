@@ -191,8 +191,7 @@ class ExtensionGather:
             flat_in = torch.cat(flats) if len(flats) > 1 else flats[0]
             if group.size() > 1:
                 comm.count("all_gather", flat_in.numel() * flat_in.element_size())
-            pending = comm.all_gather_flat(flat_in, group, async_op=True)
-        return streams.joined(pending) if streams is not None else pending
+            return comm.all_gather_flat(flat_in, group, async_op=True)
 
     def _pack(self) -> list[torch.Tensor]:
         """Each parameter's pieces, padded to whole rows, flattened in the wire dtype."""

@@ -313,22 +313,24 @@ class FSDPParamGroup:
             for p in self.fsdp_params:  # see [Note: A group of one reads its shards] in param.py
                 p.alloc_unsharded()
             self.state = ShardedState.UNSHARDED
+        streams, pending = self._streams(), None
         if self.state is ShardedState.SHARDED_POST_FORWARD:
             part, self._post_forward_part = self._post_forward_part, None
             assert part is not None and self.post_forward_group is not None
             self._gather_check = self._issue_check("post-forward all-gather")
-            self._pending_gather = all_gather_part(part, self.post_forward_group, streams=self._streams())
-            self.state = ShardedState.GATHERING
-        if self.state is ShardedState.SHARDED:
+            pending = all_gather_part(part, self.post_forward_group, streams=streams)
+        elif self.state is ShardedState.SHARDED:
             self._gather_check = self._issue_check("all-gather")
             if self.extension_gather is not None:
-                self._pending_gather = self.extension_gather.all_gather(self.process_group, self._streams())
+                pending = self.extension_gather.all_gather(self.process_group, streams)
             else:
-                self._pending_gather = all_gather_bucket(
+                pending = all_gather_bucket(
                     [p.canonical_shard() for p in self.fsdp_params], self.specs, self.process_group,
-                    [p.param_dtype for p in self.fsdp_params], streams=self._streams(),
+                    [p.param_dtype for p in self.fsdp_params], streams=streams,
                     device=self.fsdp_params[0].compute_device if self.fsdp_params[0].offload else None,
                 )
+        if pending is not None:  # (issued on the gather stream: [Note: Streams and events])
+            self._pending_gather = streams.joined(pending) if streams is not None else pending
             self.state = ShardedState.GATHERING
         if not async_op:
             self.wait_for_unshard()
