@@ -31,7 +31,8 @@ communication step), exposed communication (measured: on CUDA from a
 profiler trace, the time a collective's spin kernel runs while no other
 kernel does; on the CPU the time the waiting thread stood still), and for
 ``ours`` the schedule's predicted exposed communication (the passes'
-timeline model over the compiled forward and backward graphs).
+timeline model over the compiled forward and backward graphs), and the
+optimizer's step with ``zero_grad`` (host time: all of it on the CPU).
 """
 from __future__ import annotations
 
@@ -258,6 +259,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     net = init_emulated_network(args.world, topology=_topology(args.link, args), device=args.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    optimizer: list[float] = []  # (each step's optimizer step and zero_grad, host time)
     with recording() as rec:
         model, run, opt = _build(args.kind, cfg, device, args.world, args.pattern)
 
@@ -269,8 +271,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 loss = _titan_step(run, tokens) if args.pattern == "titan" else llama.loss_fn(run(tokens), tokens)
                 loss.backward()
+            t_opt = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=args.kind != "floor")
+            optimizer.append(time.perf_counter() - t_opt)
 
         t0 = time.perf_counter()
         step(0)
@@ -285,6 +289,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, comm, exposed = [], [], []
+    optimizer.clear()
     for i in range(args.steps):
         _sync(device)
         net.reset()
@@ -298,7 +303,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "kind": args.kind, "world": args.world, "link": args.link, "device": str(device),
         "config": cfg.__dict__, "batch": args.batch, "first_step_s": first, "step_s": statistics.median(times),
-        "step_times_s": times, "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
+        "step_times_s": times, "optimizer_s": statistics.median(optimizer),
+        "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
         "collectives": s["collectives"], "topology": net.topology.__dict__,
         "compile_s": compile_s, "unique_graphs": frames_compiled,
         # The last step's collectives as the network ran them (ms from the step's start):
@@ -384,7 +390,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
 
 def table(results: list[dict[str, Any]]) -> str:
     head = (f"{'W':>4} {'link':8} {'kind':12} {'first s':>8} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6} "
-            f"{'peak GiB':>8} {'comm s':>7} {'bound s':>7} {'x bound':>7} {'exposed':>8} {'predicted':>9}")
+            f"{'peak GiB':>8} {'comm s':>7} {'bound s':>7} {'x bound':>7} {'exposed':>8} {'predicted':>9} "
+            f"{'optim s':>7}")
     lines = [head]
     for r in results:
         if "error" in r:
@@ -398,7 +405,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['world']:>4} {r['link']:8} {r['kind']:12} {r['first_step_s']:8.1f} {r['step_s']:8.3f} "
             f"{r['tokens_per_s']:9.0f} {_pct(r.get('mfu')):>6} {_num(r.get('peak_mem_gib'), '8.1f')} "
             f"{r['comm_s']:7.3f} {_num(bound, '7.3f')} {_num(bound and r['step_s'] / bound, '7.3f')} "
-            f"{exposed:8.3f} {_num(r.get('predicted_exposed_s'), '9.3f')}")
+            f"{exposed:8.3f} {_num(r.get('predicted_exposed_s'), '9.3f')} {_num(r.get('optimizer_s'), '7.3f')}")
     return "\n".join(lines)
 
 

@@ -28,8 +28,8 @@ ALLOWED = {
 
 # The runtime's modules, lowest first: each may import only those before it.
 RUNTIME_ORDER = ["registry", "policy", "backward_use", "streams", "divergence", "collectives", "extension",
-                 "ext_gather", "placement", "annotated", "param", "module_class", "unshard_fn", "param_group",
-                 "context", "state", "validation", "module", "groups", "api", "replicate"]
+                 "ext_gather", "placement", "annotated", "param", "reduces", "module_class", "unshard_fn",
+                 "param_group", "context", "state", "validation", "module", "groups", "api", "replicate"]
 
 
 def _module_name(path: Path) -> str:

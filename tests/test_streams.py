@@ -39,12 +39,12 @@ class _Recorder:
     def wait_stream(self, other: "_Recorder") -> None:
         self._note("wait_stream", other.name)
 
-    def record_event(self) -> str:
+    def record_event(self) -> "_Event":
         self._note("record_event")
-        return self.name  # (the event: the stream it was recorded on)
+        return _Event(self)
 
-    def wait_event(self, event: str) -> None:
-        self._note("wait_event", event)
+    def wait_event(self, event: "_Event") -> None:
+        self._note("wait_event", event.stream.name)
 
     def __enter__(self) -> None:
         self._note("enter")
@@ -53,24 +53,39 @@ class _Recorder:
         self._note("exit")
 
 
-def _recording_rank(rank: int, world: int, **shard_kwargs: object) -> dict:
+class _Event:
+    """Stands in for an event: the stream it was recorded on, and the host's
+    waits for it (recorded on that stream's log)."""
+
+    def __init__(self, stream: _Recorder) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        self.stream._note("synchronize")
+
+
+def _recording_rank(rank: int, world: int, hooks: bool = False, **shard_kwargs: object) -> dict:
     build, make_batch, loss = gpt_case(False)
     log: list = []
     compute = _Recorder("compute", log)
     names = iter(["gather", "reduce"])
+    hooked: list[str] = []
 
     def install(model) -> list:  # after the first step (lazy init made the real, CPU ones)
         ctx = get_fsdp_state(model).ctx
         if not isinstance(ctx.streams.gather, _Recorder):
             ctx.streams = CommStreams(torch.device("cpu"), make_stream=lambda d: _Recorder(next(names), log),
                                       current=lambda d: compute)
+            for name, param in model.named_parameters() if hooks else ():
+                param.register_post_accumulate_grad_hook(lambda p, n=name: log.append(("hook", n, "", {})))
+                hooked.append(name)
         step_log = list(log)
         log.clear()
         return step_log
 
     res = run_parity(rank, build, lambda m: _shard_nested(m, reshard_after_forward=True, **shard_kwargs),
                      make_batch, loss, after_step=install)
-    return res
+    return {**res, "hooked": hooked}
 
 
 def _spans(step_log: list, stream: str) -> list[tuple[tuple, tuple, tuple]]:
@@ -139,3 +154,33 @@ def test_streams_context_is_restored_on_error() -> None:
     with contextlib.suppress(ValueError), streams.on_gather():
         raise ValueError("inside")
     assert [w for _, w, _, _ in log] == ["wait_stream", "enter", "exit"]
+
+
+def _offload_hooks_rank(rank: int, world: int) -> dict:
+    return _recording_rank(rank, world, hooks=True,
+                           offload_policy=compiled_fsdp.CPUOffloadPolicy(pin_memory=False))
+
+
+def test_offloaded_gradients_land_after_their_event() -> None:
+    """Two ranks under CPU offload: each group's reduced gradient is copied
+    to the host without blocking, on the compute stream, and an event is
+    recorded after it; the host synchronizes that event once per group at the
+    end of backward, after every reduce was issued, and only then do
+    ``.grad`` and the post-accumulate-grad hooks see the gradient. Bitwise to
+    the reference. Without [Note: Offloaded gradients land at the end of
+    backward] each copy blocked the host in the middle of backward (no event,
+    no synchronize)."""
+    n_modules = 3
+    for res in run_distributed(_offload_hooks_rank, 2):
+        assert_close(res, 0.0)
+        for step_log in res["after"][1:]:
+            entries = [(name, what) for name, what, _, _ in step_log]
+            records = [i for i, e in enumerate(entries) if e == ("compute", "record_event")]
+            syncs = [i for i, e in enumerate(entries) if e == ("compute", "synchronize")]
+            hooks = [i for i, e in enumerate(entries) if e[0] == "hook"]
+            last_reduce = max(i for i, e in enumerate(entries) if e == ("reduce", "exit"))
+            assert len(records) == len(syncs) == n_modules, entries
+            assert sorted(step_log[i][1] for i in hooks) == sorted(res["hooked"]), entries  # (each once)
+            assert all(i < j for i, j in zip(records, syncs)), entries
+            assert syncs[0] > last_reduce, entries  # (at the end of backward)
+            assert hooks[0] > syncs[0], entries  # (no hook before its gradient landed)

@@ -272,19 +272,35 @@ class FSDPParam:
 
     def add_grad(self, grad: torch.Tensor) -> None:
         """Accumulate a reduced gradient of the local rows (canonical: [Note:
-        Shard dims]) into ``.grad`` (a DTensor with the parameter's spec),
-        then run the parameter's post-accumulate-grad hooks, as FSDP2 does
-        once it sets a reduced gradient (optimizer in backward: tests/test_fsdp2_215.py::
-        test_optimizer_in_backward). Autograd does not run them: it never
-        accumulates into the sharded parameter here."""
+        Shard dims]) into ``.grad`` (``land_grad``). Under CPU offload it is
+        copied to the host first, blocking, so the optimizer may read it at
+        once ([Note: CPU offload] in policy.py; the eager runtime's copies go
+        by ``grad_to_host`` where the device has streams)."""
         grad = self.from_canonical(grad)
-        # ([Note: CPU offload] in policy.py: blocking, so the optimizer may read it at once; the copy is
-        # the gradient's own, not cloned again)
         moved = self.offload and grad.device.type != "cpu"
         if moved:
             grad = grad.to("cpu", memory_format=torch.contiguous_format)
+        self.land_grad(grad, owned=moved)
+
+    def grad_to_host(self, grad: torch.Tensor) -> torch.Tensor:
+        """A reduced gradient of the local rows (canonical) copied to the host,
+        not blocking (pinned where the policy pins), for ``land_grad`` once
+        the copy is done ([Note: Offloaded gradients land at the end of
+        backward] in reduces.py)."""
+        grad = self.from_canonical(grad)
+        host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=self.pin)
+        return host.copy_(grad, non_blocking=True)
+
+    def land_grad(self, grad: torch.Tensor, owned: bool = False) -> None:
+        """Set or accumulate ``grad`` (this rank's rows, laid out as the
+        parameter; ``owned``: kept as it is, not cloned) as ``.grad`` (a
+        DTensor with the parameter's spec), then run the parameter's
+        post-accumulate-grad hooks, as FSDP2 does once it sets a reduced
+        gradient (optimizer in backward: tests/test_fsdp2_215.py::
+        test_optimizer_in_backward). Autograd does not run them: it never
+        accumulates into the sharded parameter here."""
         if self.sharded.grad is None:
-            self.sharded.grad = self.to_dtensor(grad if moved else grad.clone(memory_format=torch.contiguous_format))
+            self.sharded.grad = self.to_dtensor(grad if owned else grad.clone(memory_format=torch.contiguous_format))
         else:
             self.sharded.grad._local_tensor += grad
         with torch.no_grad():  # (as FSDP2's reduce: a hook may update the parameter in place)

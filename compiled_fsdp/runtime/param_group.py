@@ -35,11 +35,12 @@ import torch.distributed as dist
 
 from compiled_fsdp.core import registry, rules
 from compiled_fsdp.core.comm import PendingCollective
-from compiled_fsdp.core.layout import EAGER, bucket_offsets, post_forward_part, split_reduced
+from compiled_fsdp.core.layout import EAGER, bucket_offsets, post_forward_part
 from compiled_fsdp.runtime.collectives import all_gather_bucket, all_gather_part, copy_out_all_gather, reduce_bucket
 from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from compiled_fsdp.runtime.ext_gather import ExtensionGather
 from compiled_fsdp.runtime.param import FSDPParam
+from compiled_fsdp.runtime.reduces import GroupReduces, PendingReduce
 from compiled_fsdp.runtime.unshard_fn import UnshardFn, static_view
 
 if TYPE_CHECKING:
@@ -73,15 +74,6 @@ class GroupContext(Protocol):
     def on_reduce_issued(self, group: "FSDPParamGroup") -> None:
         """``group`` issued a reduction: the root awaits the others' (at most
         two groups' in flight) and queues the end of backward."""
-
-@dataclasses.dataclass
-class _PendingReduce:
-    """One reduce bucket's issued collective, its check, and its parameters."""
-
-    collective: PendingCollective
-    check: Optional[PendingCheck]
-    params: list[FSDPParam]
-
 
 class FSDPParamGroup:
     """One ``fully_shard`` application's parameters, communicated together."""
@@ -197,7 +189,7 @@ class FSDPParamGroup:
         self._applied_buckets: set[int] = set()
         self._anchor: Optional[torch.Tensor] = None  # (see _grad_anchor)
         self._reduced_buckets: set[int] = set()
-        self._pending_reduces: list[_PendingReduce] = []
+        self.reduces = GroupReduces()  # (issued, not yet awaited; offloaded gradients not yet landed)
         # Views handed to the module's code while it runs eagerly; see [Note: Parameter property] in module_class.py.
         self.exposed_views: Optional[Sequence[Optional[torch.Tensor]]] = None
         # Autograd outputs of this iteration's UnshardFn (None: its bucket's
@@ -463,25 +455,15 @@ class FSDPParamGroup:
         # A module run twice before one backward reduces once per forward:
         # each reduce is kept until finished (earlier ones first), none
         # replaces another (tests/test_fsdp2_api.py::test_nested_modules_compiled_in_place).
-        self._pending_reduces.append(_PendingReduce(pending, check, params))
+        self.reduces.pending.append(PendingReduce(pending, check, params))
         if self.ctx is not None:
             self.ctx.on_reduce_issued(self)
 
     def finish_grad_sync(self) -> None:
         """Await the issued reductions (oldest first) and accumulate the
-        averaged shards into ``.grad``."""
-        while self._pending_reduces:
-            reduce = self._pending_reduces.pop(0)  # (one at a time: abandon_iteration waits the rest)
-            if reduce.check is not None:
-                reduce.check.wait()
-            summed = reduce.collective.wait()
-            params = reduce.params
-            grads = split_reduced(
-                EAGER, summed, [p.spec for p in params], [p.local_rows for p in params],
-                [p.orig_dtype for p in params],
-            )
-            for p, g in zip(params, grads):
-                p.add_grad(g)
+        averaged shards into ``.grad`` (offloaded ones at ``end_iteration``:
+        [Note: Offloaded gradients land at the end of backward] in reduces.py)."""
+        self.reduces.finish(self._streams())
 
     def _streams(self) -> Optional["CommStreams"]:
         """The root's side streams ([Note: Streams and events]); None before lazy init."""
@@ -502,9 +484,7 @@ class FSDPParamGroup:
         issued reduction is awaited (every rank issued it) and its result
         dropped, as FSDP2 drops a failed iteration's gradients; an issued
         gather is finished and freed; nothing of the iteration is kept."""
-        pending, self._pending_reduces = self._pending_reduces, []
-        for reduce in pending:  # (HSDP: the replicas' all-reduce follows its reduce-scatter, on every rank)
-            reduce.collective.wait()
+        self.reduces.abandon()
         self._applied_buckets, self._reduced_buckets = set(), set()
         self.reshard()
         self.kept_for_backward = False
@@ -552,6 +532,7 @@ class FSDPParamGroup:
         The autograd views stay to the next root forward, for a later backward
         of the same forward ([Note: Several backwards of one forward] in context.py)."""
         self.finish_grad_sync()
+        self.reduces.land()
         keep = self.kept_for_backward and self.needs_grad_sync and not self.backward_done
         if (self.reshard_after_backward or not self.needs_grad_sync) and not keep:
             self.reshard()

@@ -167,7 +167,8 @@ class OffloadPolicy:
 # shard to the compute device first (on the gather stream, non-blocking
 # from pinned memory; a shard materialized after ``fully_shard`` is pinned
 # at the first forward) and gathers there; each reduced gradient shard is copied
-# back (``FSDPParam.add_grad``), so ``.grad`` and the optimizer's state
+# back (``FSDPParam.add_grad``; the eager runtime's without blocking: [Note:
+# Offloaded gradients land at the end of backward] in reduces.py), so ``.grad`` and the optimizer's state
 # are on the CPU and the optimizer steps there. The unsharded buffers, the gradient sink
 # and kept gradients are on the compute device. A shard left on another
 # device (``to_empty(device="cuda")`` after a meta init) is refused at the

@@ -105,6 +105,11 @@ class CommStreams:
 
         return PendingCollective(pending.output, None, finish=waited)
 
+    def compute_event(self) -> Any:
+        """An event recorded on the compute stream now ([Note: Offloaded
+        gradients land at the end of backward] in reduces.py); None without streams."""
+        return self._current(self.device).record_event() if self.enabled else None
+
     def on_reduce(self) -> contextlib.AbstractContextManager:
         """Where a reduce-scatter's collective is issued (after its input is packed)."""
         return self._on(self.reduce)

@@ -1,0 +1,101 @@
+"""A parameter group's issued gradient reductions, awaited oldest first, and
+their rows handed to the parameters' ``.grad``.
+
+[Note: Offloaded gradients land at the end of backward]
+Under CPU offload each reduced gradient shard goes back to the host. Copied
+blocking (``FSDPParam.add_grad``), each group's copy made the host wait for
+the device to reach it, in the middle of backward: the device then idles
+while the host queues the next block's kernels, once per group. On a device
+with streams the eager runtime's copy is not blocking: into pinned memory
+(where the policy pins), on the compute stream, which has waited for the
+reduction as it does for every reduce's result, followed by an event
+(``FSDPParam.grad_to_host``, ``GroupReduces.finish``). The group synchronizes
+its event at the end of backward, and only then sets ``.grad`` and runs the
+post-accumulate-grad hooks (``land``). FSDP2 sets ``.grad`` at once, runs the
+hooks on a copy still in flight, and synchronizes before the optimizer in its
+final callback; here ``.grad`` and the hooks see the gradient only once it is
+there.
+
+The copy stays on the compute stream, where it costs its transfer time in
+stream order as the blocking copy did. On the reduce stream (FSDP2's choice)
+it would overlap the next block's kernels, but there it could read memory
+the compute stream reuses: the reduced buffer of a group of one rank is the
+compute stream's, and NCCL gives the packed input back to the compute
+stream's pool when the stream that waits its work does. That overlap is for
+a GPU to measure first. On the CPU nothing is copied and nothing waits.
+Tested by tests/test_streams.py::test_offloaded_gradients_land_after_their_event.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from compiled_fsdp.core.comm import PendingCollective
+from compiled_fsdp.core.layout import EAGER, split_reduced
+from compiled_fsdp.runtime.divergence import PendingCheck
+from compiled_fsdp.runtime.param import FSDPParam
+
+if TYPE_CHECKING:
+    from compiled_fsdp.runtime.streams import CommStreams
+
+__all__ = ["GroupReduces", "PendingReduce"]
+
+
+@dataclasses.dataclass
+class PendingReduce:
+    """One reduce bucket's issued collective, its check, and its parameters."""
+
+    collective: PendingCollective
+    check: Optional[PendingCheck]
+    params: list[FSDPParam]
+
+
+class GroupReduces:
+    """One group's issued reductions, oldest first, and its offloaded
+    gradients still on their way to the host."""
+
+    def __init__(self) -> None:
+        self.pending: list[PendingReduce] = []
+        self._landing: list[tuple[FSDPParam, torch.Tensor]] = []
+        self._copied: Any = None  # (the event after the last copy to the host)
+
+    def finish(self, streams: Optional["CommStreams"]) -> None:
+        """Await the issued reductions (oldest first) and hand each parameter
+        its averaged rows: into ``.grad`` at once, or, offloaded on a device
+        with streams, copied to the host for ``land``."""
+        while self.pending:
+            reduce = self.pending.pop(0)  # (one at a time: abandon waits the rest)
+            if reduce.check is not None:
+                reduce.check.wait()
+            summed = reduce.collective.wait()
+            params = reduce.params
+            grads = split_reduced(EAGER, summed, [p.spec for p in params], [p.local_rows for p in params],
+                                  [p.orig_dtype for p in params])
+            for p, g in zip(params, grads):
+                if p.offload and streams is not None and streams.enabled:
+                    self._landing.append((p, p.grad_to_host(g)))
+                else:
+                    p.add_grad(g)
+            if self._landing:
+                self._copied = streams.compute_event()
+
+    def land(self) -> None:
+        """The offloaded gradients into ``.grad``, once their copies are done
+        ([Note: Offloaded gradients land at the end of backward])."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        landing, self._landing = self._landing, []
+        for p, host in landing:
+            p.land_grad(host, owned=True)
+
+    def abandon(self) -> None:
+        """Await every issued reduction (every rank issued it) and drop its
+        result, and the copies not landed (the pinned allocator keeps their
+        memory until they finish)."""
+        pending, self.pending = self.pending, []
+        for reduce in pending:  # (HSDP: the replicas' all-reduce follows its reduce-scatter, on every rank)
+            reduce.collective.wait()
+        self._landing, self._copied = [], None
