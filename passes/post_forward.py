@@ -2,7 +2,7 @@
 
 [Note: Resharding to a smaller group in graphs]
 An int ``reshard_after_forward`` ([Note: Resharding to a smaller group] in
-compiled_fsdp/runtime/param_group.py) in a joint graph: the lowering follows
+compiled_fsdp/runtime/groups.py) in a joint graph: the lowering follows
 the forward's gather with this rank's part of it (``layout.post_forward_part``
 as one op, ``copy_out.keep_part``, registered as having a side effect so
 that the partitioner saves it rather than recompute it and the forward's

@@ -1,6 +1,6 @@
 """An int ``reshard_after_forward``: the blocks reshard to groups of 2 of the
 4 ranks after forward and their backward gathers over those 2 only ([Note:
-Resharding to a smaller group] in compiled_fsdp/runtime/param_group.py, [Note:
+Resharding to a smaller group] in compiled_fsdp/runtime/groups.py, [Note:
 Resharding to a smaller group in graphs] in passes/lowering.py). On 4 gloo
 ranks, against a single-process reference after 3 AdamW steps and against the
 same model resharding over all 4, beside FSDP2 with the same argument."""

@@ -112,7 +112,7 @@ def param_settings(param: FSDPParam) -> dict[str, Any]:
         settings.update(device=param.gather_device)
     if param.extension is not None and param.extension.casts_in_graph:
         settings.update(cast_from_shard=True)  # (torchao's float8 weights: FSDP2 casts their shard)
-    if group.post_forward_args is not None:  # ([Note: Resharding to a smaller group] in runtime/param_group.py)
+    if group.post_forward_args is not None:  # ([Note: Resharding to a smaller group] in runtime/groups.py)
         name, size, rank = group.post_forward_args
         settings.update(post_forward_group_name=name, post_forward_size=size, post_forward_rank=rank)
     return settings

@@ -268,7 +268,7 @@ def unpack_gathered(
 def post_forward_part(op: Emit, gathered: Any, size: int, rank: int) -> Any:
     """What a rank keeps of an all-gather output ``[N * T]`` after forward when
     it reshards to groups of ``size`` consecutive ranks ([Note: Resharding to
-    a smaller group] in runtime/param_group.py): its group rank's ``1/size``,
+    a smaller group] in runtime/groups.py): its group rank's ``1/size``,
     copied out. An all-gather of the parts over that group is the output again.
     (The lowering emits it as one op, ``copy_out.keep_part``.)"""
     numel = op.value(gathered).numel() // size

@@ -233,7 +233,7 @@ class Unshard(_ParamMarker, _OneParameter):
     gathered: Any = _arg("Tensor?", None)
     # An int reshard_after_forward: the group kept after forward, its size and
     # this rank's rank in it ([Note: Resharding to a smaller group] in
-    # runtime/param_group.py); None, 0, 0 otherwise.
+    # runtime/groups.py); None, 0, 0 otherwise.
     post_forward_group_name: Optional[str] = _arg("str?", None)
     post_forward_size: int = _arg("int", 0)
     post_forward_rank: int = _arg("int", 0)

@@ -124,7 +124,7 @@ class ShardingOptions:
     replicate_group: Optional[dist.ProcessGroup] = None
     # An int ``reshard_after_forward`` between 1 and the shard group's size:
     # that size, and (made by ``_with_groups``) this rank's group of it; 0 and
-    # None otherwise. See [Note: Resharding to a smaller group] in param_group.py.
+    # None otherwise. See [Note: Resharding to a smaller group] in groups.py.
     post_forward_size: int = 0
     post_forward_group: Optional[dist.ProcessGroup] = None
     # Which composable API applies it: "fully_shard" or "replicate" (see
@@ -194,7 +194,7 @@ def check_initialized(api: str) -> None:
 def _reshard_rule(reshard_after_forward: Union[bool, int], shard_size: int) -> tuple[bool, int]:
     """FSDP2's int form names the size of the groups the parameters stay
     sharded over after forward ([Note: Resharding to a smaller group] in
-    param_group.py): 1 is ``False`` (FSDP2 warns and does the same), the shard
+    groups.py): 1 is ``False`` (FSDP2 warns and does the same), the shard
     group's size is ``True``, a factor between reshards after forward and keeps
     that size (the second value; 0: the whole shard group)."""
     if isinstance(reshard_after_forward, bool):

@@ -46,7 +46,7 @@ def all_gather_part(
 ) -> PendingCollective:
     """The all-gather over ``group`` of what each rank kept after forward
     (``layout.post_forward_part``): the bucket's ``[N * T]`` output again
-    ([Note: Resharding to a smaller group] in param_group.py)."""
+    ([Note: Resharding to a smaller group] in groups.py)."""
     with streams.on_gather() if streams is not None else contextlib.nullcontext():
         comm.count("all_gather", part.numel() * part.element_size())
         return comm.all_gather_flat(part, group, async_op=True)

@@ -36,7 +36,7 @@ the plain gradients of that value and are reduced as any other.
 The layout of the pieces (their shapes and dtypes) and the metadata come
 from the last pre-hook and are kept until the next: an int
 ``reshard_after_forward`` regathers the forward's bytes in backward
-([Note: Resharding to a smaller group] in param_group.py) and the
+([Note: Resharding to a smaller group] in groups.py) and the
 post-hook gets the forward's metadata again (FSDP2 refuses that case;
 checked once, not in CI: 4 ranks, ``reshard_after_forward=2``, torchao's
 float8 blocks, eager and ``aot_eager``, bitwise to the reference).

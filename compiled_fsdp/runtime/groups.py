@@ -1,7 +1,29 @@
 """The process groups ``fully_shard`` makes beside its mesh's: the
 reduce-scatters' own group, and an int ``reshard_after_forward``'s smaller
 group. Each is made once per group (and size), collectively, and kept in
-``RUNTIME``."""
+``RUNTIME``.
+
+[Note: Resharding to a smaller group]
+FSDP2's int ``reshard_after_forward=N`` (a factor of the shard group's size
+``W``) frees the unsharded parameters after forward but keeps ``1/N`` of them:
+the backward gathers them again over ``N`` ranks only (on a cluster, within a
+node, over the fast links) instead of all ``W``. The groups are ``N``
+consecutive ranks of the shard group, FSDP2's ``mesh.view(-1, N)``
+(``post_forward_group_for``). In the bucket layout ([Note: Bucket layout]
+in core/layout.py) the all-gather output ``[W * T]`` is ``W`` shards in rank
+order, so cutting it into ``N`` equal parts gives each rank of a post-forward
+group a contiguous part, ``W / N`` shards long, and an all-gather of the parts
+over that group is the output again, bitwise: the copy-out is unchanged. Both
+paths cut it with ``layout.post_forward_part``: the eager runtime keeps the part
+when its forward waits for the gather (state ``SHARDED_POST_FORWARD`` after
+``post_forward``), the lowering saves it from the forward's gather for the
+backward's ([Note: Resharding to a smaller group in graphs] in
+passes/post_forward.py). Tested by tests/test_reshard_int.py. A root forward drops a part left from an
+earlier iteration (an evaluation forward has no backward to use it, and an
+optimizer step may have changed the shards since). Memory between forward and
+backward: ``T * W / N`` per rank instead of ``T``; gathered bytes in backward:
+the same output from ``N - 1`` peers instead of ``W - 1``.
+"""
 from __future__ import annotations
 
 import torch.distributed as dist

@@ -1,27 +1,8 @@
 """The parameter group: all managed parameters of one fully sharded module, the
 unit of communication (one all-gather, one reduce-scatter; ``replicate``'s
 may reduce in several buckets). Its eager autograd function: unshard_fn.py.
-
-[Note: Resharding to a smaller group]
-FSDP2's int ``reshard_after_forward=N`` (a factor of the shard group's size
-``W``) frees the unsharded parameters after forward but keeps ``1/N`` of them:
-the backward gathers them again over ``N`` ranks only (on a cluster, within a
-node, over the fast links) instead of all ``W``. The groups are ``N``
-consecutive ranks of the shard group, FSDP2's ``mesh.view(-1, N)``
-(``groups.post_forward_group_for``). In the bucket layout ([Note: Bucket layout]
-in core/layout.py) the all-gather output ``[W * T]`` is ``W`` shards in rank
-order, so cutting it into ``N`` equal parts gives each rank of a post-forward
-group a contiguous part, ``W / N`` shards long, and an all-gather of the parts
-over that group is the output again, bitwise: the copy-out is unchanged. Both
-paths cut it with ``layout.post_forward_part``: the eager runtime keeps the part
-when its forward waits for the gather (state ``SHARDED_POST_FORWARD`` after
-``post_forward``), the lowering saves it from the forward's gather for the
-backward's ([Note: Resharding to a smaller group in graphs] in
-passes/post_forward.py). Tested by tests/test_reshard_int.py. A root forward drops a part left from an
-earlier iteration (an evaluation forward has no backward to use it, and an
-optimizer step may have changed the shards since). Memory between forward and
-backward: ``T * W / N`` per rank instead of ``T``; gathered bytes in backward:
-the same output from ``N - 1`` peers instead of ``W - 1``.
+See [Note: Resharding to a smaller group] in groups.py for the state
+``SHARDED_POST_FORWARD``.
 """
 from __future__ import annotations
 
@@ -40,7 +21,7 @@ from compiled_fsdp.runtime.collectives import all_gather_bucket, all_gather_part
 from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from compiled_fsdp.runtime.ext_gather import ExtensionGather
 from compiled_fsdp.runtime.param import FSDPParam
-from compiled_fsdp.runtime.reduces import GroupReduces, PendingReduce
+from compiled_fsdp.runtime.reduces import GroupReduces, PendingReduce, byte_buckets
 from compiled_fsdp.runtime.unshard_fn import UnshardFn, static_view
 
 if TYPE_CHECKING:
@@ -59,7 +40,7 @@ class ShardedState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"  # all-gather issued, not awaited (a prefetch)
     UNSHARDED = "unsharded"
-    # after forward, with an int reshard_after_forward: [Note: Resharding to a smaller group]
+    # after forward, with an int reshard_after_forward: [Note: Resharding to a smaller group] in groups.py
     SHARDED_POST_FORWARD = "sharded post forward"
 
 
@@ -221,20 +202,8 @@ class FSDPParamGroup:
 
     def set_reduce_buckets(self, bucket_bytes: int) -> None:
         """Cut the gradients' reduction into buckets of at most ``bucket_bytes``
-        (a larger parameter is a bucket of its own), filled in reverse
-        registration order, as DDP does: see [Note: replicate's buckets] in
-        replicate.py."""
-        buckets: list[list[int]] = []
-        size = 0
-        for i in reversed(range(len(self.fsdp_params))):
-            p = self.fsdp_params[i]
-            nbytes = p.spec.shard_numel * p.spec.world_size * p.reduce_dtype.itemsize
-            if not buckets or (size + nbytes > bucket_bytes and size > 0):
-                buckets.append([])
-                size = 0
-            buckets[-1].append(i)
-            size += nbytes
-        self.reduce_buckets = tuple(tuple(sorted(b)) for b in buckets)
+        (``reduces.byte_buckets``; [Note: replicate's buckets] in replicate.py)."""
+        self.reduce_buckets = byte_buckets(self.fsdp_params, bucket_bytes)
         bucket_of = [0] * len(self.fsdp_params)
         for b, indices in enumerate(self.reduce_buckets):
             for i in indices:
@@ -411,7 +380,7 @@ class FSDPParamGroup:
         if reshard:
             part = self._post_forward_part
             self.reshard()
-            if part is not None and backward_follows:  # see [Note: Resharding to a smaller group]
+            if part is not None and backward_follows:  # ([Note: Resharding to a smaller group] in groups.py)
                 self._post_forward_part, self.state = part, ShardedState.SHARDED_POST_FORWARD
 
     # -- backward ------------------------------------------------------------
@@ -496,7 +465,7 @@ class FSDPParamGroup:
         """A root forward begins a new iteration: this group's autograd views
         and gradient bookkeeping start afresh."""
         self.drop_kept()
-        if self.state is ShardedState.SHARDED_POST_FORWARD:  # ([Note: Resharding to a smaller group])
+        if self.state is ShardedState.SHARDED_POST_FORWARD:  # ([Note: Resharding to a smaller group] in groups.py)
             self.reshard()
         self._iter_views = None
         self._applied_buckets = set()

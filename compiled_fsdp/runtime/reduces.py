@@ -40,7 +40,7 @@ from compiled_fsdp.runtime.param import FSDPParam
 if TYPE_CHECKING:
     from compiled_fsdp.runtime.streams import CommStreams
 
-__all__ = ["GroupReduces", "PendingReduce"]
+__all__ = ["GroupReduces", "PendingReduce", "byte_buckets"]
 
 
 @dataclasses.dataclass
@@ -99,3 +99,21 @@ class GroupReduces:
         for reduce in pending:  # (HSDP: the replicas' all-reduce follows its reduce-scatter, on every rank)
             reduce.collective.wait()
         self._landing, self._copied = [], None
+
+
+def byte_buckets(params: list[FSDPParam], bucket_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """The parameters' indices cut into reduce buckets of at most
+    ``bucket_bytes`` (a larger parameter is a bucket of its own), filled in
+    reverse registration order, as DDP does: see [Note: replicate's buckets]
+    in replicate.py."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.spec.shard_numel * p.spec.world_size * p.reduce_dtype.itemsize
+        if not buckets or (size + nbytes > bucket_bytes and size > 0):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return tuple(tuple(sorted(b)) for b in buckets)
