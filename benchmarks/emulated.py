@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -290,6 +291,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     times, comm, exposed = [], [], []
     optimizer.clear()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i in range(args.steps):
         _sync(device)
         net.reset()
@@ -304,6 +306,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "kind": args.kind, "world": args.world, "link": args.link, "device": str(device),
         "config": cfg.__dict__, "batch": args.batch, "first_step_s": first, "step_s": statistics.median(times),
         "step_times_s": times, "optimizer_s": statistics.median(optimizer),
+        "minor_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps,
         "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
         "collectives": s["collectives"], "topology": net.topology.__dict__,
         "compile_s": compile_s, "unique_graphs": frames_compiled,
@@ -356,6 +359,19 @@ def match_gbps(args: argparse.Namespace, world: int) -> float:
     return (world - 1) / world * nbytes / statistics.median(ts) / 1e9
 
 
+# [Note: Freed memory kept on the CPU]
+# glibc gives large freed blocks back to the kernel (munmap, or trimming the
+# heap's top) and takes them again at the next allocation, each page a fault
+# on first touch: at W=8 with collectives free, 10,400 minor faults a step in
+# the floor, 12,200 in one graph, 18,000 with regions (fresh buffers of
+# gathers and reduces), and the medians of fresh processes spread 4-7%. A
+# GPU's caching allocator keeps freed blocks. ``--keep-freed-memory`` runs
+# every CPU worker with glibc told to do the same (no trimming, no mmap below
+# 32 MB, 256 MB of top pad): faults per step then 0-400 (RESULTS, 2026-12-01).
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
+                     "MALLOC_TOP_PAD_": str(256 << 20)}
+
+
 def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[str, Any]:
     result = os.path.join(args.out, f"{args.pattern}_{kind}_W{world}_{link.replace('/', '-')}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--world", str(world), "--link", link,
@@ -372,6 +388,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
     # so no configuration's first step reuses kernels another run compiled.
     with tempfile.TemporaryDirectory(prefix="emulated_cache_") as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+        if args.keep_freed_memory and args.device == "cpu":
+            env.update(KEEP_FREED_MEMORY)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout, env=env)
             ok, tail = proc.returncode == 0 and os.path.exists(result), (proc.stdout + proc.stderr)[-2500:]
@@ -431,6 +449,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--seq", type=int, default=0, help="sequence length (0: the model's own)")
     p.add_argument("--batch", type=int, default=0, help="local batch (0: 1 on CUDA, 4 on the CPU)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process (the CPU runs)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="CPU runs: glibc keeps freed memory, as a caching allocator does "
+                        "([Note: Freed memory kept on the CPU])")
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 64])
     p.add_argument("--links", nargs="+", default=None, help="default: nccl on CUDA, match match/4 on the CPU")
     p.add_argument("--network-gbps", type=float, default=None, help="nccl: GB/s per GPU between nodes")
