@@ -183,3 +183,42 @@ def test_cpu_offload_in_graphs_with_other_features() -> None:
     for res in run_distributed(_features_rank, 2, timeout=600):
         for feature, r in res.items():
             assert r == {"diff": 0.0, "eager_collectives": {}}, (feature, r)
+
+
+_CUDA_MESH_SCRIPT = r"""
+import json, types, torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from compiled_fsdp.runtime.param import FSDPParam
+dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+mesh = DeviceMesh("cuda", torch.arange(2))  # (NCCL's mesh: no GPU is touched making it)
+param = types.SimpleNamespace(_dtensor_specs={}, global_shape=(6, 8), spmd_mesh=mesh, spmd_placements=(Shard(0),))
+out = []
+for dtype in (torch.float32, torch.float32, torch.bfloat16):  # (the second of a dtype reuses its spec)
+    local = torch.ones(3, 8, dtype=dtype)
+    made = FSDPParam.to_dtensor(param, local)
+    out.append([made._local_tensor is local, made.device_mesh.device_type, list(made.shape), str(made.dtype)])
+print(json.dumps(out))
+"""
+
+
+def test_offloaded_shards_stay_on_the_cpu_under_a_cuda_mesh() -> None:
+    """Under NCCL an offloaded shard lives on the CPU while its mesh is
+    CUDA's: ``FSDPParam.to_dtensor`` (the registered shard, each ``.grad``)
+    wraps the CPU tensor as it is. It was ``DTensor.from_local``, which moves
+    a tensor to its mesh's device: on a GPU every offloaded shard went there
+    (and the first forward refused it, "should be materialized on CPU"); on
+    this machine it raised "Found no NVIDIA driver". A CUDA mesh over torch's
+    fake group, in a fresh process; no GPU is touched."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _CUDA_MESH_SCRIPT], capture_output=True, text=True, timeout=300,
+                          cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert made == [[True, "cuda", [6, 8], "torch.float32"]] * 2 + [[True, "cuda", [6, 8], "torch.bfloat16"]], made

@@ -137,7 +137,7 @@ def _made(key: str) -> str:
 # other block fails); otherwise it is traced as the read of a block that is
 # no region, gathered and reduced in the outer graph's buckets, and
 # ``explain`` says why. Tested by
-# tests/test_block_regions.py::test_a_block_with_its_own_forward_is_read_in_the_root_graph.
+# tests/test_region_variants.py::test_a_block_with_its_own_forward_is_read_in_the_root_graph.
 @torch._dynamo.assume_constant_result
 def in_a_region() -> bool:
     """Whether Dynamo is tracing a compile region's body (at trace time; a

@@ -248,7 +248,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # subgraph for equal graphs: there is no reuse to fail, and no warning.) (Its first
 # find was our own: the last block's token, ``issue_ahead`` in
 # region_reads.py.) Tested by
-# tests/test_block_regions.py::test_a_region_traced_again_for_an_equal_block_warns
+# tests/test_region_variants.py::test_a_region_traced_again_for_an_equal_block_warns
 # and, for no retrace, ::test_identical_blocks_compile_once.
 _RETRACED = (
     "compiled_fsdp: Dynamo traced the compile region of {cls!r} again for {block}, whose parameters and FSDP "

@@ -72,7 +72,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.layout import EAGER, ShardSpec, from_canonical, reduce_input, to_canonical
@@ -236,20 +236,21 @@ class FSDPParam:
         return self.compute_device if self.offload else self.local_shard().device
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """The registered DTensor over this rank's piece ``local`` (no copy, no
-        communication, not differentiable), placed as ``_spmd_layout`` says.
-        The first of each dtype is ``from_local``'s; the others reuse its spec
-        with DTensor's own constructor, as FSDP2's ``_from_local_no_grad``
-        makes its gradients (``from_local`` took 56 us a call on the CPU, a
-        ``.grad`` a parameter each step)."""
+        """The registered DTensor over this rank's piece ``local``, where it
+        is (no copy, no communication, not differentiable), placed as
+        ``_spmd_layout`` says: DTensor's own constructor over a spec kept per
+        dtype, as FSDP2's ``to_sharded_dtensor``. Not ``from_local``, which
+        moves a tensor to its mesh's device: a CPU-offloaded shard under
+        NCCL went to the GPU (tests/test_offload.py::
+        test_offloaded_shards_stay_on_the_cpu_under_a_cuda_mesh), and it took
+        56 us a call on the CPU, a ``.grad`` a parameter each step."""
         spec = self._dtensor_specs.get(local.dtype)
-        if spec is not None:
-            return DTensor(local, spec, requires_grad=local.requires_grad)
-        full = self.global_shape
-        made = DTensor.from_local(local, self.spmd_mesh, self.spmd_placements, run_check=False,
-                                  shape=torch.Size(full), stride=_contiguous_strides(full))
-        self._dtensor_specs[local.dtype] = made._spec
-        return made
+        if spec is None:
+            full = self.global_shape
+            meta = TensorMeta(torch.Size(full), _contiguous_strides(full), local.dtype)
+            spec = self._dtensor_specs[local.dtype] = DTensorSpec(
+                self.spmd_mesh, tuple(self.spmd_placements), tensor_meta=meta)
+        return DTensor(local, spec, requires_grad=local.requires_grad)
 
     def to_compute(self, unsharded: torch.Tensor) -> torch.Tensor:
         """What the module's code reads: the unsharded tensor, or for a

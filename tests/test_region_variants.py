@@ -1,0 +1,152 @@
+"""Which blocks share a compile region's trace and which are traced again:
+blocks of one class in several shapes (variants, each traced once), a
+block with a forward of its own (read in the root's graph), and a block
+that differs from its equals in a Python int (traced again, with a
+warning). See [Note: A region traced again for an equal block] in
+compiled_fsdp/compile/regions.py and [Note: A block whose region never
+runs] in compiled_fsdp/compile/region_reads.py."""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from test_block_regions import _caught, _stack_parity
+
+import compiled_fsdp
+from compiled_fsdp.core import compat
+
+from _dist import run_distributed
+from _parity import assert_close, in_regions
+
+
+class _Widening(torch.nn.Module):
+    """A block of one class whose width depends on its place: each one's
+    region traced as a variant of its own."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, width)
+        self.down = torch.nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_Widening(8 + 4 * i) for i in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def _variants_rank(rank: int, world: int) -> dict:
+    compiled_fsdp.config.comm.block_regions = True
+    return _stack_parity(rank, lambda: _Stack(10), 2, after_step=in_regions)
+
+
+def test_blocks_of_one_class_in_ten_shapes() -> None:
+    """Ten blocks of one class, each of another width: ten variants of one
+    region, each traced and compiled once, bitwise equal to the reference
+    after 2 steps under ``aot_eager``. torch 2.13 and 2.15 cap a region's
+    variants at 8 and raised "exceeded maximum reuse entries" at the ninth
+    block (``compat.nested_compile_region`` lifts the cap)."""
+    for res in run_distributed(_variants_rank, 2, timeout=900):
+        assert_close(res, 0.0)
+        assert res["after"][-1] == [False] + [True] * 10, res["after"]
+
+
+def _own_forward_rank(rank: int, world: int) -> dict:
+    compiled_fsdp.config.comm.block_regions = True
+
+    def build() -> _Stack:
+        stack = _Stack(3)
+        for block in stack.layers:  # (an instance's own forward, as a library's hook sets one)
+            block.forward = partial(_Widening.forward, block)
+        return stack
+
+    return _stack_parity(rank, build, 3, after_step=lambda m: [r.reason for r in compiled_fsdp.explain(m)])
+
+
+def test_a_block_with_its_own_forward_is_read_in_the_root_graph() -> None:
+    """[Note: A block whose region never runs]: blocks whose instances have a
+    forward of their own never call their region; their reads are traced in
+    the root's graph and gathered and reduced in its buckets. Before, they
+    were taken as a region's reads there, and each parameter was gathered
+    and reduced on its own by the markers' eager code (17 gathers and 12
+    reduces a step here) while ``explain`` said "compile region". Bitwise
+    after 3 steps, no eager collective, and ``explain`` names the cause."""
+    for res in run_distributed(_own_forward_rank, 2, timeout=900):
+        assert_close(res, 0.0)
+        assert res["counts"] == [{}] * 3, res["counts"]
+        root, *blocks = res["after"][-1]
+        assert all("a forward of its own" in (r or "") for r in blocks), res["after"][-1]
+
+
+class _Indexed(torch.nn.Module):
+    """A block whose forward reads its index, a Python int that differs
+    between blocks (a guard on every block)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x) * (1.0 + self.index / 8)
+
+
+class _IndexedStack(_Stack):
+    def __init__(self, blocks: int) -> None:
+        torch.nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_Indexed(i) for i in range(blocks))
+
+
+def _retraced_rank(rank: int, world: int, indexed: bool) -> dict:
+    compiled_fsdp.config.comm.block_regions = True
+    build = (lambda: _IndexedStack(4)) if indexed else (lambda: _Stack(10))
+    with _caught("traced the compile region") as found:
+        res = _stack_parity(rank, build, 2, after_step=in_regions)
+    res["warnings"] = found
+    return res
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+def test_a_region_traced_again_for_an_equal_block_warns(indexed: bool) -> None:
+    """Blocks whose forward reads a per-block Python int are each traced
+    and compiled on their own: one warning on every rank, naming the class
+    and the second block, and the numbers still bitwise the reference's.
+    Blocks of one class in ten shapes (variants that must be) do not warn.
+    Torch 2.11 traces every call of a region (no reuse to fail): no warning
+    there. See [Note: A region traced again for an equal block]."""
+    for res in run_distributed(_retraced_rank, 2, indexed, timeout=900):
+        assert_close(res, 0.0)
+        if indexed and compat.region_traces_reused():
+            assert len(res["warnings"]) == 1 and "'_Indexed'" in res["warnings"][0] \
+                and "layers.1" in res["warnings"][0], res["warnings"]
+        else:  # (torch 2.11 traces every call: nothing to warn of)
+            assert res["warnings"] == [], res["warnings"]
+
+
+def _two_models_rank(rank: int, world: int) -> list[str]:
+    compiled_fsdp.config.comm.block_regions = True
+    with _caught("traced the compile region") as found:
+        for _ in range(2):  # (as the numerics checker's variants do)
+            torch._dynamo.reset()
+            _stack_parity(rank, lambda: _Stack(3), 1)
+    return found
+
+
+def test_a_second_model_after_a_dynamo_reset_does_not_warn() -> None:
+    """Compile ids start again after ``torch._dynamo.reset()``: the second
+    model's first block was taken for the first model's, traced again, and
+    warned (the numerics checker's Inductor variant in CI); each root's
+    step now starts the record afresh."""
+    for res in run_distributed(_two_models_rank, 2, timeout=900):
+        assert res == [], res
