@@ -184,3 +184,66 @@ def test_offloaded_gradients_land_after_their_event() -> None:
             assert all(i < j for i, j in zip(records, syncs)), entries
             assert syncs[0] > last_reduce, entries  # (at the end of backward)
             assert hooks[0] > syncs[0], entries  # (no hook before its gradient landed)
+
+
+def _raising_rank(rank: int, world: int) -> dict:
+    import copy
+
+    from compiled_fsdp.tools.models import GPT, GPTConfig, batch, loss_fn
+
+    from _parity import full_diff, full_params
+
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab=67, dim=24, n_layers=3, n_heads=2, seq=16))
+    model = copy.deepcopy(ref)
+    policy = compiled_fsdp.CPUOffloadPolicy(pin_memory=False)
+    for block in model.layers:
+        compiled_fsdp.fully_shard(block, offload_policy=policy)
+    compiled_fsdp.fully_shard(model, offload_policy=policy)
+    armed = {"raise": False}
+
+    def raise_in_backward(module: torch.nn.Module, grad_output: object) -> None:
+        if armed["raise"]:  # (layers.2 and layers.1 reduced, layers.2's finished)
+            raise RuntimeError("boom in backward")
+
+    model.layers[0].register_full_backward_pre_hook(raise_in_backward)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    log: list = []
+    out: dict = {}
+    for step in range(4):
+        tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
+        armed["raise"] = step == 1
+        try:
+            loss_fn(model(tokens[rank]), tokens[rank]).backward()
+        except RuntimeError:
+            entries = [(name, what) for name, what, _, _ in log]
+            out["copied_before_reset"] = entries.count(("compute", "record_event"))
+            out["landed_before_reset"] = sum(p.grad is not None for p in model.parameters())
+            model.reset_iter_state()
+            out["landed_at_reset"] = sum(p.grad is not None for p in model.parameters())
+            opt.zero_grad()
+            continue
+        if step == 0:  # (lazy init made the real, CPU ones)
+            model_ctx = get_fsdp_state(model).ctx
+            model_ctx.streams = CommStreams(torch.device("cpu"), make_stream=lambda d: _Recorder("side", log),
+                                            current=lambda d: _Recorder("compute", log))
+        opt.step()
+        opt.zero_grad()
+        (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    out["diff"] = full_diff(full_params(model), ref)
+    return out
+
+
+def test_offloaded_gradients_of_a_backward_that_raised() -> None:
+    """Under CPU offload, a backward raises after two blocks reduced and the
+    first of them finished: its copies to the host were made (an event
+    recorded) but not landed; ``reset_iter_state`` lands them, as they were in ``.grad``
+    before [Note: Offloaded gradients land at the end of backward], and the
+    ``zero_grad`` after it drops them. Training goes on bitwise equal to the
+    reference trained on the steps that finished."""
+    for res in run_distributed(_raising_rank, 2):
+        assert res["diff"] == 0.0, res
+        assert res["copied_before_reset"] >= 1 and res["landed_before_reset"] == 0, res
+        assert res["landed_at_reset"] > 0, res

@@ -174,6 +174,8 @@ class RootContext:
         for g in self.pending_reduces:
             g.finish_grad_sync()
         self.pending_reduces = []
+        for g in self.groups():  # (before the compiled path reads a gradient: [Note: Offloaded gradients
+            g.reduces.land()  # land at the end of backward] in reduces.py)
         compiled_path().end_iteration(self)
         for g in self.groups():
             g.end_iteration()

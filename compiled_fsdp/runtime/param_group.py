@@ -465,6 +465,7 @@ class FSDPParamGroup:
         """A root forward begins a new iteration: this group's autograd views
         and gradient bookkeeping start afresh."""
         self.drop_kept()
+        self.reduces.drop_copies()
         if self.state is ShardedState.SHARDED_POST_FORWARD:  # ([Note: Resharding to a smaller group] in groups.py)
             self.reshard()
         self._iter_views = None
@@ -485,8 +486,10 @@ class FSDPParamGroup:
 
     def end_backward_pass(self) -> None:
         """A backward ended without ending the iteration (manual finalization):
-        the next backward's buckets are counted afresh."""
+        the next backward's buckets are counted afresh; its finished
+        reduces land ([Note: Offloaded gradients land at the end of backward])."""
         self._reduced_buckets = set()
+        self.reduces.land()
 
     def reduce_kept_grads(self) -> None:
         """Issue the reduction of every gradient kept without sync (sync is on
@@ -501,7 +504,7 @@ class FSDPParamGroup:
         The autograd views stay to the next root forward, for a later backward
         of the same forward ([Note: Several backwards of one forward] in context.py)."""
         self.finish_grad_sync()
-        self.reduces.land()
+        self.reduces.land()  # (the root landed every group before: nothing, unless this finish found one)
         keep = self.kept_for_backward and self.needs_grad_sync and not self.backward_done
         if (self.reshard_after_backward or not self.needs_grad_sync) and not keep:
             self.reshard()

@@ -9,9 +9,14 @@ while the host queues the next block's kernels, once per group. On a device
 with streams the eager runtime's copy is not blocking: into pinned memory
 (where the policy pins), on the compute stream, which has waited for the
 reduction as it does for every reduce's result, followed by an event
-(``FSDPParam.grad_to_host``, ``GroupReduces.finish``). The group synchronizes
-its event at the end of backward, and only then sets ``.grad`` and runs the
-post-accumulate-grad hooks (``land``). FSDP2 sets ``.grad`` at once, runs the
+(``FSDPParam.grad_to_host``, ``GroupReduces.finish``). At the end of
+backward, before anything else reads a gradient (the compiled path's later
+reduces), the group synchronizes its events, and only then sets ``.grad``
+and runs the post-accumulate-grad hooks (``land``); likewise at the end of
+each backward under manual finalization, and at ``reset_iter_state`` (a
+finished reduce was in ``.grad`` before). Copies left from a backward that
+raised without ``reset_iter_state`` are dropped at the next root forward,
+as a ``zero_grad`` in between would have dropped them from ``.grad``. FSDP2 sets ``.grad`` at once, runs the
 hooks on a copy still in flight, and synchronizes before the optimizer in its
 final callback; here ``.grad`` and the hooks see the gradient only once it is
 there.
@@ -59,7 +64,8 @@ class GroupReduces:
     def __init__(self) -> None:
         self.pending: list[PendingReduce] = []
         self._landing: list[tuple[FSDPParam, torch.Tensor]] = []
-        self._copied: Any = None  # (the event after the last copy to the host)
+        # (an event after each finish's copies: each on the stream current then)
+        self._copied: list[Any] = []
 
     def finish(self, streams: Optional["CommStreams"]) -> None:
         """Await the issued reductions (oldest first) and hand each parameter
@@ -79,26 +85,32 @@ class GroupReduces:
                 else:
                     p.add_grad(g)
             if self._landing:
-                self._copied = streams.compute_event()
+                self._copied.append(streams.compute_event())
 
     def land(self) -> None:
         """The offloaded gradients into ``.grad``, once their copies are done
         ([Note: Offloaded gradients land at the end of backward])."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        copied, self._copied = self._copied, []
+        for event in copied:
+            event.synchronize()
         landing, self._landing = self._landing, []
         for p, host in landing:
             p.land_grad(host, owned=True)
 
     def abandon(self) -> None:
-        """Await every issued reduction (every rank issued it) and drop its
-        result, and the copies not landed (the pinned allocator keeps their
-        memory until they finish)."""
+        """After an exception (``reset_iter_state``): await every issued
+        reduction (every rank issued it) and drop its result; the finished
+        ones land, as they were in ``.grad`` before."""
         pending, self.pending = self.pending, []
         for reduce in pending:  # (HSDP: the replicas' all-reduce follows its reduce-scatter, on every rank)
             reduce.collective.wait()
-        self._landing, self._copied = [], None
+        self.land()
+
+    def drop_copies(self) -> None:
+        """A root forward begins with copies not landed (a backward raised
+        and no ``reset_iter_state`` followed): they are dropped (the pinned
+        allocator keeps their memory until they finish)."""
+        self._landing, self._copied = [], []
 
 
 def byte_buckets(params: list[FSDPParam], bucket_bytes: int) -> tuple[tuple[int, ...], ...]:
