@@ -222,3 +222,60 @@ def test_offloaded_shards_stay_on_the_cpu_under_a_cuda_mesh() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     made = json.loads(proc.stdout.strip().splitlines()[-1])
     assert made == [[True, "cuda", [6, 8], "torch.float32"]] * 2 + [[True, "cuda", [6, 8], "torch.bfloat16"]], made
+
+
+def test_the_mesh_of_an_offloaded_model() -> None:
+    """``placement.mesh_device_type``: a model on the CPU under CPU offload
+    (or on ``meta``) gets the accelerator's mesh when the group carries the
+    accelerator's tensors with a backend other than gloo, whatever the
+    backend's name: ``nccl``, the default ``init_process_group()`` (named
+    "undefined") and ``cpu:gloo,cuda:nccl`` alike. It asked for the name to
+    be ``nccl``, so the other two gave an offloaded model a CPU mesh on a
+    GPU (its gathers on gloo, or none). Here gloo's group, which also
+    registers CUDA, carries no CUDA tensors for it."""
+    import torch.distributed as dist
+
+    from compiled_fsdp.runtime.api import _mesh_device_type
+    from compiled_fsdp.runtime.placement import mesh_device_type
+
+    def nccl(device: str) -> bool:
+        return True
+
+    def gloo(device: str) -> bool:
+        return False
+
+    cases = [  # (param device, offload, accelerator, one process group, carries) -> mesh
+        (("cpu", True, "cuda", False, nccl), "cuda"),
+        (("cpu", True, "cuda", False, gloo), "cpu"),
+        (("cpu", True, None, False, nccl), "cpu"),
+        (("cpu", True, "cuda", True, gloo), "cuda"),  # (the fake group, the emulated network)
+        (("meta", False, "cuda", False, nccl), "cuda"),
+        (("meta", False, None, False, gloo), "cpu"),
+        (("cpu", False, "cuda", False, nccl), "cpu"),  # (not offloaded: its own device)
+        (("cuda", False, "cuda", False, nccl), "cuda"),
+    ]
+    assert [mesh_device_type(*args) for args, _ in cases] == [want for _, want in cases]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        param = nn.Parameter(torch.zeros(2))
+        assert _mesh_device_type(param, dist.group.WORLD, offload=True) == "cpu"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_move_to_the_mesh_device() -> None:
+    """``placement.move_buffers`` (run at ``fully_shard`` when the mesh is an
+    accelerator's, as FSDP2 moves a managed module's states): a model built
+    on the CPU for offload had its buffers left there, and its forward mixed
+    them with the gathered parameters on the GPU. ``meta`` ones are left for
+    deferred init. On this machine the only other device is ``meta``, so
+    that is the target here."""
+    from compiled_fsdp.runtime.placement import move_buffers
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].register_buffer("table", torch.ones(3))
+    model[1].register_buffer("deferred", torch.ones(3, device="meta"))
+    move_buffers([model], torch.device("meta"))
+    assert model[0].table.device.type == "meta" and model[0].table.shape == (3,)
+    assert model[1].deferred.device.type == "meta"
+    assert all(p.device.type == "cpu" for p in model.parameters())  # (parameters are fully_shard's)

@@ -47,6 +47,7 @@ from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
 from compiled_fsdp.runtime.module_class import install_class
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
+from compiled_fsdp.runtime.placement import mesh_device_type, move_buffers
 from compiled_fsdp.runtime.policy import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -345,6 +346,8 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
     if owners:
         mesh = options.mesh_for(_mesh_device_type(next(iter(owners)), options.process_group,
                                                   options.offload is not None))
+        if mesh.device_type not in ("cpu", "meta"):
+            move_buffers(modules, torch.device(mesh.device_type, torch.accelerator.current_device_index()))
         rank = options.process_group.rank()
         shard_size = options.process_group.size()
         fsdp_params = []
@@ -443,17 +446,17 @@ def _bucket_bytes(bucket_cap_mb: object) -> Optional[int]:
 
 
 def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup, offload: bool = False) -> str:
-    """The device type of the parameters' mesh. For a model built on ``meta``
-    (see [Note: Meta-device init] in param.py), or on the CPU under CPU
-    offload, it is the device the process group communicates on: CUDA for
-    NCCL, the accelerator (if any) for torch's fake group and the emulated
-    network, else CPU."""
-    if param.device.type != "meta" and not (offload and param.device.type == "cpu"):
-        return param.device.type
-    backend = dist.get_backend(group)
-    if backend in ONE_PROCESS_BACKENDS and torch.accelerator.is_available():
-        return torch.accelerator.current_accelerator().type
-    return "cuda" if backend == "nccl" else "cpu"
+    """``placement.mesh_device_type`` for this process and ``group``."""
+    def carries(device_type: str) -> bool:
+        try:
+            backend = group._get_backend(torch.device(device_type))
+        except RuntimeError:  # (no backend for that device)
+            return False
+        return not isinstance(backend, dist.ProcessGroupGloo)
+
+    accelerator = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+    return mesh_device_type(param.device.type, offload, accelerator, dist.get_backend(group) in ONE_PROCESS_BACKENDS,
+                            carries)
 
 
 def _reset_after_load(fsdp_params: list[FSDPParam]) -> Callable:

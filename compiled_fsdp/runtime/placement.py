@@ -1,12 +1,15 @@
-"""Where a sharded parameter's DTensor lives: the mesh and placements
-``fully_shard`` registers it with, as FSDP2 places it, and what the compute
-view asks of its gradient. Decided once, at ``fully_shard``, from the
-parameter, the module's mesh and the shard spec; see [Note: FSDP over
+"""Where a sharded parameter's DTensor lives: the device type of its mesh,
+the mesh and placements ``fully_shard`` registers it with, as FSDP2 places
+it, and what the compute view asks of its gradient; and the module's
+buffers, moved to the mesh's device. Decided once, at ``fully_shard``, from
+the parameter, the module's mesh and the shard spec; see [Note: FSDP over
 DTensor parameters] in param.py."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
+import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -15,6 +18,39 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from compiled_fsdp.core.layout import ShardSpec
 
 Placements = tuple[Placement, ...]
+
+
+def mesh_device_type(param_device: str, offload: bool, accelerator: Optional[str], one_process: bool,
+                     carries: Callable[[str], bool]) -> str:
+    """The device type of the parameters' mesh: the parameters' own, but for
+    a model on ``meta`` ([Note: Meta-device init] in param.py) or on the CPU
+    under CPU offload, where it is the accelerator's (``accelerator``: this
+    process's, None without one) if the group communicates its tensors
+    (``carries``: a backend other than gloo for that device: NCCL, the
+    default ``init_process_group()``, ``cpu:gloo,cuda:nccl``) or is torch's
+    fake group or the emulated network (``one_process``), else the CPU. It
+    asked for the backend's name to be ``nccl``, so the other two forms gave
+    an offloaded model a CPU mesh on a GPU (tests/test_offload.py::
+    test_the_mesh_of_an_offloaded_model)."""
+    if param_device != "meta" and not (offload and param_device == "cpu"):
+        return param_device
+    if accelerator is not None and (one_process or carries(accelerator)):
+        return accelerator
+    return "cpu"
+
+
+def move_buffers(modules: Sequence[nn.Module], device: torch.device) -> None:
+    """The modules' buffers on ``device`` (the mesh's, an accelerator's), as
+    FSDP2 moves a managed module's states at ``fully_shard``: a model built
+    on the CPU for CPU offload keeps its shards there, and its buffers (a
+    rotary table, a mask) go where the forward runs. Buffers on ``meta``
+    stay (deferred init); each moved one is replaced, as ``nn.Module.to``
+    replaces it."""
+    for module in modules:
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and buf.device != device and buf.device.type != "meta":
+                    sub._buffers[name] = buf.to(device)
 
 
 def registered_layout(fqn: str, mesh: DeviceMesh, spec: ShardSpec, shard_dim: int,
