@@ -79,6 +79,7 @@ def collective_world(node: fx.Node) -> int:
 class ComputeConstants:
     flops_per_s: float
     bytes_per_s: float
+    host_bytes_per_s: float  # a copy between the host and the device ([Note: Host copies])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +109,24 @@ class CommConstants:
 # slowest link: ``comm_time`` prices a group of more than ``ranks_per_node``
 # ranks with ``inter_node``. Latency ~10 us per ring step in a node, ~20 us
 # across nodes.
-CPU_COMPUTE = ComputeConstants(flops_per_s=9.0e10, bytes_per_s=1.05e10)
+
+
+# [Note: Host copies]
+# CPU offload's copies in a graph (``prims.device_put``: a shard to the
+# device before its gather, a reduced gradient back: [Note: CPU offload in
+# graphs] in lowering.py) cross the host link, not the device's memory; in a
+# compiled graph they run on the compute stream. They were priced as a
+# device copy (2.3e12 B/s on CUDA), 40-50x too cheap. PCIe Gen5 x16 moves
+# 64 GB/s a direction on paper; the constant takes 50 GB/s, not measured
+# here (no GPU lent since offload landed). On the CPU the copy is the
+# memory's. Tested by
+# tests/test_offload_fx.py::test_host_copies_priced_at_the_host_link.
+CPU_COMPUTE = ComputeConstants(flops_per_s=9.0e10, bytes_per_s=1.05e10, host_bytes_per_s=1.05e10)
 GLOO_COMM = {
     "all_gather": CommConstants(alpha_s=3.4e-4, link_bytes_per_s=4.2e8),
     "reduce_scatter": CommConstants(alpha_s=2.7e-4, link_bytes_per_s=6.1e8),
 }
-CUDA_COMPUTE = ComputeConstants(flops_per_s=6.0e14, bytes_per_s=2.3e12)
+CUDA_COMPUTE = ComputeConstants(flops_per_s=6.0e14, bytes_per_s=2.3e12, host_bytes_per_s=5.0e10)
 NCCL_COMM = {
     "all_gather": CommConstants(alpha_s=1.0e-5, link_bytes_per_s=3.7e11),
     "reduce_scatter": CommConstants(alpha_s=1.0e-5, link_bytes_per_s=3.7e11),
@@ -233,15 +246,14 @@ class CostModel:
 
     @staticmethod
     def for_graph(graph: fx.Graph) -> "CostModel":
-        """CUDA constants when the graph's tensors live on a GPU, else CPU/gloo;
-        the links its process group declares, if it does (the emulated
-        network). Depends only on the graph, so it is the same on every rank."""
-        model = CostModel()
-        for n in graph.nodes:
-            vals = [t for t in tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)]
-            if vals:
-                model = CostModel.nccl() if vals[0].device.type == "cuda" else CostModel()
-                break
+        """CUDA constants when any of the graph's tensors lives on a GPU (not
+        only its first: under CPU offload the first inputs are CPU shards,
+        and the whole graph was priced as the CPU's), else CPU/gloo; the
+        links its process group declares, if it does (the emulated network).
+        Depends only on the graph, so it is the same on every rank."""
+        on_gpu = any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
+                     for n in graph.nodes for t in tree_leaves(n.meta.get("val")))
+        model = CostModel.nccl() if on_gpu else CostModel()
         links = _declared_links(graph)
         return model if links is None else model.with_links(links)
 
@@ -264,6 +276,8 @@ class CostModel:
                 pass
         if name in _NO_COST_OPS:
             return 0.0
+        if target is torch.ops.prims.device_put.default:  # see [Note: Host copies]
+            return node_bytes(node) / self.compute.host_bytes_per_s
         if target is torch.ops.aten.constant_pad_nd.default:
             # From the output alone: a shard's pad reads fewer rows on some ranks,
             # and every rank must estimate the same ([Note: Rank-independent graphs]

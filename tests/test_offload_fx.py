@@ -87,6 +87,24 @@ def test_offloaded_shards_copied_in_the_gather_chain() -> None:
     assert order[module1_put] < order[first_mm]
 
 
+def test_host_copies_priced_at_the_host_link() -> None:
+    """[Note: Host copies] in passes/cost_model.py: each offloaded shard's
+    copy to the device and each gradient's copy back is priced at the host
+    link (50 GB/s on CUDA), not as a device copy (2.3 TB/s), which made the
+    schedule take a shard's copy for 40-50x cheaper than it is. And the
+    graph is priced as a GPU's: ``CostModel.for_graph`` looked at the first
+    tensor only, a CPU shard here, and priced the whole graph as the CPU's."""
+    from compiled_fsdp.passes.cost_model import CUDA_COMPUTE, CostModel, node_bytes
+
+    gm = _offloaded_graph()
+    run_joint_passes(gm)
+    cost = CostModel.for_graph(gm.graph)
+    puts = calls(gm, torch.ops.prims.device_put.default)
+    assert cost.compute is CUDA_COMPUTE and len(puts) == 6
+    for put in puts:
+        assert cost.compute_time(put) == node_bytes(put) / 5.0e10 > 0, put.format_node()
+
+
 def test_offloaded_region_read_regathers_on_the_device() -> None:
     """A compile region's reads under CPU offload ([Note: CPU offload in
     graphs]): the lowering's ``regather`` takes the CPU shards and names the

@@ -225,7 +225,7 @@ def test_a_gather_not_yet_due_leaves_the_reduce_scatter_in_flight() -> None:
     g = _build(n_modules=5, interleaved=True, reduce_group="g1")
     before = _per_group(g)
     gather_s = CostModel().comm_time("all_gather", D * D * 4, 2)
-    matmul = ComputeConstants(flops_per_s=2 * D ** 3 / (1.5 * gather_s), bytes_per_s=1e18)
+    matmul = ComputeConstants(flops_per_s=2 * D ** 3 / (1.5 * gather_s), bytes_per_s=1e18, host_bytes_per_s=1e18)
     cost = dataclasses.replace(CostModel(), compute=matmul)
     rep = apply_schedule(g, plan_schedule(g, OverlapConfig(), cost), cost)
     _check_invariants(g)
