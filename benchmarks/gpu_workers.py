@@ -109,7 +109,9 @@ def build(kind: str, cfg: llama.LlamaConfig, device: torch.device, backend: str)
             model = llama.Llama(cfg)
     else:
         torch.manual_seed(0)
-        with torch.device(device):
+        # (CPU offload: built on the CPU, as a model larger than the GPU is; its
+        # rotary tables are buffers that fully_shard moves to the GPU)
+        with torch.device("cpu" if kind.startswith("offload_") else device):
             model = llama.Llama(cfg)
     if kind == "floor":
         return model, torch.compile(_BF16Floor(model), backend=backend)
