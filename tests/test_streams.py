@@ -64,7 +64,7 @@ class _Event:
         self.stream._note("synchronize")
 
 
-def _recording_rank(rank: int, world: int, hooks: bool = False, **shard_kwargs: object) -> dict:
+def _recording_rank(rank: int, world: int, hooks: bool = False, wrap: object = None, **shard_kwargs: object) -> dict:
     build, make_batch, loss = gpt_case(False)
     log: list = []
     compute = _Recorder("compute", log)
@@ -84,7 +84,7 @@ def _recording_rank(rank: int, world: int, hooks: bool = False, **shard_kwargs: 
         return step_log
 
     res = run_parity(rank, build, lambda m: _shard_nested(m, reshard_after_forward=True, **shard_kwargs),
-                     make_batch, loss, after_step=install)
+                     make_batch, loss, after_step=install, wrap=wrap)
     return {**res, "hooked": hooked}
 
 
@@ -247,3 +247,28 @@ def test_offloaded_gradients_of_a_backward_that_raised() -> None:
         assert res["diff"] == 0.0, res
         assert res["copied_before_reset"] >= 1 and res["landed_before_reset"] == 0, res
         assert res["landed_at_reset"] > 0, res
+
+
+def _offload_regions_rank(rank: int, world: int) -> dict:
+    from functools import partial
+
+    return _recording_rank(rank, world, hooks=True, wrap=partial(torch.compile, backend="aot_eager"),
+                           offload_policy=compiled_fsdp.CPUOffloadPolicy(pin_memory=False))
+
+
+def test_offloaded_rows_of_a_region_land_after_their_event() -> None:
+    """The whole model compiled (``aot_eager``), each block a compile region,
+    under CPU offload: a region's later reduce hands each parameter's rows
+    to the host without blocking, an event after each, and they land with
+    the group's own at the end of backward (every block parameter's hook
+    after a synchronize). It copied each parameter's back blocking: a host
+    sync a parameter on a GPU. Bitwise to the reference."""
+    for res in run_distributed(_offload_regions_rank, 2):
+        assert_close(res, 0.0)
+        for step_log in res["after"][1:]:
+            entries = [(name, what) for name, what, _, _ in step_log]
+            records = [i for i, e in enumerate(entries) if e == ("compute", "record_event")]
+            syncs = [i for i, e in enumerate(entries) if e == ("compute", "synchronize")]
+            block_hooks = [i for i, (name, what) in enumerate(entries) if name == "hook" and "layers." in what]
+            assert len(records) == len(syncs) > 0 and block_hooks, entries
+            assert all(i > syncs[0] for i in block_hooks), entries

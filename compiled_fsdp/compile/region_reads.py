@@ -204,7 +204,8 @@ def refresh(group: FSDPParamGroup) -> None:
                 # from C++, is a cycle gc cannot see; the model outlived its last reference)
                 alias.register_post_accumulate_grad_hook(partial(_move_grad, weakref.ref(p)))
                 # (a reduce waited after the graph: [Note: A region's reduce-scatter waited outside its graph])
-                registry.CORE.later_reduces.receive(alias, partial(_add_grad, weakref.ref(p)))
+                registry.CORE.later_reduces.receive(alias, partial(_add_reduced_rows, weakref.ref(p),
+                                                                   weakref.ref(group)))
 
 
 def _move_grad(param_ref: weakref.ref, alias: torch.Tensor) -> None:
@@ -213,6 +214,29 @@ def _move_grad(param_ref: weakref.ref, alias: torch.Tensor) -> None:
     grad, alias.grad = alias.grad, None
     if grad is not None:
         _add_grad(param_ref, grad)
+
+
+def _add_reduced_rows(param_ref: weakref.ref, group_ref: weakref.ref, grad: torch.Tensor) -> None:
+    """A later reduce's rows (on the compute device) for its parameter: under
+    CPU offload on a device with streams, copied to the host without
+    blocking and landed with the group's own at the end of backward ([Note:
+    Offloaded gradients land at the end of backward] in runtime/reduces.py);
+    otherwise added at once (``_add_grad``)."""
+    param, group = param_ref(), group_ref()
+    streams = group.ctx.streams if group is not None and group.ctx is not None else None
+    if param is not None and param.offload and streams is not None and streams.enabled:
+        with compat.no_spmd_typecheck():  # (as ``_add_grad``)
+            group.reduces.copy_to_host(param, param.to_canonical(grad), streams)
+        registry.CORE.later_reduces.land_after(group.key, partial(_land, group_ref))
+    else:
+        _add_grad(param_ref, grad)
+
+
+def _land(group_ref: weakref.ref) -> None:
+    group = group_ref()
+    if group is not None:
+        with compat.no_spmd_typecheck():
+            group.reduces.land()
 
 
 def _add_grad(param_ref: weakref.ref, grad: torch.Tensor) -> None:

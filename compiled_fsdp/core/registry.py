@@ -170,6 +170,8 @@ class LaterReduces:
         # hand the op another tensor on it) -> the shard registered there
         # (weakly) and what takes its reduced rows.
         self.receivers: dict[tuple[int, int], tuple[weakref.ref, Callable[[torch.Tensor], None]]] = {}
+        # What runs once ``finish`` handed every pending reduce over (``land_after``), by its key.
+        self.landings: dict[object, Callable[[], None]] = {}
 
     def receive(self, shard: torch.Tensor, receiver: Callable[[torch.Tensor], None]) -> None:
         """``receiver`` takes the reduced rows of ``shard`` (and of any tensor
@@ -197,9 +199,20 @@ class LaterReduces:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def finish(self) -> None:
-        """Wait every pending reduce and hand its rows over."""
+        """Wait every pending reduce and hand its rows over; then run the
+        landings asked for (``land_after``)."""
         earlier, self.pending, self.queued = self.pending, [], False
         self._deliver(earlier)
+        landings, self.landings = self.landings, {}
+        for land in landings.values():
+            land()
+
+    def land_after(self, key: object, land: Callable[[], None]) -> None:
+        """``land`` runs once for ``key``, at the next ``finish`` (the end of
+        this backward): a receiver that copied its rows without blocking
+        lands them there ([Note: Offloaded gradients land at the end of
+        backward] in runtime/reduces.py)."""
+        self.landings.setdefault(key, land)
 
     def _deliver(self, pending: list[Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
         for rows in pending:
@@ -212,7 +225,7 @@ class LaterReduces:
                 receive(grad)
 
     def reset(self) -> None:
-        self.pending, self.queued, self.delivered = [], False, 0
+        self.pending, self.queued, self.delivered, self.landings = [], False, 0, {}
 
 
 class CoreRegistry:

@@ -16,7 +16,13 @@ and runs the post-accumulate-grad hooks (``land``); likewise at the end of
 each backward under manual finalization, and at ``reset_iter_state`` (a
 finished reduce was in ``.grad`` before). Copies left from a backward that
 raised without ``reset_iter_state`` are dropped at the next root forward,
-as a ``zero_grad`` in between would have dropped them from ``.grad``. FSDP2 sets ``.grad`` at once, runs the
+as a ``zero_grad`` in between would have dropped them from ``.grad``. A
+compile region's later reduce hands its rows over the same way
+(``copy_to_host``, from compile/region_reads.py; they land once the later
+reduces are finished at the end of backward, ``LaterReduces.land_after`` in
+core/registry.py): it copied each parameter's back blocking, a host sync a
+parameter. Tested by
+tests/test_streams.py::test_offloaded_rows_of_a_region_land_after_their_event. FSDP2 sets ``.grad`` at once, runs the
 hooks on a copy still in flight, and synchronizes before the optimizer in its
 final callback; here ``.grad`` and the hooks see the gradient only once it is
 there.
@@ -86,6 +92,12 @@ class GroupReduces:
                     p.add_grad(g)
             if self._landing:
                 self._copied.append(streams.compute_event())
+
+    def copy_to_host(self, param: FSDPParam, grad: torch.Tensor, streams: "CommStreams") -> None:
+        """``param``'s reduced rows (canonical, on the device) copied to the
+        host for ``land``, not blocking, an event after them."""
+        self._landing.append((param, param.grad_to_host(grad)))
+        self._copied.append(streams.compute_event())
 
     def land(self) -> None:
         """The offloaded gradients into ``.grad``, once their copies are done
