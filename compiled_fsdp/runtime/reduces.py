@@ -85,12 +85,14 @@ class GroupReduces:
             params = reduce.params
             grads = split_reduced(EAGER, summed, [p.spec for p in params], [p.local_rows for p in params],
                                   [p.orig_dtype for p in params])
+            staged = False
             for p, g in zip(params, grads):
                 if p.offload and streams is not None and streams.enabled:
                     self._landing.append((p, p.grad_to_host(g)))
+                    staged = True
                 else:
                     p.add_grad(g)
-            if self._landing:
+            if staged:
                 self._copied.append(streams.compute_event())
 
     def copy_to_host(self, param: FSDPParam, grad: torch.Tensor, streams: "CommStreams") -> None:
