@@ -156,6 +156,14 @@ def test_streams_context_is_restored_on_error() -> None:
     assert [w for _, w, _, _ in log] == ["wait_stream", "enter", "exit"]
 
 
+def _compute_events(step_log: list) -> tuple[list, list[int], list[int]]:
+    """A step's (stream, what) entries, and where the compute stream recorded
+    an event and where the host synchronized one."""
+    entries = [(name, what) for name, what, _, _ in step_log]
+    return (entries, [i for i, e in enumerate(entries) if e == ("compute", "record_event")],
+            [i for i, e in enumerate(entries) if e == ("compute", "synchronize")])
+
+
 def _offload_hooks_rank(rank: int, world: int) -> dict:
     return _recording_rank(rank, world, hooks=True,
                            offload_policy=compiled_fsdp.CPUOffloadPolicy(pin_memory=False))
@@ -174,9 +182,7 @@ def test_offloaded_gradients_land_after_their_event() -> None:
     for res in run_distributed(_offload_hooks_rank, 2):
         assert_close(res, 0.0)
         for step_log in res["after"][1:]:
-            entries = [(name, what) for name, what, _, _ in step_log]
-            records = [i for i, e in enumerate(entries) if e == ("compute", "record_event")]
-            syncs = [i for i, e in enumerate(entries) if e == ("compute", "synchronize")]
+            entries, records, syncs = _compute_events(step_log)
             hooks = [i for i, e in enumerate(entries) if e[0] == "hook"]
             last_reduce = max(i for i, e in enumerate(entries) if e == ("reduce", "exit"))
             assert len(records) == len(syncs) == n_modules, entries
@@ -266,9 +272,7 @@ def test_offloaded_rows_of_a_region_land_after_their_event() -> None:
     for res in run_distributed(_offload_regions_rank, 2):
         assert_close(res, 0.0)
         for step_log in res["after"][1:]:
-            entries = [(name, what) for name, what, _, _ in step_log]
-            records = [i for i, e in enumerate(entries) if e == ("compute", "record_event")]
-            syncs = [i for i, e in enumerate(entries) if e == ("compute", "synchronize")]
+            entries, records, syncs = _compute_events(step_log)
             block_hooks = [i for i, (name, what) in enumerate(entries) if name == "hook" and "layers." in what]
             assert len(records) == len(syncs) > 0 and block_hooks, entries
             assert all(i > syncs[0] for i in block_hooks), entries
