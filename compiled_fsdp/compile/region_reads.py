@@ -18,6 +18,7 @@ from compiled_fsdp.core.layout import from_canonical, to_canonical
 from compiled_fsdp.core.marker import ENTRY_KEY, IssueAhead, Unshard
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
+from compiled_fsdp.runtime.reduces import copies_to_host
 
 __all__ = ["in_a_region", "issue_ahead", "read_settings", "refresh", "traced_read"]
 
@@ -224,9 +225,9 @@ def _add_reduced_rows(param_ref: weakref.ref, group_ref: weakref.ref, grad: torc
     otherwise added at once (``_add_grad``)."""
     param, group = param_ref(), group_ref()
     streams = group.ctx.streams if group is not None and group.ctx is not None else None
-    if param is not None and param.offload and streams is not None and streams.enabled:
+    if param is not None and copies_to_host(param, streams):
         with compat.no_spmd_typecheck():  # (as ``_add_grad``)
-            group.reduces.copy_to_host(param, param.to_canonical(grad), streams)
+            group.reduces.copy_to_host([(param, param.to_canonical(grad))], streams)
         registry.CORE.later_reduces.land_after(group.key, partial(_land, group_ref))
     else:
         _add_grad(param_ref, grad)

@@ -64,8 +64,8 @@ from compiled_fsdp.core.layout import EAGER, sum_received
 
 __all__ = [
     "EMULATED_BACKEND", "ONE_PROCESS_BACKENDS", "PendingCollective", "all_gather_by_work", "all_gather_flat",
-    "all_gather_unwaited", "all_reduce_flat", "collective_bytes", "collective_counts", "count", "gathers_by_work",
-    "reduce_scatter_flat", "reset_collective_counts", "unaliased", "uses_all_to_all",
+    "all_gather_unwaited", "all_reduce_flat", "backend_on", "collective_bytes", "collective_counts", "count",
+    "gathers_by_work", "reduce_scatter_flat", "reset_collective_counts", "unaliased", "uses_all_to_all",
 ]
 
 # The backend name of the emulated network (compiled_fsdp/tools/emulated.py):
@@ -108,6 +108,16 @@ def unaliased(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     return out.clone() if same else out
 
 
+def backend_on(group: dist.ProcessGroup, device: Union[torch.device, str]) -> Optional[object]:
+    """``group``'s backend for ``device``'s type, or None where it has none
+    (torch's thread ranks, the emulated network, a device no backend
+    registered)."""
+    try:
+        return group._get_backend(torch.device(device))
+    except RuntimeError:
+        return None
+
+
 def gathers_by_work(group_name: str, device: Union[torch.device, str]) -> bool:
     """Whether an all-gather left unwaited on the group named ``group_name``
     is ``all_gather_by_work`` ([Note: All-gathers on gloo]): that group's
@@ -117,10 +127,9 @@ def gathers_by_work(group_name: str, device: Union[torch.device, str]) -> bool:
         return False
     try:
         group = dist.distributed_c10d._resolve_process_group(group_name)
-        backend = group._get_backend(torch.device(device))
-    except RuntimeError:  # (no such group: a hand-built graph's; no backend for the device: torch's thread ranks')
+    except RuntimeError:  # (no such group: a hand-built graph's)
         return False
-    return isinstance(backend, dist.ProcessGroupGloo)
+    return isinstance(backend_on(group, device), dist.ProcessGroupGloo)
 
 
 @torch.library.custom_op("compiled_fsdp::all_gather_by_work", mutates_args=(), tags=compat.cudagraph_unsafe_tags())

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from compiled_fsdp.config import comm
-from compiled_fsdp.core.comm import ONE_PROCESS_BACKENDS, uses_all_to_all
+from compiled_fsdp.core.comm import ONE_PROCESS_BACKENDS, backend_on, uses_all_to_all
 from compiled_fsdp.runtime.divergence import Checker, checker_for, ranks_are_processes, ranks_are_threads
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.groups import post_forward_group_for, reduce_group_for
@@ -47,7 +47,7 @@ from compiled_fsdp.runtime.module import FSDPModule, ManagedByAncestor
 from compiled_fsdp.runtime.module_class import install_class
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
-from compiled_fsdp.runtime.placement import mesh_device_type, move_buffers
+from compiled_fsdp.runtime.placement import compute_device, mesh_device_type, move_buffers
 from compiled_fsdp.runtime.policy import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -347,7 +347,7 @@ def _shard_one(modules: tuple[nn.Module, ...], options: ShardingOptions,
         mesh = options.mesh_for(_mesh_device_type(next(iter(owners)), options.process_group,
                                                   options.offload is not None))
         if mesh.device_type not in ("cpu", "meta"):
-            move_buffers(modules, torch.device(mesh.device_type, torch.accelerator.current_device_index()))
+            move_buffers(modules, compute_device(mesh.device_type))
         rank = options.process_group.rank()
         shard_size = options.process_group.size()
         fsdp_params = []
@@ -448,11 +448,8 @@ def _bucket_bytes(bucket_cap_mb: object) -> Optional[int]:
 def _mesh_device_type(param: nn.Parameter, group: dist.ProcessGroup, offload: bool = False) -> str:
     """``placement.mesh_device_type`` for this process and ``group``."""
     def carries(device_type: str) -> bool:
-        try:
-            backend = group._get_backend(torch.device(device_type))
-        except RuntimeError:  # (no backend for that device)
-            return False
-        return not isinstance(backend, dist.ProcessGroupGloo)
+        backend = backend_on(group, device_type)
+        return backend is not None and not isinstance(backend, dist.ProcessGroupGloo)
 
     accelerator = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
     return mesh_device_type(param.device.type, offload, accelerator, dist.get_backend(group) in ONE_PROCESS_BACKENDS,

@@ -79,7 +79,7 @@ from compiled_fsdp.core.layout import EAGER, ShardSpec, from_canonical, reduce_i
 from compiled_fsdp.runtime.annotated import annotated_layout
 from compiled_fsdp.runtime.ext_gather import Extension
 from compiled_fsdp.runtime.extension import compiled_path
-from compiled_fsdp.runtime.placement import registered_layout
+from compiled_fsdp.runtime.placement import compute_device, registered_layout
 from compiled_fsdp.runtime.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from compiled_fsdp.runtime.registry import RUNTIME
 
@@ -158,7 +158,7 @@ class FSDPParam:
         self._dtensor_specs: dict[torch.dtype, DTensorSpec] = {}  # (``to_dtensor``'s, by dtype)
         self.offload = offload is not None  # see [Note: CPU offload] in policy.py
         self.pin = self.offload and offload.pin_memory and torch.accelerator.is_available()
-        self.compute_device = _compute_device(mesh.device_type)
+        self.compute_device = compute_device(mesh.device_type)
         with torch.no_grad():
             local = self.local_of(param.detach(), rank)
             if offload is not None and not local.is_meta:
@@ -499,13 +499,6 @@ class FSDPParam:
                 "(do not apply fully_shard to that module separately)."
             )
         return self.sharded
-
-
-def _compute_device(device_type: str) -> torch.device:
-    """The device of a mesh of ``device_type``: this process's current one."""
-    if device_type in ("cpu", "meta"):
-        return torch.device(device_type)
-    return torch.device(device_type, torch.accelerator.current_device_index())
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

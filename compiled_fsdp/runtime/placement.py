@@ -39,6 +39,13 @@ def mesh_device_type(param_device: str, offload: bool, accelerator: Optional[str
     return "cpu"
 
 
+def compute_device(device_type: str) -> torch.device:
+    """The device of a mesh of ``device_type``: this process's current one."""
+    if device_type in ("cpu", "meta"):
+        return torch.device(device_type)
+    return torch.device(device_type, torch.accelerator.current_device_index())
+
+
 def move_buffers(modules: Sequence[nn.Module], device: torch.device) -> None:
     """The modules' buffers on ``device`` (the mesh's, an accelerator's), as
     FSDP2 moves a managed module's states at ``fully_shard``: a model built

@@ -21,11 +21,9 @@ compile region's later reduce hands its rows over the same way
 (``copy_to_host``, from compile/region_reads.py; they land once the later
 reduces are finished at the end of backward, ``LaterReduces.land_after`` in
 core/registry.py): it copied each parameter's back blocking, a host sync a
-parameter. Tested by
-tests/test_streams.py::test_offloaded_rows_of_a_region_land_after_their_event. FSDP2 sets ``.grad`` at once, runs the
-hooks on a copy still in flight, and synchronizes before the optimizer in its
-final callback; here ``.grad`` and the hooks see the gradient only once it is
-there.
+parameter. FSDP2 sets ``.grad`` at once, runs the hooks on a copy still in
+flight, and synchronizes before the optimizer in its final callback; here
+``.grad`` and the hooks see the gradient only once it is there.
 
 The copy stays on the compute stream, where it costs its transfer time in
 stream order as the blocking copy did. On the reduce stream (FSDP2's choice)
@@ -34,7 +32,8 @@ the compute stream reuses: the reduced buffer of a group of one rank is the
 compute stream's, and NCCL gives the packed input back to the compute
 stream's pool when the stream that waits its work does. That overlap is for
 a GPU to measure first. On the CPU nothing is copied and nothing waits.
-Tested by tests/test_streams.py::test_offloaded_gradients_land_after_their_event.
+Tested by tests/test_streams.py::test_offloaded_gradients_land_after_their_event
+and, for a region's, ::test_offloaded_rows_of_a_region_land_after_their_event.
 """
 from __future__ import annotations
 
@@ -51,7 +50,13 @@ from compiled_fsdp.runtime.param import FSDPParam
 if TYPE_CHECKING:
     from compiled_fsdp.runtime.streams import CommStreams
 
-__all__ = ["GroupReduces", "PendingReduce", "byte_buckets"]
+__all__ = ["GroupReduces", "PendingReduce", "byte_buckets", "copies_to_host"]
+
+
+def copies_to_host(param: FSDPParam, streams: Optional["CommStreams"]) -> bool:
+    """Whether ``param``'s reduced rows go to the host without blocking and
+    land later: offloaded, on a device with streams."""
+    return param.offload and streams is not None and streams.enabled
 
 
 @dataclasses.dataclass
@@ -85,20 +90,19 @@ class GroupReduces:
             params = reduce.params
             grads = split_reduced(EAGER, summed, [p.spec for p in params], [p.local_rows for p in params],
                                   [p.orig_dtype for p in params])
-            staged = False
+            staged = []
             for p, g in zip(params, grads):
-                if p.offload and streams is not None and streams.enabled:
-                    self._landing.append((p, p.grad_to_host(g)))
-                    staged = True
+                if copies_to_host(p, streams):
+                    staged.append((p, g))
                 else:
                     p.add_grad(g)
             if staged:
-                self._copied.append(streams.compute_event())
+                self.copy_to_host(staged, streams)
 
-    def copy_to_host(self, param: FSDPParam, grad: torch.Tensor, streams: "CommStreams") -> None:
-        """``param``'s reduced rows (canonical, on the device) copied to the
-        host for ``land``, not blocking, an event after them."""
-        self._landing.append((param, param.grad_to_host(grad)))
+    def copy_to_host(self, rows: list[tuple[FSDPParam, torch.Tensor]], streams: "CommStreams") -> None:
+        """Each parameter's reduced rows (canonical, on the device) copied to
+        the host for ``land``, not blocking, one event after them."""
+        self._landing.extend((p, p.grad_to_host(g)) for p, g in rows)
         self._copied.append(streams.compute_event())
 
     def land(self) -> None:
