@@ -276,3 +276,27 @@ def test_offloaded_rows_of_a_region_land_after_their_event() -> None:
             block_hooks = [i for i, (name, what) in enumerate(entries) if name == "hook" and "layers." in what]
             assert len(records) == len(syncs) > 0 and block_hooks, entries
             assert all(i > syncs[0] for i in block_hooks), entries
+
+
+def _regions_rank(rank: int, world: int) -> dict:
+    from functools import partial
+
+    return _recording_rank(rank, world, wrap=partial(torch.compile, backend="aot_eager"))
+
+
+def test_region_gathers_issued_on_the_gather_stream() -> None:
+    """The whole model compiled (``aot_eager``), each of the two blocks a
+    compile region: the gathers the ops issue ahead of the regions (one a
+    block in forward, one in backward) are packed and issued on the gather
+    stream, each after it waited for the compute stream, as the eager
+    runtime's ([Note: Gathers issued by ops on the gather stream] in
+    core/ops.py). They ran on the compute stream, where under CPU offload
+    each block's copy from the host held up the kernels behind it. Bitwise
+    to the reference."""
+    n_blocks = 2
+    for res in run_distributed(_regions_rank, 2):
+        assert_close(res, 0.0)
+        for step_log in res["after"][1:]:
+            gathers = _spans(step_log, "gather")
+            assert len(gathers) == 2 * n_blocks, step_log
+            assert all(wait[:3] == ("gather", "wait_stream", "compute") for wait, _, _ in gathers), step_log

@@ -59,6 +59,7 @@ Tested by tests/test_compile_parity.py::test_a_second_job_hits_the_caches[whole]
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -228,21 +229,46 @@ def gather_next(*args: Any, **kwargs: Any) -> torch.Tensor:
     return issue_gather(list(m.shards), _next_specs(m), m.param_dtype, m.group_name, m.module_key)
 
 
+# [Note: Gathers issued by ops on the gather stream]
+# The ops that issue a bucket's gather in their eager code and leave it in
+# flight (``gather_next``, the compile regions' ``issue_ahead``, the
+# backward's re-gathers issued ahead, ``regather``'s own) pack it where the
+# eager runtime's ``unshard`` does: on the root's gather stream, after that
+# stream waited for the compute stream ([Note: Streams and events] in
+# runtime/streams.py), reached through the group's ``issuing_gather``. On
+# the compute stream, the pack (the shards' copy from the host under CPU
+# offload, their cast to the compute dtype) held up every kernel queued
+# after it: under offload a block's host copy (a 27M-parameter fp32 shard of
+# Llama-3.1-8B at W=8 is 109 MB, some 2-4 ms at the host link) before each
+# block's forward and backward. The reader waits the collective's work on
+# its own stream (``wait_tensor``). A gather on one rank communicates
+# nothing, so no work would order its reader behind the pack: it stays on
+# the current stream. On the CPU there are no streams. Tested by
+# tests/test_streams.py::test_region_gathers_issued_on_the_gather_stream.
+
+
+def _issuing_gather(module_key: int, world_size: int) -> contextlib.AbstractContextManager:
+    owner = registry.owner_of(module_key) if world_size > 1 else None
+    return owner.issuing_gather() if owner is not None else contextlib.nullcontext()
+
+
 def issue_gather(shards: list[torch.Tensor], specs: list[ShardSpec], param_dtype: Optional[torch.dtype],
                  group_name: str, module_key: int, counted: bool = True, device: Optional[str] = None
                  ) -> torch.Tensor:
     """One bucket's pack (its shards first copied to ``device``: CPU
-    offload) and all-gather, not waited (a fresh tensor); ``counted`` in
-    ``collective_counts`` (a graph's ``regather`` is not: it stands for the
-    graph's own gather)."""
-    flat = pack_shards(EAGER, shards, specs, [param_dtype] * len(specs), device)
+    offload) and all-gather, not waited (a fresh tensor), on the gather
+    stream ([Note: Gathers issued by ops on the gather stream]); ``counted``
+    in ``collective_counts`` (a graph's ``regather`` is not: it stands for
+    the graph's own gather)."""
     world_size = specs[0].world_size
-    if world_size == 1:
-        return flat.clone()
-    if counted:
-        comm.count("all_gather")
-    _before_collective("all-gather", module_key, -1)
-    return comm.all_gather_unwaited(flat, world_size, group_name)  # ([Note: All-gathers on gloo] in comm.py)
+    with _issuing_gather(module_key, world_size):
+        flat = pack_shards(EAGER, shards, specs, [param_dtype] * len(specs), device)
+        if world_size == 1:
+            return flat.clone()
+        if counted:
+            comm.count("all_gather")
+        _before_collective("all-gather", module_key, -1)
+        return comm.all_gather_unwaited(flat, world_size, group_name)  # ([Note: All-gathers on gloo] in comm.py)
 
 
 @gather_next.register_fake

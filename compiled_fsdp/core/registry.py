@@ -24,6 +24,7 @@ owners apart.
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
 from typing import Callable, Optional, Protocol
 
@@ -43,6 +44,12 @@ class MarkerOwner(Protocol):
         """Called before a marker's eager implementation issues ``op``
         ("all-gather" or "reduce-scatter") for parameter ``param_index``
         (-1: the whole bucket): the runtime agrees on it with the other ranks."""
+
+    def issuing_gather(self) -> contextlib.AbstractContextManager:
+        """Where a marker op's eager code issues a gather of this key's
+        bucket that it leaves in flight: the runtime's gather stream, where
+        there is one ([Note: Gathers issued by ops on the gather stream] in
+        ops.py)."""
 
 
 # A bucket: its shards' storages and offsets (``ops.shards_key``).

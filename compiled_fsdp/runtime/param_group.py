@@ -267,6 +267,12 @@ class FSDPParamGroup:
             self.checker.check(Checkpoint(
                 COLLECTIVE, self.checker.step, stable_code(op, self.identity, param_index), what))
 
+    def issuing_gather(self) -> contextlib.AbstractContextManager:
+        """Where a marker op issues this group's gather, in flight (core/ops.py):
+        on the root's gather stream, as ``unshard`` issues it."""
+        streams = self._streams()
+        return streams.on_gather() if streams is not None else contextlib.nullcontext()
+
     # -- all-gather ----------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Issue the group's all-gather (if sharded); with ``async_op=False`` also wait."""
