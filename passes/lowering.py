@@ -325,7 +325,8 @@ def _copied_meta(src: fx.Node, plan: BucketPlan, role: str | None = None) -> dic
 # with: [Note: Gathers issued ahead of compile regions] in
 # compile/regions.py): it takes the CPU shards, keyed by them as always, and
 # names the device, and its eager code copies them as the first step of the
-# same pack. A block compiled on its own gathers it in the eager runtime
+# same pack, on the gather stream ([Note: Gathers issued by ops on the
+# gather stream] in compiled_fsdp/core/ops.py). A block compiled on its own gathers it in the eager runtime
 # ([Note: Extension groups run the eager runtime] in compile/path.py). On a
 # machine without an accelerator the compute device is the CPU and no copy
 # is emitted. Tested by tests/test_offload.py (the graphs and regions on the
