@@ -37,6 +37,7 @@ optimizer's step with ``zero_grad`` (host time: all of it on the CPU).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -87,6 +88,19 @@ def _topology(link: str, args: argparse.Namespace):
     t = Topology(node_gbps=args.match_gbps, node_latency_us=0.0, network_gbps=args.match_gbps,
                  network_latency_us=0.0)
     return t.slower(float(slower)) if slower else t
+
+
+def _compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
+    """The compute the passes price with on the CPU ([Note: Compute declared
+    by the network] in passes/cost_model.py): measured here at the model's
+    feed-forward shape, or ``--compute-gflops``; None on CUDA and with 0."""
+    from compiled_fsdp.tools.emulated import cpu_compute_at, measured_cpu_compute
+
+    if args.device != "cpu" or args.compute_gflops == 0:
+        return None
+    if args.compute_gflops is None:
+        return measured_cpu_compute(args.batch * cfg.seq, cfg.dim, cfg.ffn)
+    return cpu_compute_at(args.compute_gflops * 1e9)
 
 
 # --- one configuration (the worker) ------------------------------------------
@@ -257,7 +271,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # driver gives each worker an empty kernel cache directory: run_one.)
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
-    net = init_emulated_network(args.world, topology=_topology(args.link, args), device=args.device)
+    compute = _compute(args, cfg)
+    topology = dataclasses.replace(_topology(args.link, args), compute=compute)
+    net = init_emulated_network(args.world, topology=topology, device=args.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     optimizer: list[float] = []  # (each step's optimizer step and zero_grad, host time)
@@ -308,7 +324,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "step_times_s": times, "optimizer_s": statistics.median(optimizer),
         "minor_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps,
         "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
-        "collectives": s["collectives"], "topology": net.topology.__dict__,
+        "priced_flops_per_s": compute.flops_per_s if compute is not None else None,
+        "collectives": s["collectives"], "topology": dataclasses.asdict(net.topology),
         "compile_s": compile_s, "unique_graphs": frames_compiled,
         # The last step's collectives as the network ran them (ms from the step's start):
         # where the link idled and where the step waited.
@@ -381,6 +398,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
            "--seq", str(args.seq or 0)]
     if args.match_gbps is not None:
         cmd += ["--match-gbps", str(args.match_gbps)]
+    if args.compute_gflops is not None:
+        cmd += ["--compute-gflops", str(args.compute_gflops)]
     if args.network_gbps is not None:
         cmd += ["--network-gbps", str(args.network_gbps)]
     start = time.perf_counter()
@@ -457,6 +476,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--network-gbps", type=float, default=None, help="nccl: GB/s per GPU between nodes")
     p.add_argument("--match-gbps", type=float, default=None,
                    help="the match link's GB/s (default: measured per world; give one to pair runs)")
+    p.add_argument("--compute-gflops", type=float, default=None,
+                   help="CPU: the matmul GFLOP/s the passes price compute with (default: measured by each "
+                        "worker at its start; 0: the cost model's constants)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--pattern", default="plain", choices=("plain", "titan", "titan_plain"),
                    help="titan: torchtitan's per-block compile, selective AC and chunked loss (not 'ours'); "

@@ -207,14 +207,31 @@ def _group_size(group_name: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class Links:
     """A network's links: within a node (``comm``), across nodes
-    (``inter_node``), and how many ranks a node holds. A process group that
-    prices its own collectives (the emulated network,
+    (``inter_node``), and how many ranks a node holds; and, where the
+    network measured it, the compute of the machine it runs on
+    (``compute``: [Note: Compute declared by the network]). A process group
+    that prices its own collectives (the emulated network,
     compiled_fsdp/tools/emulated.py) declares them as its ``links``
     attribute, and ``CostModel.for_graph`` prices with them."""
 
     comm: Any
     inter_node: Any
     ranks_per_node: int = GPUS_PER_NODE
+    compute: ComputeConstants | None = None
+
+
+# [Note: Compute declared by the network]
+# The CPU constants are one machine's (``CPU_COMPUTE``: [Note: Calibrated
+# constants]). The emulated network runs wherever the benchmark does, and a
+# machine whose matmuls run at 0.75 of the constant's rate made the timeline
+# price every block's compute 25% short, so it predicted more exposed
+# communication than the run showed (0.171 s against 0.129 at W=8, the
+# matched link, RESULTS 2026-12-01): a check of the machine, not of the
+# schedule. So the network may declare the compute it measured where it
+# runs, and a graph whose group declares it is priced with it. Only a
+# group that prices its own collectives declares it: one process, so no
+# other rank decides otherwise; a real group's ranks all keep the constants.
+# Tested by tests/test_emulated.py::test_declared_compute_prices_the_graph.
 
 
 def _declared_links(graph: fx.Graph) -> "Links | None":
@@ -242,7 +259,7 @@ class CostModel:
 
     def with_links(self, links: Links) -> "CostModel":
         return dataclasses.replace(self, comm=dict(links.comm), inter_node=dict(links.inter_node),
-                                   ranks_per_node=links.ranks_per_node)
+                                   ranks_per_node=links.ranks_per_node, compute=links.compute or self.compute)
 
     @staticmethod
     def for_graph(graph: fx.Graph) -> "CostModel":

@@ -2,8 +2,8 @@
 emulated network]): its groups' semantics at W = 8 and 64 (shapes, the shard
 each rank holds, collective counts, the order works complete in), the clock's
 arithmetic checked on the network's own record of issue, start, end and wait
-times (never on wall time), the passes pricing with the group's links, and
-the benchmark's CPU path on a tiny model. Each case runs in a fresh process:
+times (never on wall time), the passes pricing with the group's links (and
+the compute it declares), and the benchmark's CPU path on a tiny model. Each case runs in a fresh process:
 the emulated group is the process's default group."""
 from __future__ import annotations
 
@@ -95,6 +95,19 @@ ag.meta["val"] = torch.empty(8 * world)
 out["for_graph_links"] = CostModel.for_graph(g).comm == topo.links.comm
 out["for_graph_price"] = abs(CostModel.for_graph(g).collective_time(ag)
                             - price("all_gather", 32 * world, world, across)) < 1e-12
+# the compute the network declares prices the graph's compute: [Note: Compute declared by the network]
+import dataclasses
+from compiled_fsdp.passes.cost_model import CPU_COMPUTE
+from compiled_fsdp.tools.emulated import cpu_compute_at
+col, row = (g.call_function(torch.ops.aten.view.default, (ag, shape)) for shape in ([8 * world, 1], [1, 8 * world]))
+col.meta["val"], row.meta["val"] = torch.empty(8 * world, 1), torch.empty(1, 8 * world)
+mm = g.call_function(torch.ops.aten.mm.default, (col, row))
+mm.meta["val"] = torch.empty(8 * world, 8 * world)
+undeclared = CostModel.for_graph(g).compute_time(mm)
+net.topology = dataclasses.replace(topo, compute=cpu_compute_at(CPU_COMPUTE.flops_per_s / 4))
+out["declared_compute"] = [CostModel.for_graph(g).compute == net.topology.compute,
+                           abs(CostModel.for_graph(g).compute_time(mm) - 4 * undeclared) < 1e-15, undeclared > 0]
+net.topology = topo
 
 # fully_shard under it: rank 0 holds ceil(rows / W) rows; the record counts what the runtime issued
 from compiled_fsdp import collective_counts, fully_shard, reset_collective_counts
@@ -142,6 +155,7 @@ def test_group_semantics_and_clock(world: int) -> None:
     assert res["sub_sizes"] == [8, world // 8] and res["sub_priced"] == [True, True] and res["node_vs_network"]
     assert res["functional_shape"] == [8 * world] and res["functional_kinds"] == ["all_gather"]
     assert res["for_graph_links"] and res["for_graph_price"]
+    assert res["declared_compute"] == [True, True, True], res["declared_compute"]
     assert res["shard_rows_ok"]
     record_counts, runtime_counts = res["fsdp_counts"]
     # every collective the eager runtime issued went through the network, once
@@ -193,6 +207,7 @@ def test_benchmark_cpu_path(tmp_path) -> None:
         r = by_kind[kind]
         assert 0 < r["comm_s"] and 0 <= r["exposed_s"] <= r["comm_s"] + 1e-6, r
     assert abs(by_kind["ours"]["predicted_comm_s"] - by_kind["ours"]["comm_s"]) < 1e-9
+    assert all(r["priced_flops_per_s"] > 0 for r in results)  # (measured by each worker)
     with open(tmp_path / "emulated.json") as f:
         table = json.load(f)["table"].splitlines()
     assert len(table) == 1 + 3 and "x bound" in table[0]

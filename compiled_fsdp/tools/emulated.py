@@ -58,16 +58,19 @@ import torch.distributed as dist
 
 from compiled_fsdp.core.comm import EMULATED_BACKEND
 from compiled_fsdp.passes.cost_model import (
+    CPU_COMPUTE,
     GPUS_PER_NODE,
     NCCL_COMM,
     NCCL_INTER_NODE,
     CommConstants,
+    ComputeConstants,
     CostModel,
     Links,
     tensor_bytes,
 )
 
-__all__ = ["EmulatedNetwork", "Record", "Topology", "init_emulated_network"]
+__all__ = ["EmulatedNetwork", "Record", "Topology", "cpu_compute_at", "init_emulated_network",
+           "measured_cpu_compute"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +86,10 @@ class Topology:
     node_latency_us: float = NCCL_COMM["all_gather"].alpha_s * 1e6
     network_gbps: float = NCCL_INTER_NODE["all_gather"].link_bytes_per_s / 1e9
     network_latency_us: float = NCCL_INTER_NODE["all_gather"].alpha_s * 1e6
+    # The compute the passes price a graph with, where measured here
+    # (``measured_cpu_compute``; None: the cost model's constants): [Note:
+    # Compute declared by the network] in passes/cost_model.py.
+    compute: Optional[ComputeConstants] = None
 
     @staticmethod
     def nccl(network_gbps: Optional[float] = None) -> "Topology":
@@ -100,7 +107,32 @@ class Topology:
         node = CommConstants(alpha_s=self.node_latency_us * 1e-6, link_bytes_per_s=self.node_gbps * 1e9)
         net = CommConstants(alpha_s=self.network_latency_us * 1e-6, link_bytes_per_s=self.network_gbps * 1e9)
         return Links(comm={"all_gather": node, "reduce_scatter": node},
-                     inter_node={"all_gather": net, "reduce_scatter": net}, ranks_per_node=self.ranks_per_node)
+                     inter_node={"all_gather": net, "reduce_scatter": net}, ranks_per_node=self.ranks_per_node,
+                     compute=self.compute)
+
+
+def cpu_compute_at(flops_per_s: float) -> ComputeConstants:
+    """The cost model's CPU constants for a machine whose matmuls run at
+    ``flops_per_s``, for ``Topology.compute``: the memory rates scaled by
+    the same ratio (one core's rates move together; the elementwise one alone
+    swings too much on a shared machine to measure in a second)."""
+    scale = flops_per_s / CPU_COMPUTE.flops_per_s
+    return dataclasses.replace(CPU_COMPUTE, flops_per_s=flops_per_s, bytes_per_s=CPU_COMPUTE.bytes_per_s * scale,
+                               host_bytes_per_s=CPU_COMPUTE.host_bytes_per_s * scale)
+
+
+def measured_cpu_compute(m: int, k: int, n: int, reps: int = 15) -> ComputeConstants:
+    """``cpu_compute_at`` this machine's rate of an ``[m, k] @ [k, n]``
+    matmul (a model's own shape: its tokens, width and feed-forward width),
+    the median of ``reps``, on the threads set."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return cpu_compute_at(2 * m * k * n / sorted(times)[reps // 2])
 
 
 @dataclasses.dataclass
