@@ -222,16 +222,18 @@ class Links:
 
 # [Note: Compute declared by the network]
 # The CPU constants are one machine's (``CPU_COMPUTE``: [Note: Calibrated
-# constants]). The emulated network runs wherever the benchmark does, and a
-# machine whose matmuls run at 0.75 of the constant's rate made the timeline
-# price every block's compute 25% short, so it predicted more exposed
-# communication than the run showed (0.171 s against 0.129 at W=8, the
-# matched link, RESULTS 2026-12-01): a check of the machine, not of the
-# schedule. So the network may declare the compute it measured where it
-# runs, and a graph whose group declares it is priced with it. Only a
-# group that prices its own collectives declares it: one process, so no
-# other rank decides otherwise; a real group's ranks all keep the constants.
-# Tested by tests/test_emulated.py::test_declared_compute_prices_the_graph.
+# constants]). The emulated network runs wherever the benchmark does, and
+# one core's matmul rate on the machines this project has run on spans
+# 0.69-0.95e11 FLOP/s (2026-12-01, one thread), so a run's timeline could
+# price every block's compute up to 25% away from what that run computes:
+# the comparison of the predicted exposed communication with the measured
+# one would then check the machine, not the schedule. So the network may
+# declare the compute it measured where it runs (``Topology.compute``,
+# carried by ``Links.compute``), and a graph whose group declares it is
+# priced with it. Only a group that prices its own collectives declares it:
+# one process, so no other rank decides otherwise; a real group's ranks all
+# keep the constants.
+# Tested by tests/test_emulated.py::test_group_semantics_and_clock.
 
 
 def _declared_links(graph: fx.Graph) -> "Links | None":
