@@ -240,6 +240,30 @@ def test_a_gather_not_yet_due_leaves_the_reduce_scatter_in_flight() -> None:
             assert aten.mm.default in between, (chain_tag(n).module_key, rep.sequence)
 
 
+def test_no_reduce_scatter_waited_for_a_gather_that_cannot_fit() -> None:
+    """[Note: Room for a gather once it is due], a slow link: each module's
+    matmul priced at a quarter of a gather, so each gather is due two modules
+    ahead, while the default budget (two gathers) is full of the two gathers
+    in flight. A reduce-scatter is waited only where a gather then fits: the
+    next collective after its wait is a gather's issue. It was waited right
+    after its issue, for nothing, the next module's gather wait following."""
+    g = _build(n_modules=6, interleaved=True, reduce_group="g1")
+    before = _per_group(g)
+    gather_s = CostModel().comm_time("all_gather", D * D * 4, 2)
+    matmul = ComputeConstants(flops_per_s=2 * D ** 3 / (0.25 * gather_s), bytes_per_s=1e18, host_bytes_per_s=1e18)
+    cost = dataclasses.replace(CostModel(), compute=matmul)
+    rep = apply_schedule(g, plan_schedule(g, OverlapConfig(), cost), cost)
+    _check_invariants(g)
+    assert rep.changed and _per_group(g) == before, rep.reason
+    nodes = list(g.nodes)
+    comm = [n for n in nodes if n.target in (AG, RS) or n.target is WAIT and n.args[0].target in (AG, RS)]
+    last_gather = max(i for i, n in enumerate(comm) if n.target is AG)
+    rs_waits = [i for i, n in enumerate(comm) if n.target is WAIT and n.args[0].target is RS and i < last_gather]
+    assert rs_waits, rep.sequence
+    for i in rs_waits:
+        assert comm[i + 1].target is AG, (comm[i + 1], rep.sequence)
+
+
 def test_a_pointwise_chain_is_priced_as_one_kernel() -> None:
     """[Note: Fused elementwise ops]: x -> add -> mul -> sum. The chain reads
     x once and the sum writes its output; the values between the pointwise
