@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from compiled_fsdp.passes.config import OverlapConfig
 from compiled_fsdp.passes.cost_model import ComputeConstants, CostModel
 from compiled_fsdp.passes.graph import ChainTag, chain_tag
-from compiled_fsdp.passes.schedule import apply_schedule, plan_schedule, schedule_graph
+from compiled_fsdp.passes.schedule import ScheduleReport, apply_schedule, plan_schedule, schedule_graph
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -215,6 +215,23 @@ def test_reduce_scatter_larger_than_budget() -> None:
     assert rep.peak_after_bytes <= rep.peak_before_bytes + rep.budget_bytes
 
 
+def _backward_scheduled(n_modules: int, matmul_in_gathers: float) -> tuple[fx.Graph, ScheduleReport]:
+    """Backward's shape (each module's reduce-scatter after its compute),
+    each module's matmul priced at ``matmul_in_gathers`` gathers, scheduled
+    with the default budget (two gathers); the invariants checked and each
+    group's order kept."""
+    g = _build(n_modules=n_modules, interleaved=True, reduce_group="g1")
+    before = _per_group(g)
+    gather_s = CostModel().comm_time("all_gather", D * D * 4, 2)
+    matmul = ComputeConstants(flops_per_s=2 * D ** 3 / (matmul_in_gathers * gather_s), bytes_per_s=1e18,
+                              host_bytes_per_s=1e18)
+    cost = dataclasses.replace(CostModel(), compute=matmul)
+    rep = apply_schedule(g, plan_schedule(g, OverlapConfig(), cost), cost)
+    _check_invariants(g)
+    assert rep.changed and _per_group(g) == before, rep.reason
+    return g, rep
+
+
 def test_a_gather_not_yet_due_leaves_the_reduce_scatter_in_flight() -> None:
     """[Note: Room for a gather once it is due]: backward's shape, each
     module's matmul priced at 1.5 gathers, the default budget (two gathers).
@@ -222,15 +239,8 @@ def test_a_gather_not_yet_due_leaves_the_reduce_scatter_in_flight() -> None:
     means waiting reduce-scatter i; it waits instead until it is due, and
     reduce-scatter i runs behind module i+1's matmul (it was waited right
     after its issue, nothing between them)."""
-    g = _build(n_modules=5, interleaved=True, reduce_group="g1")
-    before = _per_group(g)
-    gather_s = CostModel().comm_time("all_gather", D * D * 4, 2)
-    matmul = ComputeConstants(flops_per_s=2 * D ** 3 / (1.5 * gather_s), bytes_per_s=1e18, host_bytes_per_s=1e18)
-    cost = dataclasses.replace(CostModel(), compute=matmul)
-    rep = apply_schedule(g, plan_schedule(g, OverlapConfig(), cost), cost)
-    _check_invariants(g)
-    assert rep.changed and rep.graph == "backward", rep.reason
-    assert _per_group(g) == before
+    g, rep = _backward_scheduled(n_modules=5, matmul_in_gathers=1.5)
+    assert rep.graph == "backward"
     assert rep.max_in_flight_bytes <= rep.budget_bytes + D * D * 4
     nodes, pos = list(g.nodes), _pos(g)
     for n in g.nodes:
@@ -247,14 +257,7 @@ def test_no_reduce_scatter_waited_for_a_gather_that_cannot_fit() -> None:
     in flight. A reduce-scatter is waited only where a gather then fits: the
     next collective after its wait is a gather's issue. It was waited right
     after its issue, for nothing, the next module's gather wait following."""
-    g = _build(n_modules=6, interleaved=True, reduce_group="g1")
-    before = _per_group(g)
-    gather_s = CostModel().comm_time("all_gather", D * D * 4, 2)
-    matmul = ComputeConstants(flops_per_s=2 * D ** 3 / (0.25 * gather_s), bytes_per_s=1e18, host_bytes_per_s=1e18)
-    cost = dataclasses.replace(CostModel(), compute=matmul)
-    rep = apply_schedule(g, plan_schedule(g, OverlapConfig(), cost), cost)
-    _check_invariants(g)
-    assert rep.changed and _per_group(g) == before, rep.reason
+    g, rep = _backward_scheduled(n_modules=6, matmul_in_gathers=0.25)
     nodes = list(g.nodes)
     comm = [n for n in nodes if n.target in (AG, RS) or n.target is WAIT and n.args[0].target in (AG, RS)]
     last_gather = max(i for i, n in enumerate(comm) if n.target is AG)
