@@ -64,7 +64,8 @@ class _Event:
         self.stream._note("synchronize")
 
 
-def _recording_rank(rank: int, world: int, hooks: bool = False, wrap: object = None, **shard_kwargs: object) -> dict:
+def _recording_rank(rank: int, world: int, hooks: bool = False, wrap: object = None, post_optim: bool = False,
+                    **shard_kwargs: object) -> dict:
     build, make_batch, loss = gpt_case(False)
     log: list = []
     compute = _Recorder("compute", log)
@@ -81,6 +82,8 @@ def _recording_rank(rank: int, world: int, hooks: bool = False, wrap: object = N
                 hooked.append(name)
         step_log = list(log)
         log.clear()
+        if post_optim:  # (after the optimizer step, as a user records it)
+            model.set_post_optim_event(compute.record_event())
         return step_log
 
     res = run_parity(rank, build, lambda m: _shard_nested(m, reshard_after_forward=True, **shard_kwargs),
@@ -300,3 +303,23 @@ def test_region_gathers_issued_on_the_gather_stream() -> None:
             gathers = _spans(step_log, "gather")
             assert len(gathers) == 2 * n_blocks, step_log
             assert all(wait[:3] == ("gather", "wait_stream", "compute") for wait, _, _ in gathers), step_log
+
+
+def _post_optim_rank(rank: int, world: int) -> dict:
+    return _recording_rank(rank, world, post_optim=True)
+
+
+def test_the_post_optim_event_orders_the_first_gather_only() -> None:
+    """``set_post_optim_event`` after each optimizer step (eager, two ranks):
+    the step's first gather waits for that event instead of the compute
+    stream; every later one waits for the compute stream, as FSDP2 waits for
+    the event once, at the root's pre-forward. The event was kept for the
+    whole step, so no gather waited for the compute stream, and the gather
+    stream could reuse a block the compute stream still read. Bitwise to
+    the reference."""
+    for res in run_distributed(_post_optim_rank, 2):
+        assert_close(res, 0.0)
+        for step_log in res["after"][2:]:  # (from the first step with the event set)
+            waits = [wait[:3] for wait, _, _ in _spans(step_log, "gather")]
+            assert waits[0] == ("gather", "wait_event", "compute"), waits
+            assert len(waits) > 1 and all(w == ("gather", "wait_stream", "compute") for w in waits[1:]), waits

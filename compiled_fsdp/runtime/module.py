@@ -162,9 +162,10 @@ class FSDPModule:
             raise TypeError(f"set_is_last_backward: expected True or False, got {is_last_backward!r}.")
 
     def set_post_optim_event(self, event: Any) -> None:
-        """The next all-gathers wait for ``event`` (recorded after the optimizer
-        step) instead of for the whole compute stream ([Note: Streams and
-        events]); on the CPU there are no streams and nothing waits."""
+        """The next all-gather (the step's first) waits for ``event`` (recorded
+        after the optimizer step) instead of for the whole compute stream, as
+        FSDP2's root pre-forward does ([Note: Streams and events]); on the CPU
+        there are no streams and nothing waits."""
         state = self._state("set_post_optim_event")
         if state.ctx is not None and state.ctx.streams is not None:
             state.ctx.streams.post_optim_event = event

@@ -31,6 +31,13 @@ two side streams besides the compute (current) stream::
   are the compute stream's and freed there), then the reduce stream waits
   for the compute stream and issues the collective; the result is read on
   the compute stream at the end of backward, after it waits for the work.
+* ``set_post_optim_event``: the first gather after it waits for that event
+  instead of the compute stream, and the event is then spent, as FSDP2
+  waits for it once, at the root's pre-forward. Kept for the whole step, it
+  let every gather skip the compute stream, so the gather stream reused a
+  block the compute stream was still reading (the rule below broken; a
+  helper's reading review of 2026-12-01 found it). Tested by
+  tests/test_streams.py::test_the_post_optim_event_orders_the_first_gather_only.
 * Memory without ``record_stream``: a side stream allocates only right after
   it waited for the compute stream, so a block it frees (the gathered
   buffer, once copied out; the reduce output, once added to ``.grad``) is
@@ -87,8 +94,11 @@ class CommStreams:
             yield
 
     def on_gather(self) -> contextlib.AbstractContextManager:
-        """Where an all-gather's copy-in and collective are issued."""
-        return self._on(self.gather, self.post_optim_event)
+        """Where an all-gather's copy-in and collective are issued: after the
+        compute stream, or, for the first gather after ``set_post_optim_event``,
+        after that event only (see [Note: Streams and events])."""
+        event, self.post_optim_event = self.post_optim_event, None
+        return self._on(self.gather, event)
 
     def joined(self, pending: PendingCollective) -> PendingCollective:
         """``pending``, an all-gather issued on the gather stream, made safe
