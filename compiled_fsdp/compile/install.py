@@ -267,6 +267,32 @@ class _Window:
                     self.restore_rng = None
 
 
+class RegionTracing(threading.local):
+    """This thread's Dynamo in compile regions ([Note: Region calls traced
+    once] in regions.py): the block whose region call it traced last
+    (``next``); while it traces a body, its class and frame's code
+    (``traced``), and the block it is for (``calling``; entries weakly)."""
+
+    def __init__(self) -> None:
+        self.next: Any = None
+        self.traced: Optional[tuple[type, Any]] = None
+        self.calling: Any = None
+        self._outer: list[tuple[Optional[tuple[type, Any]], Any]] = []  # (a body traced inside another's)
+
+    def enter(self, cls: type, code: Any) -> None:
+        """Dynamo begins tracing the body of ``cls``'s region, for ``next``."""
+        self._outer.append((self.traced, self.calling))
+        self.traced, self.calling = (cls, code), self.next
+
+    def leave(self) -> None:
+        """Dynamo traced that body to its end."""
+        self.traced, self.calling = self._outer.pop() if self._outer else (None, None)
+
+    def reset(self) -> None:
+        self.next = self.traced = self.calling = None
+        self._outer.clear()
+
+
 class CompileSession:
     """The compile layer's process-wide state, on one object (``SESSION``):
     what the passes reported, the open windows of [Note: Passes installed
@@ -307,7 +333,7 @@ class CompileSession:
         # ([Note: A region that breaks the graph] in regions.py). Kept by
         # reset(), as region_classes.
         self.broken_regions: set[type] = set()
-        self._tracing = threading.local()  # (each thread's: ``region_traced``, ``region_calling``)
+        self.regions = RegionTracing()  # (each thread's)
         # The compile under way (its trace id), and for each region class the
         # blocks each variant Dynamo traced was made for (their shapes and
         # settings); the classes warned of. See [Note: A region traced again
@@ -315,26 +341,6 @@ class CompileSession:
         self._region_variants: tuple[str, dict[type, set[Hashable]]] = ("", {})
         self.retraced_regions: set[type] = set()
         self._watched: dict[int, int] = {}  # key -> id of the owner whose death forgets it
-
-    @property
-    def region_traced(self) -> Optional[tuple[type, Any]]:
-        """The class whose compile region this thread's Dynamo is tracing, if
-        any, and the code of the frame it compiles."""
-        return getattr(self._tracing, "region", None)
-
-    @region_traced.setter
-    def region_traced(self, region: Optional[tuple[type, Any]]) -> None:
-        self._tracing.region = region
-
-    @property
-    def region_calling(self) -> Any:
-        """(Weakly) the entry of the block whose compile region this thread's
-        Dynamo is calling (None: none)."""
-        return getattr(self._tracing, "calling", None)
-
-    @region_calling.setter
-    def region_calling(self, entry: Any) -> None:
-        self._tracing.calling = entry
 
     def forget_region_variants(self) -> None:
         """Each root's step starts afresh: a compile id repeats after
@@ -394,6 +400,7 @@ class CompileSession:
             self._split_keys.clear()
             self._region_variants = ("", {})
             self.retraced_regions.clear()
+        self.regions.reset()  # (this thread's)
 
 
 SESSION = CompileSession()

@@ -133,7 +133,8 @@ def _made(key: str) -> str:
 # the lowering left them to their markers' eager code: one collective per
 # parameter, each way, and ``explain`` said "compile region". So a read is
 # a region's only while Dynamo traces a region's body (``in_a_region``, from
-# what the region's call records at trace time; which region is not asked:
+# what the body records at trace time: [Note: Region calls traced once] in
+# regions.py; which region is not asked:
 # the block's group key, a constant argument, would be a guard that every
 # other block fails); otherwise it is traced as the read of a block that is
 # no region, gathered and reduced in the outer graph's buckets, and
@@ -143,7 +144,7 @@ def _made(key: str) -> str:
 def in_a_region() -> bool:
     """Whether Dynamo is tracing a compile region's body (at trace time; a
     constant to the traced code)."""
-    calling = install.SESSION.region_calling
+    calling = install.SESSION.regions.calling
     return calling is not None and calling() is not None
 
 

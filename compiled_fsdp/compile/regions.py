@@ -171,12 +171,18 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
 def _region_of(forward: Callable, cls: type) -> Callable:
     from torch._higher_order_ops.invoke_subgraph import NestedCompileRegionOptions
 
-    def traced(ctx: Any) -> None:
-        _variant_traced(cls, ctx)
+    def entering(ctx: Any) -> None:  # ([Note: Region calls traced once])
+        install.SESSION.regions.enter(cls, compat.outermost_traced_code(ctx))
+        _variant_traced(cls)  # ([Note: A region traced again for an equal block])
+
+    def leaving(ctx: Any) -> None:
+        install.SESSION.regions.leave()
 
     def body(module: nn.Module, token: torch.Tensor, shards: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        comptime(traced)  # ([Note: A region traced again for an equal block])
-        return forward(module, *args, **kwargs)  # (the reads take ``shards`` from the entry: (4))
+        comptime(entering)
+        out = forward(module, *args, **kwargs)  # (the reads take ``shards`` from the entry: (4))
+        comptime(leaving)
+        return out
 
     with torch._dynamo.config.patch(enable_invoke_subgraph_regional_compile=True):
         return compat.nested_compile_region(body, NestedCompileRegionOptions(partitioner=_partition))
@@ -199,12 +205,6 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
         plain = cls.forward
         region = _region_of(plain, cls)
 
-        def tracing(ctx: Any) -> None:  # (at trace time, through comptime)
-            install.SESSION.region_traced = (cls, compat.outermost_traced_code(ctx))
-
-        def traced(ctx: Any) -> None:
-            install.SESSION.region_traced = install.SESSION.region_calling = None
-
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             entry = self.__dict__["_fsdp_region_entry"]
             if entry.active:  # (block.compile(): one frame per block already)
@@ -217,13 +217,9 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             if token is None:  # (the token's like, so that the last region's call is the others')
                 token = entry.region_shards[0].new_empty([0]) if entry.region_shards[0] is not None \
                     else torch.empty(0)
-            if not torch.compiler.is_dynamo_compiling():
-                return region(self, token, _own(entry), *args, **kwargs)
-            comptime(tracing)
-            comptime(entry.record_region_call)  # ([Note: Agreeing on collectives]: this block's bucket)
-            out = region(self, token, _own(entry), *args, **kwargs)
-            comptime(traced)
-            return out
+            if torch.compiler.is_dynamo_compiling():  # ([Note: Agreeing on collectives]: this block's
+                comptime(entry.record_region_call)  # bucket; [Note: Region calls traced once])
+            return region(self, token, _own(entry), *args, **kwargs)
 
         region_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region": True,
                                                   "__module__": cls.__module__})
@@ -259,12 +255,12 @@ _RETRACED = (
     "failed; make that value the same for every block, or pass it in as a tensor.")
 
 
-def _variant_traced(cls: type, ctx: Any) -> None:
+def _variant_traced(cls: type) -> None:
     """At trace time: Dynamo traces a variant of ``cls``'s region (see the
     note above). Not on torch 2.11, which traces every call."""
     if not compat.region_traces_reused():
         return
-    calling = install.SESSION.region_calling
+    calling = install.SESSION.regions.calling
     entry = calling() if calling is not None else None
     if entry is None:
         return
@@ -280,6 +276,23 @@ def _own(entry: CompiledEntry) -> list[torch.Tensor]:
     return [a for a in entry.region_shards if a is not None]
 
 
+# [Note: Region calls traced once]
+# Dynamo traces the outer graph's call of every block's region, but a
+# region's body only for the first block of each variant. What must be known
+# while a body is traced (which block's reads these are: ``in_a_region`` and
+# the variant's record; which class broke the graph, for the fallback) is
+# therefore set and cleared by ``comptime`` calls inside the body
+# (``entering``, ``leaving``: ``RegionTracing`` in install.py), from the one
+# ``comptime`` each call makes (``record_region_call``: its bucket, for
+# [Note: Agreeing on collectives], and the block the body would be traced
+# for). Set around each call in the outer graph instead, they cost two more
+# ``comptime`` calls a block in Dynamo's trace: 0.2 s at 32 blocks, warm
+# (RESULTS, 2026-12-01, thirty-fourth session). A body traced inside another
+# body gives the outer one its state back when it leaves. Tested by
+# tests/test_block_regions.py::test_a_region_that_breaks_the_graph_falls_back,
+# tests/test_region_variants.py::test_a_block_with_its_own_forward_is_read_in_the_root_graph
+# and ::test_a_region_traced_again_for_an_equal_block_warns.
+
 # [Note: A region that breaks the graph]
 # A region must be traced whole: at a graph break inside one Dynamo raises
 # ``UncapturedHigherOrderOpError`` (``invoke_subgraph`` never falls back to
@@ -287,9 +300,10 @@ def _own(entry: CompiledEntry) -> list[torch.Tensor]:
 # ``forward`` through ``_falling_back``, a frame Dynamo runs as Python
 # (``compat.not_a_frame_itself``), which calls the user's forward: for the
 # root, the frame ``torch.compile(model)`` (or ``model.compile()``)
-# compiles. Each region call records its class, and the code of the frame
-# being compiled, while Dynamo traces it (``region_traced``, through
-# ``comptime``). Where a compile raises with a region's class recorded, the
+# compiles. While Dynamo traces a region's body it records the region's
+# class and the code of the frame being compiled (``RegionTracing.traced``,
+# [Note: Region calls traced once]); a body that breaks the graph raises
+# before it is traced to its end, so the record stays. Where a compile raises with a region's class recorded, the
 # modules of that class stop being regions (their class and entry as
 # without ``block_regions``; the class is kept in ``broken_regions``, so
 # later ``fully_shard`` calls leave it alone), with one warning. Then:
@@ -344,11 +358,12 @@ def _falling_back(module: nn.Module, plain: Callable, args: tuple, kwargs: dict)
     session = install.SESSION
     callback = compat.frame_callback()
     while True:
-        session.region_traced = session.region_calling = None
+        session.regions.reset()
         try:
             return plain(module, *args, **kwargs)
         except UncapturedHigherOrderOpError as exc:
-            traced, session.region_traced = session.region_traced, None
+            traced = session.regions.traced
+            session.regions.reset()
             if traced is None or not _leave_regions(module, traced[0]):
                 raise
             state = get_fsdp_state(module)
