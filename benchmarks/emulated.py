@@ -85,7 +85,7 @@ def _topology(link: str, args: argparse.Namespace):
     base, _, slower = link.partition("/")
     if base != "match" or args.match_gbps is None:
         raise ValueError(f"unknown link {link!r} (nccl, free, match, match/K)")
-    t = Topology(node_gbps=args.match_gbps, node_latency_us=0.0, network_gbps=args.match_gbps,
+    t = Topology(node_gbps=args.match_gbps * args.node_ratio, node_latency_us=0.0, network_gbps=args.match_gbps,
                  network_latency_us=0.0)
     return t.slower(float(slower)) if slower else t
 
@@ -114,20 +114,35 @@ def _floor_optimizer(model: nn.Module, device: torch.device, world: int) -> torc
     return torch.optim.AdamW([master], lr=1e-4, fused=device.type == "cuda")
 
 
-def _sharding_api(kind: str, cuda: bool) -> tuple[Any, Any]:
+def _sharding_api(kind: str, cuda: bool, reduce_dtype: Optional[str] = None) -> tuple[Any, Any]:
     """``fully_shard`` (ours for the ``ours*`` kinds, FSDP2's otherwise) and
-    its mixed-precision policy: bf16 compute, fp32 reduce on a GPU."""
+    its mixed-precision policy: bf16 compute on a GPU; gradients reduced in
+    ``reduce_dtype`` (default fp32)."""
     if kind.startswith("ours"):
         from compiled_fsdp import MixedPrecisionPolicy, fully_shard
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
-        else MixedPrecisionPolicy()
+    reduce = getattr(torch, reduce_dtype or "float32")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None,
+                              reduce_dtype=reduce if cuda or reduce_dtype else None)
     return fully_shard, mp
 
 
+def _mesh(args: argparse.Namespace) -> Any:
+    """``--hsdp``: a 2-D mesh, replicated across the nodes and sharded within
+    one (None: the world, sharded)."""
+    if not args.hsdp:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from compiled_fsdp.tools.emulated import GPUS_PER_NODE
+
+    return init_device_mesh(args.device, (args.world // GPUS_PER_NODE, GPUS_PER_NODE),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
-           pattern: str = "plain") -> tuple[nn.Module, Any, Any]:
+           pattern: str = "plain", mesh: Any = None, reduce_dtype: Optional[str] = None) -> tuple[nn.Module, Any, Any]:
     """(the model, what a step calls, the optimizer)."""
     cuda = device.type == "cuda"
     if kind == "graph_trainer":  # (its own recipe: the loss in its graph, so not the chunked one)
@@ -151,7 +166,7 @@ def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
         return model, torch.compile(model), _floor_optimizer(model, device, world)
     with torch.device("meta"):
         model = llama.Llama(cfg)
-    fully_shard, mp = _sharding_api(kind, cuda)
+    fully_shard, mp = _sharding_api(kind, cuda, reduce_dtype)
     if kind.startswith("ours"):  # (named: regions are the default, "ours" is one graph)
         import compiled_fsdp
 
@@ -159,10 +174,10 @@ def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
     for block in model.layers:
         if kind == "fsdp2_blocks":  # torchtitan: compile each block, then shard
             block.compile()
-        fully_shard(block, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, mesh=mesh)
         if kind == "ours_blocks":
             block.compile()
-    fully_shard(model, mp_policy=mp)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
     model.to_empty(device=device)
     model.init_weights()
     run = torch.compile(model) if kind in ("ours", "ours_regions") else model
@@ -278,7 +293,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     optimizer: list[float] = []  # (each step's optimizer step and zero_grad, host time)
     with recording() as rec:
-        model, run, opt = _build(args.kind, cfg, device, args.world, args.pattern)
+        model, run, opt = _build(args.kind, cfg, device, args.world, args.pattern, _mesh(args), args.reduce_dtype)
 
         def step(i: int = 0) -> None:
             tokens = llama.batch(cfg, args.batch, seed=i, device=device)
@@ -319,7 +334,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         comm.append(s["comm_s"])
         exposed.append(s["exposed_s"])
     res: dict[str, Any] = {
-        "kind": args.kind, "world": args.world, "link": args.link, "device": str(device),
+        "kind": args.kind, "world": args.world, "link": args.link, "device": str(device), "variant": _variant(args),
         "config": cfg.__dict__, "batch": args.batch, "first_step_s": first, "step_s": statistics.median(times),
         "step_times_s": times, "optimizer_s": statistics.median(optimizer),
         "minor_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps,
@@ -389,8 +404,16 @@ KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRES
                      "MALLOC_TOP_PAD_": str(256 << 20)}
 
 
+def _variant(args: argparse.Namespace) -> str:
+    """What this run changes of the plain job: ``hsdp``, ``rs-bf16``, ``nvlXR``."""
+    short = {"bfloat16": "bf16", "float32": "fp32"}
+    parts = (["hsdp"] if args.hsdp else []) + ([f"rs-{short[args.reduce_dtype]}"] if args.reduce_dtype else [])
+    return "+".join(parts + ([f"nvl{args.node_ratio:g}x"] if args.node_ratio != 1 else []))
+
+
 def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[str, Any]:
-    result = os.path.join(args.out, f"{args.pattern}_{kind}_W{world}_{link.replace('/', '-')}.json")
+    tag = f"_{_variant(args)}" if _variant(args) else ""
+    result = os.path.join(args.out, f"{args.pattern}_{kind}_W{world}_{link.replace('/', '-')}{tag}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--world", str(world), "--link", link,
            "--result", result, "--device", args.device, "--model", args.model, "--batch", str(args.batch),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--layers", str(args.layers or 0),
@@ -402,6 +425,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
         cmd += ["--compute-gflops", str(args.compute_gflops)]
     if args.network_gbps is not None:
         cmd += ["--network-gbps", str(args.network_gbps)]
+    cmd += ["--node-ratio", str(args.node_ratio)] + (["--hsdp"] if args.hsdp else []) \
+        + (["--reduce-dtype", args.reduce_dtype] if args.reduce_dtype else [])
     start = time.perf_counter()
     # Cold: a cache directory of its own (Inductor's compiled kernels, Triton's),
     # so no configuration's first step reuses kernels another run compiled.
@@ -432,18 +457,22 @@ def table(results: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in results:
         if "error" in r:
-            lines.append(f"{r['world']:>4} {r['link']:8} {r['kind']:12} FAILED: {r['error'][:80]}")
+            lines.append(f"{r['world']:>4} {r['link']:8} {_name(r):12} FAILED: {r['error'][:80]}")
             continue
         floor = next((f for f in results if f["kind"] == "floor" and f["world"] == r["world"]
                       and "error" not in f), None)
         bound = max(floor["step_s"], r["comm_s"]) if floor else None
         exposed = r.get("exposed_s") if r["device"] == "cpu" else r.get("exposed_s_trace", r.get("exposed_s"))
         lines.append(
-            f"{r['world']:>4} {r['link']:8} {r['kind']:12} {r['first_step_s']:8.1f} {r['step_s']:8.3f} "
+            f"{r['world']:>4} {r['link']:8} {_name(r):12} {r['first_step_s']:8.1f} {r['step_s']:8.3f} "
             f"{r['tokens_per_s']:9.0f} {_pct(r.get('mfu')):>6} {_num(r.get('peak_mem_gib'), '8.1f')} "
             f"{r['comm_s']:7.3f} {_num(bound, '7.3f')} {_num(bound and r['step_s'] / bound, '7.3f')} "
             f"{exposed:8.3f} {_num(r.get('predicted_exposed_s'), '9.3f')} {_num(r.get('optimizer_s'), '7.3f')}")
     return "\n".join(lines)
+
+
+def _name(r: dict[str, Any]) -> str:
+    return r["kind"] + (f" {r['variant']}" if r.get("variant") else "")
 
 
 def _torch_version() -> str:
@@ -479,6 +508,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--compute-gflops", type=float, default=None,
                    help="CPU: the matmul GFLOP/s the passes price compute with (default: measured by each "
                         "worker at its start; 0: the cost model's constants)")
+    p.add_argument("--node-ratio", type=float, default=1.0,
+                   help="match links: the link within a node this many times the match link's GB/s "
+                        "(NVLink against the network: about 8)")
+    p.add_argument("--hsdp", action="store_true", help="HSDP: replicate across nodes, shard within one")
+    p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the gradients' reduce dtype (default: fp32)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--pattern", default="plain", choices=("plain", "titan", "titan_plain"),
                    help="titan: torchtitan's per-block compile, selective AC and chunked loss (not 'ours'); "

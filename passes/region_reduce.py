@@ -45,9 +45,9 @@ def keep_a_backward_output(graph: fx.Graph, reduces: list[BucketPlan]) -> None:
 def reduced_later(plan: BucketPlan) -> bool:
     """Whether ``plan`` is a compile region's reduce that ``reduce_later``
     issues and the registry waits after the graph: every parameter's shard
-    known, its gradient a graph output only, no replicas (HSDP keeps its
-    reduce in the graph)."""
-    return (plan.kind == "reduce" and plan.slots[0].args.replicate_group_name is None
+    known, its gradient a graph output only (HSDP's all-reduce too: a second
+    stage, [Note: A region's reduce-scatter waited outside its graph])."""
+    return (plan.kind == "reduce"
             and all(s.target is not None and s.root is not None and s.root.users
                     and all(u.op == "output" for u in s.root.users) for s in plan.slots))
 
@@ -58,5 +58,6 @@ def emit_reduce_later(b: NodeBuilder, plan: BucketPlan, grads: list[fx.Node], sp
         grads=grads, targets=[s.target for s in plan.slots], full_shapes=joined_shapes(specs),
         ndims=[len(s.full_shape) for s in specs], local_rows=[s.args.local_rows for s in plan.slots],
         group_name=plan.group_name, world_size=plan.world_size, reduce_by_all_to_all=plan.by_all_to_all,
-        divide_factor=plan.slots[0].args.divide_factor)
+        divide_factor=plan.slots[0].args.divide_factor, replicate_group_name=plan.slots[0].args.replicate_group_name,
+        replicas=plan.slots[0].args.replicas)
     b(ReduceLater.op().default, *later.values().values())

@@ -76,7 +76,7 @@ def _train(rank: int, world: int, backend: str, checkpoint: str) -> dict:
             "graphs": (len(capture.forward), len(capture.backward)),
             "handed_in": sum(len(handed_in_waits(g)) for g in capture.forward),
             "regions": sum(in_regions(model)),
-            "taken": CORE.backward_gathers.taken}
+            "taken": CORE.backward_gathers.taken, "delivered": CORE.later_reduces.delivered}
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "blocks", "regions"])
@@ -93,7 +93,11 @@ def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
     the replicas (before, HSDP groups handed nothing over). (The all-reduce
     and the reduce-scatter lowered by Inductor: test_replicate[inductor].)
     ``regions``: the whole model compiled (aot_eager), its blocks compile
-    regions ([Note: Blocks as compile regions]): no eager collective."""
+    regions ([Note: Blocks as compile regions]): no eager collective, and
+    each block's reduce-scatter and all-reduce waited after its graph, in two
+    stages ([Note: A region's reduce-scatter waited outside its graph]): two
+    later reduces a step for 3 steps; in its graph the all-reduce was waited
+    at once, and none was."""
     checkpoint = str(tmp_path / "ckpt") if backend == "eager" else ""
     for res in run_distributed(_train, 4, backend, checkpoint, timeout=900):
         # (1e-5: 5.1e-6 on the AMD EPYC of 2026-11-26 at the commit before too; Intel: < 1e-6)
@@ -117,6 +121,7 @@ def test_hsdp_2x2_matches_reference(backend: str, tmp_path: Any) -> None:
         assert res["regions"] == (2 if backend == "regions" else 0), res
         if backend == "regions":  # (gathers issued ahead of the regions were taken, over the shard dim)
             assert res["taken"] > 0, res
+            assert res["delivered"] == 2 * 3, res
         if backend == "blocks":
             assert res["handed_in"] >= 1, res
     if checkpoint:

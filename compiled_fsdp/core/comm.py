@@ -210,11 +210,14 @@ def reduce_scatter_flat(
     return PendingCollective(out, work if async_op else None)
 
 
-def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True) -> PendingCollective:
+def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True,
+                    counted: bool = True) -> PendingCollective:
     """HSDP: the sum of ``flat`` over ``group`` (the replicas of a shard
-    group), in place. A group of one rank communicates nothing."""
+    group), in place. A group of one rank communicates nothing. ``counted``:
+    an eager collective (a compile region's later reduce is its graph's)."""
     if group.size() == 1:
         return PendingCollective(flat, None)
-    count("all_reduce", flat.numel() * flat.element_size())
+    if counted:
+        count("all_reduce", flat.numel() * flat.element_size())
     work = dist.all_reduce(flat, group=group, async_op=async_op)
     return PendingCollective(flat, work if async_op else None)

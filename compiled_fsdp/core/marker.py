@@ -440,6 +440,10 @@ class ReduceLater(Marker):
     world_size: int = _arg("int")
     reduce_by_all_to_all: bool = _arg("bool", False)
     divide_factor: Optional[float] = _arg("float?", None)
+    # HSDP: the replicas' group the reduced rows are then all-reduced on
+    # (None: none), and how many replicas there are.
+    replicate_group_name: Optional[str] = _arg("str?", None)
+    replicas: int = _arg("int", 1)
 
 
 MARKERS: tuple[type[Marker], ...] = (Unshard, ReduceGrad, GatherNext, ReduceNext, Regather, IssueAhead, ReduceLater)

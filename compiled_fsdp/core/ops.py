@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -425,21 +425,27 @@ def reduce_later(*args: Any, **kwargs: Any) -> torch.Tensor:
     the graph: the collective reads the bucket after the op returns, and a
     graph's buffer may be reused once its last op ran."""
     m = ReduceLater.bind(args, kwargs)
-    specs = split_specs(m.full_shapes, m.ndims, m.world_size, m.divide_factor)
+    specs = split_specs(m.full_shapes, m.ndims, m.world_size, m.divide_factor, m.replicas)
     grads, targets = list(m.grads), list(m.targets)
     local_rows, dtypes = list(m.local_rows), [t.dtype for t in targets]
 
-    def launch() -> Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]:
+    def rows(summed: comm.PendingCollective) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(targets, split_reduced(EAGER, summed.wait(), specs, local_rows, dtypes)))
+
+    def launch() -> registry.LaterReduce:
         flat = pack_grads(EAGER, grads, specs)
         if m.world_size == 1:
             pending = comm.PendingCollective(flat.clone(), None)
         else:
             pending = comm.reduce_scatter_flat(flat, _group(m.group_name), m.reduce_by_all_to_all)
 
-        def rows(_bucket: torch.Tensor = flat) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        def reduced(_bucket: torch.Tensor = flat) -> Any:
             # (``_bucket``: the collective reads it until the wait, so it lives as long as this does)
-            return list(zip(targets, split_reduced(EAGER, pending.wait(), specs, local_rows, dtypes)))
-        return rows
+            if m.replicate_group_name is None:
+                return rows(pending)
+            summed = comm.all_reduce_flat(pending.wait(), _group(m.replicate_group_name), counted=False)  # (HSDP)
+            return lambda: rows(summed)
+        return reduced
 
     registry.CORE.later_reduces.issue(launch)
     return grads[0].new_empty([0])

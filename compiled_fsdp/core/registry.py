@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import weakref
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -149,6 +149,12 @@ def _where(t: torch.Tensor) -> tuple[int, int]:
     return (t.untyped_storage()._cdata, t.storage_offset())
 
 
+# One stage of a later reduce: it waits its collective and returns each
+# shard with its reduced rows, or the next stage (HSDP: the replicas'
+# all-reduce, issued on the reduce-scatter's rows).
+LaterReduce = Callable[[], Any]
+
+
 class LaterReduces:
     """[Note: A region's reduce-scatter waited outside its graph]
     A compile region's backward graph returns its parameters' gradients, so
@@ -166,11 +172,18 @@ class LaterReduces:
     the receiver its shard registered (``receivers``: the region adds them to
     the parameter's ``.grad``, as autograd's accumulation did). The pack, the
     reduce, the divisor and the cut are the layout functions of [Note: Bucket
-    layout], so the gradients are bitwise the graph's own.
-    Tested by tests/test_block_regions.py."""
+    layout], so the gradients are bitwise the graph's own. Under HSDP a
+    reduce has two stages, as FSDP2's reduce-scatter and all-reduce: the
+    next ``reduce_later`` waits the reduce-scatter and issues the replicas'
+    all-reduce on its rows, and the one after it (or ``finish``) waits that
+    and hands the rows over. In its graph the all-reduce was waited at once,
+    and each block's backward stood still for both collectives (RESULTS,
+    2026-12-01, thirty-fourth session).
+    Tested by tests/test_block_regions.py and, under HSDP, by
+    tests/test_hsdp.py::test_hsdp_2x2_matches_reference[regions]."""
 
     def __init__(self) -> None:
-        self.pending: list[Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self.pending: list[LaterReduce] = []
         self.queued = False  # ``finish`` queued for this backward's end
         self.delivered = 0  # reduces waited and handed over (for the tests and the benchmarks)
         # Where a shard's data lives (its storage and offset: the graph may
@@ -192,15 +205,13 @@ class LaterReduces:
 
         self.receivers[where] = (weakref.ref(shard, forget), receiver)
 
-    def issue(self, launch: Callable[[], Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
-        """In a backward: finishes the reduces issued before, then issues one
-        (``launch`` packs and issues it, and returns what waits it: each shard
-        and its reduced rows). Finished first, the earlier bucket is freed
-        before the next is packed (the next queues behind it on the link
-        either way)."""
+    def issue(self, launch: Callable[[], LaterReduce]) -> None:
+        """In a backward: advances the reduces issued before by one stage,
+        then issues one (``launch`` packs and issues it, and returns its
+        first stage). Advanced first, the earlier bucket is freed before the
+        next is packed (the next queues behind it on the link either way)."""
         earlier, self.pending = self.pending, []
-        self._deliver(earlier)
-        self.pending = [launch()]
+        self.pending = [*self._advance(earlier), launch()]
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
@@ -209,7 +220,8 @@ class LaterReduces:
         """Wait every pending reduce and hand its rows over; then run the
         landings asked for (``land_after``)."""
         earlier, self.pending, self.queued = self.pending, [], False
-        self._deliver(earlier)
+        while earlier:
+            earlier = self._advance(earlier)
         landings, self.landings = self.landings, {}
         for land in landings.values():
             land()
@@ -221,15 +233,23 @@ class LaterReduces:
         backward] in runtime/reduces.py)."""
         self.landings.setdefault(key, land)
 
-    def _deliver(self, pending: list[Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
-        for rows in pending:
+    def _advance(self, pending: list[LaterReduce]) -> list[LaterReduce]:
+        """Runs each stage in issue order: hands over the rows of the reduces
+        that end there; returns the next stages of the others."""
+        later = []
+        for stage in pending:
+            out = stage()
+            if callable(out):
+                later.append(out)
+                continue
             self.delivered += 1
-            for shard, grad in rows():
+            for shard, grad in out:
                 shard_ref, receive = self.receivers.get(_where(shard), (None, None))
                 if receive is None or shard_ref() is None:
                     raise RuntimeError("compiled_fsdp: a region's reduced gradient has no receiver (a shard "
                                        "replaced since its region was traced); please report this")
                 receive(grad)
+        return later
 
     def reset(self) -> None:
         self.pending, self.queued, self.delivered, self.landings = [], False, 0, {}
