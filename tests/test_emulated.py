@@ -211,3 +211,27 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     with open(tmp_path / "emulated.json") as f:
         table = json.load(f)["table"].splitlines()
     assert len(table) == 1 + 3 and "x bound" in table[0]
+
+
+def test_benchmark_levers_hsdp_bf16_reduce(tmp_path) -> None:
+    """``benchmarks/emulated.py --hsdp --reduce-dtype bfloat16 --node-ratio
+    8`` at W = 16 (two nodes): ours eager and FSDP2 eager send the same
+    collectives, each reduce-scatter followed by the replicas' all-reduce,
+    and every reduce-scatter carries a bucket's bytes in bf16 (half of the
+    same bucket's fp32 gather)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import emulated
+
+    results = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "16", "--links", "match",
+                             "--match-gbps", "0.05", "--node-ratio", "8", "--hsdp", "--reduce-dtype", "bfloat16",
+                             "--kinds", "ours_eager", "fsdp2_eager", "--warmup", "1", "--steps", "2",
+                             "--out", str(tmp_path)])
+    assert not [r for r in results if "error" in r], [r["error"] for r in results if "error" in r]
+    ours, fsdp2 = results
+    assert ours["variant"] == "hsdp+rs-bf16+nvl8x", ours["variant"]
+    assert ours["collectives"] == fsdp2["collectives"], (ours["collectives"], fsdp2["collectives"])
+    assert ours["collectives"]["all_reduce"] == ours["collectives"]["reduce_scatter"] > 0, ours["collectives"]
+    for r in results:
+        gathers = {c["bytes"] for c in r["last_step"] if c["kind"] == "all_gather"}
+        reduces = {c["bytes"] for c in r["last_step"] if c["kind"] == "reduce_scatter"}
+        assert {2 * b for b in reduces} <= gathers, (r["kind"], reduces, gathers)
