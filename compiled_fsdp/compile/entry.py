@@ -195,7 +195,7 @@ class CompiledEntry:
     def _region_called(self) -> None:
         frames.record_bucket_trace(self.group.key)
         # ([Note: A region traced again for an equal block] in regions.py)
-        install.SESSION.regions.next = weakref.ref(self)
+        install.SESSION.regions.called(weakref.ref(self))
 
     def _record_handoff(self) -> None:
         if self.handoff_next is not None:

@@ -86,6 +86,7 @@ from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from compiled_fsdp.compile.region_tracing import RegionTracing
 from compiled_fsdp.core import compat, registry
 
 __all__ = [
@@ -265,32 +266,6 @@ class _Window:
                 if self.restore_rng is not None:
                     self.restore_rng()
                     self.restore_rng = None
-
-
-class RegionTracing(threading.local):
-    """This thread's Dynamo in compile regions ([Note: Region calls traced
-    once] in regions.py): the block whose region call it traced last
-    (``next``); while it traces a body, its class and frame's code
-    (``traced``), and the block it is for (``calling``; entries weakly)."""
-
-    def __init__(self) -> None:
-        self.next: Any = None
-        self.traced: Optional[tuple[type, Any]] = None
-        self.calling: Any = None
-        self._outer: list[tuple[Optional[tuple[type, Any]], Any]] = []  # (a body traced inside another's)
-
-    def enter(self, cls: type, code: Any) -> None:
-        """Dynamo begins tracing the body of ``cls``'s region, for ``next``."""
-        self._outer.append((self.traced, self.calling))
-        self.traced, self.calling = (cls, code), self.next
-
-    def leave(self) -> None:
-        """Dynamo traced that body to its end."""
-        self.traced, self.calling = self._outer.pop() if self._outer else (None, None)
-
-    def reset(self) -> None:
-        self.next = self.traced = self.calling = None
-        self._outer.clear()
 
 
 class CompileSession:

@@ -144,7 +144,7 @@ def _made(key: str) -> str:
 def in_a_region() -> bool:
     """Whether Dynamo is tracing a compile region's body (at trace time; a
     constant to the traced code)."""
-    calling = install.SESSION.regions.calling
+    calling = install.SESSION.regions.calling_now()
     return calling is not None and calling() is not None
 
 

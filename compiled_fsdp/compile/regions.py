@@ -260,7 +260,7 @@ def _variant_traced(cls: type) -> None:
     note above). Not on torch 2.11, which traces every call."""
     if not compat.region_traces_reused():
         return
-    calling = install.SESSION.regions.calling
+    calling = install.SESSION.regions.calling_now()
     entry = calling() if calling is not None else None
     if entry is None:
         return
@@ -282,7 +282,7 @@ def _own(entry: CompiledEntry) -> list[torch.Tensor]:
 # while a body is traced (which block's reads these are: ``in_a_region`` and
 # the variant's record; which class broke the graph, for the fallback) is
 # therefore set and cleared by ``comptime`` calls inside the body
-# (``entering``, ``leaving``: ``RegionTracing`` in install.py), from the one
+# (``entering``, ``leaving``: ``RegionTracing`` in region_tracing.py), from the one
 # ``comptime`` each call makes (``record_region_call``: its bucket, for
 # [Note: Agreeing on collectives], and the block the body would be traced
 # for). Set around each call in the outer graph instead, they cost two more

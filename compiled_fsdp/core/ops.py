@@ -433,7 +433,9 @@ def reduce_later(*args: Any, **kwargs: Any) -> torch.Tensor:
         return list(zip(targets, split_reduced(EAGER, summed.wait(), specs, local_rows, dtypes)))
 
     def launch() -> registry.LaterReduce:
-        flat = pack_grads(EAGER, grads, specs)
+        # (one unpadded gradient packs as a view of it: a buffer of the graph, which
+        # may reuse it once this op ran, while the collective still reads it)
+        flat = comm.unaliased(pack_grads(EAGER, grads, specs), grads[0])
         if m.world_size == 1:
             pending = comm.PendingCollective(flat.clone(), None)
         else:

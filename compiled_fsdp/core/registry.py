@@ -211,7 +211,9 @@ class LaterReduces:
         first stage). Advanced first, the earlier bucket is freed before the
         next is packed (the next queues behind it on the link either way)."""
         earlier, self.pending = self.pending, []
-        self.pending = [*self._advance(earlier), launch()]
+        later = self._advance(earlier)
+        del earlier  # (the stages run: what they held goes before the next pack)
+        self.pending = [*later, launch()]
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
