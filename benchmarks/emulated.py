@@ -129,23 +129,21 @@ def _sharding_api(kind: str, cuda: bool, reduce_dtype: Optional[str] = None) -> 
         from compiled_fsdp import MixedPrecisionPolicy, fully_shard
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    reduce = getattr(torch, reduce_dtype or "float32")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None,
-                              reduce_dtype=reduce if cuda or reduce_dtype else None)
+    reduce = getattr(torch, reduce_dtype) if reduce_dtype else torch.float32 if cuda else None
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=reduce)
     return fully_shard, mp
 
 
-def _mesh(args: argparse.Namespace) -> Any:
-    """``--hsdp``: a 2-D mesh, replicated across the nodes and sharded within
-    one (None: the world, sharded)."""
+def _mesh(args: argparse.Namespace, per_node: int) -> Any:
+    """``--hsdp``: a 2-D mesh, replicated across the nodes of ``per_node``
+    ranks and sharded within one (None: the world, sharded)."""
     if not args.hsdp:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    from compiled_fsdp.tools.emulated import GPUS_PER_NODE
-
-    return init_device_mesh(args.device, (args.world // GPUS_PER_NODE, GPUS_PER_NODE),
-                            mesh_dim_names=("replicate", "shard"))
+    if args.world % per_node:
+        raise ValueError(f"--hsdp: a world of {args.world} ranks is no whole number of nodes of {per_node}")
+    return init_device_mesh(args.device, (args.world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
 
 
 def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
@@ -250,7 +248,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     optimizer: list[float] = []  # (each step's optimizer step and zero_grad, host time)
     with recording() as rec:
-        model, run, opt = _build(args.kind, cfg, device, args.world, args.pattern, _mesh(args), args.reduce_dtype)
+        model, run, opt = _build(args.kind, cfg, device, args.world, args.pattern, _mesh(args, topology.ranks_per_node),
+                                 args.reduce_dtype)
 
         def step(i: int = 0) -> None:
             tokens = llama.batch(cfg, args.batch, seed=i, device=device)
@@ -369,7 +368,8 @@ def _variant(args: argparse.Namespace) -> str:
 
 
 def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[str, Any]:
-    tag = f"_{_variant(args)}" if _variant(args) else ""
+    variant = _variant(args)
+    tag = f"_{variant}" if variant else ""
     result = os.path.join(args.out, f"{args.pattern}_{kind}_W{world}_{link.replace('/', '-')}{tag}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--world", str(world), "--link", link,
            "--result", result, "--device", args.device, "--model", args.model, "--batch", str(args.batch),

@@ -27,9 +27,10 @@ class RegionTracing(threading.local):
 
     def called(self, entry: Any) -> None:
         """Dynamo traces a region call, for ``entry``."""
-        if self.trace != _trace_id():  # (another attempt: no body of the last one is being traced)
+        trace = _trace_id()
+        if self.trace != trace:  # (another attempt: no body of the last one is being traced)
             self.reset()
-            self.trace = _trace_id()
+            self.trace = trace
         self.next = entry
 
     def enter(self, cls: type, code: Any) -> None:

@@ -436,10 +436,8 @@ def reduce_later(*args: Any, **kwargs: Any) -> torch.Tensor:
         # (one unpadded gradient packs as a view of it: a buffer of the graph, which
         # may reuse it once this op ran, while the collective still reads it)
         flat = comm.unaliased(pack_grads(EAGER, grads, specs), grads[0])
-        if m.world_size == 1:
-            pending = comm.PendingCollective(flat.clone(), None)
-        else:
-            pending = comm.reduce_scatter_flat(flat, _group(m.group_name), m.reduce_by_all_to_all)
+        pending = comm.PendingCollective(flat, None) if m.world_size == 1 \
+            else comm.reduce_scatter_flat(flat, _group(m.group_name), m.reduce_by_all_to_all)
 
         def reduced(_bucket: torch.Tensor = flat) -> Any:
             # (``_bucket``: the collective reads it until the wait, so it lives as long as this does)
