@@ -465,6 +465,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             json.dump(res, f)
         return [res]
     links = args.links or (["nccl"] if args.device == "cuda" else ["match", "match/4"])
+    if args.node_ratio != 1 and not all(link.startswith("match") for link in links):
+        p.error("--node-ratio sets a matched link's speed within a node; the nccl link has its own "
+                "NVLink figure and a free one costs nothing: run those without it")
     if args.pattern.startswith("titan"):
         args.kinds = [k for k in args.kinds if k not in ("ours", "ours_regions")]
     os.makedirs(args.out, exist_ok=True)

@@ -235,3 +235,19 @@ def test_benchmark_levers_hsdp_bf16_reduce(tmp_path) -> None:
         gathers = {c["bytes"] for c in r["last_step"] if c["kind"] == "all_gather"}
         reduces = {c["bytes"] for c in r["last_step"] if c["kind"] == "reduce_scatter"}
         assert {2 * b for b in reduces} <= gathers, (r["kind"], reduces, gathers)
+
+
+def test_benchmark_node_ratio_needs_a_matched_link(tmp_path, capsys) -> None:
+    """``--node-ratio`` sets a matched link's speed within a node; with the
+    ``nccl`` or ``free`` link it would be ignored while the result still said
+    ``nvl8x``: an error before any worker starts."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import emulated
+
+    for link in ("nccl", "free"):
+        with pytest.raises(SystemExit) as exc:
+            emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "8", "--links", link,
+                           "--node-ratio", "8", "--kinds", "ours", "--out", str(tmp_path)])
+        assert exc.value.code == 2
+        assert "--node-ratio sets a matched link's speed" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # (no worker ran)

@@ -31,8 +31,10 @@ prototype"):
    what is there, as autograd would; whatever
    traced the forward, whole or in part. Where the region's reduce is
    waited after its graph, the graph returns no gradient for the alias and
-   the registry hands the rows to the same addition (``_add_grad``: [Note:
-   A region's reduce-scatter waited outside its graph] in core/registry.py).
+   the registry hands the rows to the alias's receiver (``_add_reduced_rows``:
+   the same addition, or under CPU offload a copy to the host landed at the
+   end of backward; [Note: A region's reduce-scatter waited outside its
+   graph] in core/registry.py).
    An alias is made again whenever the local shard's storage changed
    (``refresh`` in region_reads.py, each step before tracing: DCP, ``to_empty``), and a
    gradient a raised backward left on one is dropped there.
@@ -245,7 +247,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # find was our own: the last block's token, ``issue_ahead`` in
 # region_reads.py.) Tested by
 # tests/test_region_variants.py::test_a_region_traced_again_for_an_equal_block_warns
-# and, for no retrace, ::test_identical_blocks_compile_once.
+# and, for no retrace, tests/test_block_regions.py::test_identical_blocks_compile_once.
 _RETRACED = (
     "compiled_fsdp: Dynamo traced the compile region of {cls!r} again for {block}, whose parameters and FSDP "
     "settings equal those of a block of that class traced before in this compile: something else its forward "
