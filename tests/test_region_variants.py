@@ -4,9 +4,11 @@ block with a forward of its own (read in the root's graph), and a block
 that differs from its equals in a Python int (traced again, with a
 warning). See [Note: A region traced again for an equal block] in
 compiled_fsdp/compile/regions.py and [Note: A block whose region never
-runs] in compiled_fsdp/compile/region_reads.py."""
+runs] in compiled_fsdp/compile/region_reads.py; and a block with hooks of
+its user's."""
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import pytest
@@ -125,7 +127,9 @@ def _retraced_rank(rank: int, world: int, indexed: bool) -> dict:
 def test_a_region_traced_again_for_an_equal_block_warns(indexed: bool) -> None:
     """Blocks whose forward reads a per-block Python int are each traced
     and compiled on their own: one warning on every rank, naming the class
-    and the second block, and the numbers still bitwise the reference's.
+    and the third block (the first block's input needs no gradient, so the
+    second is a variant of its own: its input differs), and the numbers
+    still bitwise the reference's.
     Blocks of one class in ten shapes (variants that must be) do not warn.
     Torch 2.11 traces every call of a region (no reuse to fail): no warning
     there. See [Note: A region traced again for an equal block]."""
@@ -133,7 +137,7 @@ def test_a_region_traced_again_for_an_equal_block_warns(indexed: bool) -> None:
         assert_close(res, 0.0)
         if indexed and compat.region_traces_reused():
             assert len(res["warnings"]) == 1 and "'_Indexed'" in res["warnings"][0] \
-                and "layers.1" in res["warnings"][0], res["warnings"]
+                and "layers.2" in res["warnings"][0], res["warnings"]
         else:  # (torch 2.11 traces every call: nothing to warn of)
             assert res["warnings"] == [], res["warnings"]
 
@@ -154,3 +158,61 @@ def test_a_second_model_after_a_dynamo_reset_does_not_warn() -> None:
     step now starts the record afresh."""
     for res in run_distributed(_two_models_rank, 2, timeout=900):
         assert res == [], res
+
+
+class _EqualStack(_Stack):
+    def __init__(self, blocks: int) -> None:
+        torch.nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_Widening(8) for _ in range(blocks))
+
+
+def _hook(block: torch.nn.Module) -> None:
+    """A user's forward pre-hook and forward hook that change what flows."""
+    block.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+    block.register_forward_hook(lambda m, args, out: out + 1.0)
+
+
+def _user_hooks_rank(rank: int, world: int, when: str) -> dict:
+    compiled_fsdp.config.comm.block_regions = True
+
+    def build() -> _EqualStack:
+        stack = _EqualStack(3)
+        _hook(stack.layers[1])
+        return stack
+
+    def prepare(ref: torch.nn.Module) -> torch.nn.Module:
+        model = copy.deepcopy(ref)  # (its hooks too: registered before fully_shard)
+        if when == "after":
+            model.layers[1]._forward_pre_hooks.clear()
+            model.layers[1]._forward_hooks.clear()
+        for block in model.layers:
+            compiled_fsdp.fully_shard(block)
+        compiled_fsdp.fully_shard(model)
+        if when == "after":
+            _hook(model.layers[1])
+        return model
+
+    with _caught("traced the compile region") as found:
+        res = _stack_parity(rank, build, 3, prepare=prepare, after_step=in_regions)
+    res["warnings"] = found
+    return res
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_region_block_with_hooks_of_its_users(when: str) -> None:
+    """Three equal blocks, the second with a forward pre-hook and a forward
+    hook of its user's, registered after ``fully_shard`` or before it:
+    traced around its region's call, in ``_call_impl``'s order with FSDP's.
+    Bitwise equal to the reference with the same hooks after 3 steps under
+    ``aot_eager``, no eager collective, every block a region, and the
+    region traced once for the blocks whose input requires grad (the first
+    block's does not: a variant of its own, and no warning, [Note: A region
+    traced again for an equal block]). A region call that passed the hooks
+    by would leave the second block's input not halved, its output not
+    shifted."""
+    for res in run_distributed(_user_hooks_rank, 2, when, timeout=900):
+        assert_close(res, 0.0)
+        assert res["counts"] == [{}] * 3, res["counts"]
+        assert res["after"][-1] == [False, True, True, True], res["after"]
+        assert res["warnings"] == [], res["warnings"]  # (the region traced once)

@@ -175,12 +175,14 @@ def _region_of(forward: Callable, cls: type) -> Callable:
 
     def entering(ctx: Any) -> None:  # ([Note: Region calls traced once])
         install.SESSION.regions.enter(cls, compat.outermost_traced_code(ctx))
-        _variant_traced(cls)  # ([Note: A region traced again for an equal block])
+        _variant_traced(cls, _constant(ctx, "inputs"))  # ([Note: A region traced again for an equal block])
 
     def leaving(ctx: Any) -> None:
         install.SESSION.regions.leave()
 
     def body(module: nn.Module, token: torch.Tensor, shards: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        inputs = tuple((tuple(a.shape), a.dtype, a.requires_grad)  # noqa: F841 (read by ``entering``)
+                       for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         comptime(entering)
         out = forward(module, *args, **kwargs)  # (the reads take ``shards`` from the entry: (4))
         comptime(leaving)
@@ -240,26 +242,40 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # variants, whose error was the only sign). So each time Dynamo traces a
 # variant (``_variant_traced``, through ``comptime`` in the region's body),
 # the block it is traced for is recorded for its class by its parameters'
-# shapes and its settings (``region_key``), per compile attempt since the
-# root's step began; a block equal to one traced before warns, once per class,
-# naming the block. (Torch 2.11 traces every call of a region and keeps one
-# subgraph for equal graphs: there is no reuse to fail, and no warning.) (Its first
-# find was our own: the last block's token, ``issue_ahead`` in
-# region_reads.py.) Tested by
+# shapes, its settings (``region_key``) and its tensor inputs' shapes, dtypes
+# and whether they require grad, per compile attempt since the root's step
+# began; a block equal to one traced before warns, once per class, naming the
+# block. (A first block whose input requires no gradient, where the others'
+# do, is a variant of its own, as it must be: its backward differs. Recorded
+# without its inputs, it warned for the second block.) Torch 2.11 traces
+# every call of a region and keeps one subgraph for equal graphs: there is
+# no reuse to fail, and no warning. (Its first find was our own: the last
+# block's token, ``issue_ahead`` in region_reads.py.) Tested by
 # tests/test_region_variants.py::test_a_region_traced_again_for_an_equal_block_warns
-# and, for no retrace, tests/test_block_regions.py::test_identical_blocks_compile_once.
+# and, for no retrace, tests/test_block_regions.py::test_identical_blocks_compile_once
+# and tests/test_region_variants.py::test_a_region_block_with_hooks_of_its_users.
 _RETRACED = (
     "compiled_fsdp: Dynamo traced the compile region of {cls!r} again for {block}, whose parameters and FSDP "
-    "settings equal those of a block of that class traced before in this compile: something else its forward "
-    "reads differs between the blocks (a Python attribute such as a layer index, a global, an input of another "
-    "shape). So Dynamo traces each such block on its own (and compiles it on its own where the traces differ), "
+    "settings and inputs equal those of a block of that class traced before in this compile: something else "
+    "its forward reads differs between the blocks (a Python attribute such as a layer index, a global). So "
+    "Dynamo traces each such block on its own (and compiles it on its own where the traces differ), "
     "and the first step grows with the model's depth. TORCH_LOGS=hierarchical_compile names the guard that "
     "failed; make that value the same for every block, or pass it in as a tensor.")
 
 
-def _variant_traced(cls: type) -> None:
-    """At trace time: Dynamo traces a variant of ``cls``'s region (see the
-    note above). Not on torch 2.11, which traces every call."""
+def _constant(ctx: Any, name: str) -> Any:
+    """At trace time: the traced local ``name``'s value where it is a
+    constant (None where it is not: a symbolic shape)."""
+    try:
+        return ctx.get_local(name).as_python_constant()
+    except Exception:  # (NotImplementedError, or Dynamo's own for a symbolic value)
+        return None
+
+
+def _variant_traced(cls: type, inputs: Any) -> None:
+    """At trace time: Dynamo traces a variant of ``cls``'s region for
+    tensor inputs ``inputs`` (see the note above). Not on torch 2.11, which
+    traces every call."""
     if not compat.region_traces_reused():
         return
     calling = install.SESSION.regions.calling_now()
@@ -267,7 +283,8 @@ def _variant_traced(cls: type) -> None:
     if entry is None:
         return
     shards = tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in entry.region_shards if a is not None)
-    if install.SESSION.region_variant(cls, (entry.region_key, shards)) and cls not in install.SESSION.retraced_regions:
+    if install.SESSION.region_variant(cls, (entry.region_key, shards, inputs)) \
+            and cls not in install.SESSION.retraced_regions:
         install.SESSION.retraced_regions.add(cls)
         name = getattr(cls, "_fsdp_base_class", cls).__name__
         warnings.warn(_RETRACED.format(cls=name, block=entry.group.label), stacklevel=2)
