@@ -465,6 +465,25 @@ def fsdp2_has_reset_iter_state() -> bool:
     return hasattr(FSDPModule, "reset_iter_state")
 
 
+def register_first_forward_pre_hook(module: torch.nn.Module, hook: Callable) -> Any:
+    """``module.register_forward_pre_hook(hook, prepend=True,
+    with_kwargs=True)``, with the hooks already there inserted again after
+    ``hook`` instead of ``hook`` moved before them. Torch 2.11's Dynamo
+    names a hook by its place in the dict's insertion order (``dict.keys``),
+    which ``prepend``'s ``move_to_end`` leaves as it was: a user's pre-hook
+    registered before ``fully_shard`` was taken for FSDP's, and the first
+    compile raised "'function' object has no attribute '__func__'" (2.13 and
+    2.15 follow the order the hooks run in). Either way FSDP's runs first.
+    Tested by tests/test_region_variants.py::test_a_region_block_with_hooks_of_its_users."""
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    hooks = module._forward_pre_hooks
+    others = [(key, h) for key, h in hooks.items() if key != handle.id]
+    for key, _ in others:
+        del hooks[key]
+    hooks.update(others)
+    return handle
+
+
 def register_composable_state(module: Any, state: Any) -> None:
     """Enter ``state`` in torch's map of composable-API states (the one
     ``torch.distributed._composable_state._get_module_state`` reads), so

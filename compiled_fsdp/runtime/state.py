@@ -135,10 +135,10 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         for module in modules:
             compat.register_composable_state(module, self)
             if len(modules) == 1:
-                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+                compat.register_first_forward_pre_hook(module, self._pre_forward)
                 module.register_forward_hook(self._post_forward)
             else:
-                module.register_forward_pre_hook(self._list_pre_forward, prepend=True, with_kwargs=True)
+                compat.register_first_forward_pre_hook(module, self._list_pre_forward)
                 module.register_forward_hook(self._list_post_forward)
             module.register_forward_hook(_annotate_failed_forward, always_call=True)
 
