@@ -24,6 +24,11 @@ What differs, and where each choice is used:
   decrementing the handler's count of pending compiles, so a callback that
   raises leaves the count at 1 and no callback runs again (and
   ``torch._dynamo.reset()`` fails). ``end_callback_raised`` puts it back.
+* Dynamo's names for a module's hooks: 2.11 names a hook by its place in
+  the hook dict's insertion order, which ``register_forward_pre_hook``'s
+  ``prepend`` does not change; ``register_first_forward_pre_hook`` puts
+  FSDP's pre-forward first on every release without reordering (on 2.11 a
+  user's pre-hook registered before ``fully_shard`` failed the first compile).
 * Dynamo's frame-strategy API (``set_code_exec_strategy``), the same on
   every release: ``never_a_frame`` keeps the hooks and the parameter
   property's getter from being compiled as frames of their own (on 2.15 the
