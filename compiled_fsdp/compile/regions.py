@@ -181,8 +181,7 @@ def _region_of(forward: Callable, cls: type) -> Callable:
         install.SESSION.regions.leave()
 
     def body(module: nn.Module, token: torch.Tensor, shards: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        inputs = tuple((tuple(a.shape), a.dtype, a.requires_grad)  # noqa: F841 (read by ``entering``)
-                       for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        inputs = _described((*args, *kwargs.values()))  # noqa: F841 (read by ``entering``)
         comptime(entering)
         out = forward(module, *args, **kwargs)  # (the reads take ``shards`` from the entry: (4))
         comptime(leaving)
@@ -263,6 +262,13 @@ _RETRACED = (
     "failed; make that value the same for every block, or pass it in as a tensor.")
 
 
+def _described(values: Any) -> tuple:
+    """Each tensor among ``values`` as a variant tells it apart: its shape,
+    dtype and whether it requires grad (traced in a region's body, or run
+    at trace time)."""
+    return tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in values if isinstance(a, torch.Tensor))
+
+
 def _constant(ctx: Any, name: str) -> Any:
     """At trace time: the traced local ``name``'s value where it is a
     constant (None where it is not: a symbolic shape)."""
@@ -282,8 +288,7 @@ def _variant_traced(cls: type, inputs: Any) -> None:
     entry = calling() if calling is not None else None
     if entry is None:
         return
-    shards = tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in entry.region_shards if a is not None)
-    if install.SESSION.region_variant(cls, (entry.region_key, shards, inputs)) \
+    if install.SESSION.region_variant(cls, (entry.region_key, _described(entry.region_shards), inputs)) \
             and cls not in install.SESSION.retraced_regions:
         install.SESSION.retraced_regions.add(cls)
         name = getattr(cls, "_fsdp_base_class", cls).__name__
