@@ -111,9 +111,13 @@ def unaliased(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
 def backend_on(group: dist.ProcessGroup, device: Union[torch.device, str]) -> Optional[object]:
     """``group``'s backend for ``device``'s type, or None where it has none
     (torch's thread ranks, the emulated network, a device no backend
-    registered)."""
+    registered). Asked first whether it has one: the error ``_get_backend``
+    raises costs 0.1 ms, and a region's gathers ask at every issue."""
+    device = torch.device(device)
+    if device.type not in (d.type for d in group._device_types):
+        return None
     try:
-        return group._get_backend(torch.device(device))
+        return group._get_backend(device)
     except RuntimeError:
         return None
 
