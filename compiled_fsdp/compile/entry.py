@@ -168,6 +168,9 @@ class CompiledEntry:
         # Whether its reads were traced outside its region, which never ran
         # ([Note: A block whose region never runs] in region_reads.py).
         self.region_bypassed = False
+        # Whether it ran its plain forward, traced with every size dynamic
+        # ([Note: No compile regions under dynamic=True] in regions.py).
+        self.region_dynamic = False
         # Whether a read in a graph takes ``region_shards``, not the DTensor's
         # local tensor: every group's, in a model with regions ([Note: No
         # DTensor inputs beside regions] in regions.py).
@@ -191,6 +194,7 @@ class CompiledEntry:
         self.record_handoff_trace = lambda ctx: self._record_handoff()
         self.record_region_call = lambda ctx: self._region_called()
         self.record_region_bypassed = lambda ctx: setattr(self, "region_bypassed", True)
+        self.record_region_dynamic = lambda ctx: setattr(self, "region_dynamic", True)
 
     def _region_called(self) -> None:
         frames.record_bucket_trace(self.group.key)

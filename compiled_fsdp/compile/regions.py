@@ -212,6 +212,9 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             entry = self.__dict__["_fsdp_region_entry"]
             if entry.active:  # (block.compile(): one frame per block already)
                 return plain(self, *args, **kwargs)
+            if torch.compiler.is_dynamo_compiling() and _dynamic_everywhere():
+                comptime(entry.record_region_dynamic)  # ([Note: No compile regions under dynamic=True])
+                return plain(self, *args, **kwargs)
             token = None
             if torch.compiler.is_dynamo_compiling():
                 after = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -228,6 +231,22 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
                                                   "__module__": cls.__module__})
         install.SESSION.region_classes[cls] = region_cls
     module.__class__ = region_cls
+
+
+# [Note: No compile regions under dynamic=True]
+# ``torch.compile(model, dynamic=True)`` (Dynamo's
+# ``assume_static_by_default`` off) fails in torch's own
+# ``nested_compile_region`` on 2.15, with nothing of this project in it: a
+# block whose forward computes with its input's sizes raised "Freevar has
+# no source" when Dynamo recorded the region for reuse. So a block traced
+# under it runs its plain forward, its reads traced in the root's graph
+# (as a block whose region never runs), and ``explain`` says why; automatic
+# dynamic shapes (the default, ``dynamic=None``) keep the regions. Tested by
+# tests/test_dynamic_shapes.py::test_dynamic_true_buckets_every_collective.
+@torch._dynamo.assume_constant_result
+def _dynamic_everywhere() -> bool:
+    """Whether Dynamo traces with every size dynamic (at trace time; a constant to the traced code)."""
+    return not torch._dynamo.config.assume_static_by_default
 
 
 # [Note: A region traced again for an equal block]

@@ -62,6 +62,22 @@ def _schema_default(value: Any) -> str:
     return str(value)
 
 
+# [Note: Static ints under dynamic=True]
+# ``torch.compile(model, dynamic=True)`` makes Dynamo trace every int read
+# off a Python object (not a module's, not a global's) as a symbolic graph
+# input: a marker's full shape, world size, group key and the like, read
+# off the parameter and its group, reached the passes symbolic, and every
+# module's markers were left to their eager per-parameter collectives
+# (38 unbucketed all-gathers a step in the test's model), while explain()
+# said "compiled". ``Marker.call`` makes each of the op's ``STATIC_INTS``
+# a plain int: Dynamo specializes a symbolic int passed to ``range`` (with a
+# guard on its value; these never change between steps), and an int that
+# was plain stays as it is. Tested by
+# tests/test_dynamic_shapes.py::test_dynamic_true_buckets_every_collective.
+def _static(value: int) -> int:
+    return value if value < 0 else len(range(value))  # (ENTRY_KEY and NEXT_KEY are negative constants)
+
+
 @dataclasses.dataclass(frozen=True)
 class Marker:
     """One op's arguments (subclasses below). Tensor arguments hold tensors at
@@ -108,6 +124,12 @@ class Marker:
     @classmethod
     def call(cls, **fields: Any) -> Any:
         """Runs the op (traced into a graph under Dynamo)."""
+        for name in cls.STATIC_INTS:  # ([Note: Static ints under dynamic=True])
+            value = fields.get(name)
+            if isinstance(value, (list, tuple)):
+                fields[name] = [_static(v) for v in value]
+            elif value is not None:
+                fields[name] = _static(value)
         return cls.op()(**fields)
 
     @classmethod

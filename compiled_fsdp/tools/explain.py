@@ -65,6 +65,8 @@ def explain(model: nn.Module) -> list[ModuleReport]:
             reason = _EXTENSION
         elif path == "compiled" and group is not None and group.region_refusal is not None:
             reason = _NOT_A_REGION + group.region_refusal
+        elif path == "compiled" and group is not None and entry_of(group).region_dynamic:
+            reason = _NOT_A_REGION + _DYNAMIC_TRUE
         elif path == "compiled" and group is not None and entry_of(group).region_bypassed:
             reason = _NOT_A_REGION + _OWN_FORWARD
         elif (path == "compiled" and group is not None and group.block_regions and not entry_of(group).in_region
@@ -113,6 +115,11 @@ _ROOT_SAID_NO = ("the module above it was sharded with config.comm.block_regions
 _OWN_FORWARD = ("its region never ran: the module has a forward of its own (module.forward = ..., set by the "
                 "user or a library's hook), which its region's class does not call; see [Note: A block whose "
                 "region never runs] in compile/region_reads.py")
+
+
+_DYNAMIC_TRUE = ("compiled with every size dynamic (torch.compile(dynamic=True)), under which torch's "
+                 "nested_compile_region fails; automatic dynamic shapes (dynamic=None, the default) keep the "
+                 "regions; see [Note: No compile regions under dynamic=True] in compile/regions.py")
 
 
 _UNTRACED = ("Dynamo ran the compiled model's forward without tracing it (an active dispatch mode such "
