@@ -141,7 +141,7 @@ from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of
 from compiled_fsdp.compile.region_reads import issue_ahead
 from compiled_fsdp.core import compat, registry
-from compiled_fsdp.core.marker import Regather
+from compiled_fsdp.core.marker import Regather, sizes_dynamic
 from compiled_fsdp.runtime.extension import compiled_path
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 from compiled_fsdp.runtime.state import get_fsdp_state
@@ -212,7 +212,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             entry = self.__dict__["_fsdp_region_entry"]
             if entry.active:  # (block.compile(): one frame per block already)
                 return plain(self, *args, **kwargs)
-            if torch.compiler.is_dynamo_compiling() and _dynamic_everywhere():
+            if torch.compiler.is_dynamo_compiling() and sizes_dynamic():
                 comptime(entry.record_region_dynamic)  # ([Note: No compile regions under dynamic=True])
                 return plain(self, *args, **kwargs)
             token = None
@@ -243,10 +243,6 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # (as a block whose region never runs), and ``explain`` says why; automatic
 # dynamic shapes (the default, ``dynamic=None``) keep the regions. Tested by
 # tests/test_dynamic_shapes.py::test_dynamic_true_buckets_every_collective.
-@torch._dynamo.assume_constant_result
-def _dynamic_everywhere() -> bool:
-    """Whether Dynamo traces with every size dynamic (at trace time; a constant to the traced code)."""
-    return not torch._dynamo.config.assume_static_by_default
 
 
 # [Note: A region traced again for an equal block]
