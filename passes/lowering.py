@@ -186,6 +186,10 @@ def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> B
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:
         shape, spec = tuple(s.inputs[0].meta["val"].shape), s.args.spec
+        if first.world_size == 1 and not all(isinstance(d, int) for d in shape):
+            # (replicate under dynamic=True: its reduce packed the gradient's own symbolic
+            # size, a symbol the backward graph does not bind; [Note: Static ints under dynamic=True])
+            raise _Skip(f"param {s.args.param_index}: symbolic input shape {shape}")
         want = (s.args.local_rows, *spec.rest) if kind == "gather" else s.args.full_shape
         if shape != want or s.args.local_rows > spec.shard_dim0:
             raise _Skip(f"param {s.args.param_index}: input shape {shape} != {want}")

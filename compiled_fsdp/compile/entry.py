@@ -197,6 +197,7 @@ class CompiledEntry:
         self.record_region_dynamic = lambda ctx: setattr(self, "region_dynamic", True)
 
     def _region_called(self) -> None:
+        self.region_dynamic = self.region_bypassed = False  # (a region again, after a compile without one)
         frames.record_bucket_trace(self.group.key)
         # ([Note: A region traced again for an equal block] in regions.py)
         install.SESSION.regions.called(weakref.ref(self))

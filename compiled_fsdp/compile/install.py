@@ -76,6 +76,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Optional
@@ -162,9 +163,18 @@ def run_joint(gm: fx.GraphModule, units_for_explain: bool = True) -> None:
     from compiled_fsdp.passes import run_joint_passes
 
     report = run_joint_passes(gm, SESSION.reports.notify if SESSION.reports.observers else None)
+    symbolic = [why for (_, _, why) in (report.lowering.skipped if report.lowering else ()) if "symbolic" in why]
+    if symbolic:  # ([Note: Static ints under dynamic=True] in core/marker.py)
+        warnings.warn(_SYMBOLIC.format(n=len(symbolic), why=symbolic[0]), stacklevel=2)
     if report.has_markers:
         SESSION.reports.add_joint(report, units_for_explain)
         SESSION.reports.add_pipeline(report.pipeline)
+
+
+_SYMBOLIC = ("compiled_fsdp: {n} parameter read(s) in this graph are left to one eager collective each, unbucketed: "
+             "Dynamo made a size or setting the passes bucket by symbolic ({why}). torch.compile(dynamic=True) "
+             "does this to a replicated module's parameters; compile with dynamic=None (automatic dynamic "
+             "shapes, the default) to bucket them.")
 
 
 class _JointPass:

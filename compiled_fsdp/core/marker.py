@@ -239,7 +239,8 @@ class _ParamMarker(Marker):
 
 
 # The static ints of every parameter marker.
-_PARAM_INTS = ("full_shape", "world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel")
+_PARAM_INTS = ("full_shape", "world_size", "module_key", "param_index", "local_rows", "bucket_offset", "bucket_numel",
+               "replicas")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -343,7 +344,7 @@ class GatherNext(Marker):
     defaults: autograd counts only the arguments a call passes.)"""
 
     NAME: ClassVar[str] = "gather_next"
-    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "local_rows", "world_size", "module_key")
+    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "local_rows", "world_size", "module_key", "replicas")
 
     shards: Any = _arg("Tensor[]")
     kept: Any = _arg("Tensor?[]")
@@ -379,7 +380,8 @@ class ReduceNext(Marker):
 
     NAME: ClassVar[str] = "reduce_next"
     RETURNS: ClassVar[str] = "Tensor[]"
-    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "ndims", "local_rows", "world_size", "module_key")
+    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "ndims", "local_rows", "world_size", "module_key",
+                                              "replicas")
 
     grad: Any = _arg("Tensor")
     kept: Any = _arg("Tensor?[]")
@@ -459,7 +461,7 @@ class ReduceLater(Marker):
     reduce-scatter waited outside its graph] in core/registry.py."""
 
     NAME: ClassVar[str] = "reduce_later"
-    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "ndims", "local_rows", "world_size")
+    STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "ndims", "local_rows", "world_size", "replicas")
 
     grads: Any = _arg("Tensor[]")
     targets: Any = _arg("Tensor[]")
