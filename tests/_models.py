@@ -5,9 +5,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from compiled_fsdp import fully_shard
 from examples.gpt import GPT, Block, GPTConfig, tiny, tiny_tied
 from examples.gpt import batch as gpt_batch
 from examples.gpt import loss_fn as gpt_loss
+
+
+def shard_each(model: nn.Module) -> None:
+    """``fully_shard`` on each block of ``model.layers``, then on the root: the usual form."""
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
 
 
 class ScaledLinear(nn.Linear):

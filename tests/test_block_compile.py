@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.fx as fx
 
-from compiled_fsdp import explain, fully_shard
+from compiled_fsdp import explain
 from compiled_fsdp.core.registry import CORE
 from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
 from _graphs import AG, AG_IF, REGATHER, WAIT, GraphCapture, count, count_reduces, saved_gathered
-from _models import gpt_case
+from _models import gpt_case, shard_each
 from _parity import assert_close, run_parity
 
 
@@ -30,12 +30,6 @@ def _deep(n_blocks: int):
         return GPT(GPTConfig(vocab=67, dim=24, n_layers=n_blocks, n_heads=2, seq=16))
 
     return build
-
-
-def _shard(model: GPT) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
 
 
 def _forward_structure(gm: fx.GraphModule) -> dict:
@@ -73,7 +67,7 @@ def _blocks_rank(rank: int, world: int, how: str, backend: str, n_blocks: int) -
                 model.layers[i] = torch.compile(block, backend=compiler)
         return model
 
-    res = run_parity(rank, _deep(n_blocks), _shard, make_batch, loss, steps=3, wrap=wrap,
+    res = run_parity(rank, _deep(n_blocks), shard_each, make_batch, loss, steps=3, wrap=wrap,
                      graph_counts=capture.take_runtime if capture is not None else None,
                      after_step=lambda m: [(r.fqn, r.path, r.units) for r in explain(m)])
     res["unique_graphs"] = counters["stats"]["unique_graphs"]

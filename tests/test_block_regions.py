@@ -20,16 +20,10 @@ from compiled_fsdp import fully_shard
 from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
+from _models import shard_each
 from _parity import assert_close, in_regions, run_parity
 
 BLOCKS = 3
-
-
-def _shard(model: torch.nn.Module) -> None:
-    """Each block, then the root: the usual form."""
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
 
 
 @contextlib.contextmanager
@@ -46,7 +40,7 @@ def _caught(about: str) -> Iterator[list[str]]:
 def _stack_parity(rank: int, build: Any, steps: int, **kwargs: Any) -> dict:
     """A stack of toy blocks, sharded and compiled whole under ``aot_eager``,
     against its reference: a fresh random batch a step, the output's mean square."""
-    return run_parity(rank, build, _shard, lambda step: (torch.randn(4, 8, generator=torch.Generator(
+    return run_parity(rank, build, shard_each, lambda step: (torch.randn(4, 8, generator=torch.Generator(
         ).manual_seed(10 * step)),), lambda out, x: out.square().mean(), steps=steps,
         wrap=partial(torch.compile, backend="aot_eager"), **kwargs)
 
@@ -88,7 +82,7 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
     CORE.backward_gathers.reset()
     CORE.later_reduces.reset()
     with recording() as rec, _caught("traced the compile region") as retraced:
-        res = run_parity(rank, _build, _shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=wrap,
+        res = run_parity(rank, _build, shard_each, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=wrap,
                          after_step=lambda m: (CORE.backward_gathers.taken, CORE.later_reduces.delivered))
     res["retraced"] = retraced
     res["graphs"] = graphs
@@ -164,7 +158,7 @@ def _break_rank(rank: int, world: int, in_place: bool) -> dict:
         return {"paths": [(r.fqn, r.path) for r in compiled_fsdp.explain(model)], "regions": in_regions(model)}
 
     with _caught("compile region") as found:
-        res = run_parity(rank, build, _shard, make_batch, loss, steps=3, after_step=after_step,
+        res = run_parity(rank, build, shard_each, make_batch, loss, steps=3, after_step=after_step,
                          wrap=partial(_in_place, backend="aot_eager") if in_place
                          else partial(torch.compile, backend="aot_eager"))
     res["warnings"] = found
@@ -304,7 +298,7 @@ def _own_frames_rank(rank: int, world: int) -> dict:
             block.compile(backend="aot_eager", fullgraph=True)
         return model
 
-    return run_parity(rank, _build, _shard, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=compile_blocks,
+    return run_parity(rank, _build, shard_each, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=compile_blocks,
                       after_step=in_regions)
 
 
@@ -442,7 +436,7 @@ def _twice_rank(rank: int, world: int, backend: str) -> dict:
 
 
     CORE.later_reduces.reset()
-    return run_parity(rank, build, _shard, lambda step: (batch(build().cfg, 2, step),), loss_fn,
+    return run_parity(rank, build, shard_each, lambda step: (batch(build().cfg, 2, step),), loss_fn,
                       wrap=lambda m: torch.compile(m, backend=backend, fullgraph=True),
                       after_step=lambda m: CORE.later_reduces.delivered)
 
@@ -484,7 +478,7 @@ def _dataclass_rank(rank: int, world: int) -> dict:
         return _DataclassGPT(GPTConfig(vocab=67, dim=24, n_layers=BLOCKS, n_heads=2, seq=16))
 
 
-    return run_parity(rank, build, _shard, lambda step: (batch(build().cfg, 2, step),),
+    return run_parity(rank, build, shard_each, lambda step: (batch(build().cfg, 2, step),),
                       lambda out, tokens: loss_fn(out.logits, tokens),
                       wrap=lambda m: torch.compile(m, backend="aot_eager", fullgraph=True))
 

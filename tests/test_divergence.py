@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import compiled_fsdp
-from compiled_fsdp import fully_shard
 from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 from examples.gpt import GPT, GPTConfig, batch, loss_fn
 
 from _dist import run_distributed
+from _models import shard_each
 
 BOUND_S = 8.0
 FULL = (0, 1)
@@ -43,12 +43,6 @@ def _build() -> RoutedGPT:
     return RoutedGPT(GPTConfig(vocab=67, dim=24, n_layers=2, n_heads=2, seq=16))
 
 
-def _shard(model: torch.nn.Module) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-
-
 def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "eager":
         return model
@@ -70,7 +64,7 @@ def _diverge(rank: int, world: int, mode: str, routes: list[list[tuple[int, ...]
     model = _build()
     model.graph_break = mode == "aot_eager_break"
     mode = {"regions": "aot_eager"}.get(mode, mode).removesuffix("_break")
-    _shard(model)
+    shard_each(model)
     if reset:
         torch._dynamo.reset()
     runner = _wrap(model, mode)
@@ -171,7 +165,7 @@ def _uneven(rank: int, world: int, mode: str, how: str) -> dict:
     compiled_fsdp.config.comm.check_timeout_s = BOUND_S
     ref = _build()
     model = copy.deepcopy(ref)
-    _shard(model)
+    shard_each(model)
     specs = shard_specs(model)
     runner = _wrap(model, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import compiled_fsdp
-from compiled_fsdp import fully_shard
 from compiled_fsdp.tools.models import loss_fn
 from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
+from _models import shard_each
 from _parity import run_parity
 
 # (batch, sequence) a step: the second step's new sizes recompile with symbolic ones
@@ -25,12 +25,6 @@ SIZES = [(2, 16), (2, 12), (3, 10), (1, 16)]
 def _build() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab=67, dim=24, n_layers=3, n_heads=2, seq=16))
-
-
-def _shard(model: torch.nn.Module) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
 
 
 def _batch(step: int) -> tuple[torch.Tensor]:
@@ -46,7 +40,7 @@ def _rank(rank: int, world: int, regions: bool, dynamic: Optional[bool]) -> dict
         compiled.append(model)
         return torch.compile(model, backend="aot_eager", dynamic=dynamic)
 
-    res = run_parity(rank, _build, _shard, _batch, loss_fn, steps=len(SIZES), wrap=wrap)
+    res = run_parity(rank, _build, shard_each, _batch, loss_fn, steps=len(SIZES), wrap=wrap)
     report = {r.fqn: r for r in compiled_fsdp.explain(compiled[0])}
     res["block"] = (report["layers.0"].path, report["layers.0"].reason, report["layers.0"].units)
     return res

@@ -6,19 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_fsdp import fully_shard
 from examples.gpt import batch
 
 from _dist import run_distributed
 from _graphs import A2A, RS, GraphCapture, count, one_graph
-from _models import gpt_case
+from _models import gpt_case, shard_each
 from _parity import run_parity
-
-
-def _shard(model: torch.nn.Module) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
 
 
 def _rank(rank: int, world: int, by_all_to_all: bool) -> dict:
@@ -36,10 +29,10 @@ def _rank(rank: int, world: int, by_all_to_all: bool) -> dict:
     def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
         return [p.grad.detach().clone() for p in model.parameters()]
 
-    eager = run_parity(rank, build, _shard, make_batch, loss, after_step=snapshot, make_ref_batch=make_ref_batch)
+    eager = run_parity(rank, build, shard_each, make_batch, loss, after_step=snapshot, make_ref_batch=make_ref_batch)
     capture = GraphCapture()
     compiled = run_parity(
-        rank, build, _shard, make_batch, loss, after_step=snapshot, make_ref_batch=make_ref_batch,
+        rank, build, shard_each, make_batch, loss, after_step=snapshot, make_ref_batch=make_ref_batch,
         wrap=lambda m: torch.compile(m, backend=capture.backend, fullgraph=True),
     )
     same = all(torch.equal(a, b) for sa, sb in zip(eager.pop("after"), compiled.pop("after"))
