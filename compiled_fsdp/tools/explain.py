@@ -58,7 +58,7 @@ def explain(model: nn.Module) -> list[ModuleReport]:
         path = _last_path(state)
         group = state.param_group
         if path == "not run" and group is not None and entry_of(group).in_region and state.ctx is not None:
-            path = _last_path(state.ctx.root)  # (a region's reads leave no record: its root's graph ran it)
+            path = _region_path(state.ctx.root)
         reason = None
         last = state.last_path()
         if group is not None and _gathered_eagerly(group, path):
@@ -166,6 +166,20 @@ def _last_path(state: FSDPState) -> str:
     if group is not None and frames.was_traced(group.key):
         return "compiled"
     return "not run"
+
+
+def _region_path(root: FSDPState) -> str:
+    """[Note: A region's path is its graph's]
+    A compile region's reads leave no record of their own: the root's graph
+    ran them. A root that fell back at a graph break of its own (its
+    parameters gathered by the eager runtime; GPT-2 in transformers 5 breaks
+    at its loss's ``logger.warning_once``) still ran that graph, regions
+    included, their collectives in it: the regions were compiled. A root
+    frame Dynamo skipped (``UNTRACED``) ran its blocks' hooks eagerly, and
+    they have records of their own. Said "fallback", with no reason, before.
+    Tested by tests/test_hf_models.py::test_gpt2_root_falls_back_at_its_loss."""
+    path = _last_path(root)
+    return "compiled" if path == "fallback" and root.last_path() is Path.FALLBACK else path
 
 
 def _untraced_reason(module: nn.Module) -> str:
