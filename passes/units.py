@@ -56,6 +56,7 @@ tests/test_units_dist.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -117,14 +118,23 @@ class _Piece:
 
 
 def module_path(node: fx.Node) -> Path:
-    """The module calls ``node`` was traced in, outermost first."""
+    """The module calls ``node`` was traced in, outermost first, each named
+    by its path from the compiled module, as a user names it."""
     stack = node.meta.get("nn_module_stack") or {}
     return tuple((str(k), _display(v)) for k, v in stack.items())
 
 
+# Dynamo's name of a frame's local: ``L['self']``, or ``L['args'][0]`` where a
+# decorator's wrapper is the frame (transformers' on Llama's ``forward``).
+_LOCAL = re.compile(r"^L(\[[^\]]*\])+")
+
+
 def _display(entry: object) -> str:
-    name = entry[0] if isinstance(entry, tuple) and entry else str(entry)
-    return str(name).replace("L['self'].", "").replace("L['self']", "<compiled module>")
+    name = str(entry[0] if isinstance(entry, tuple) and entry else entry)
+    local = _LOCAL.match(name)
+    if local is None:
+        return name
+    return name[local.end():].removeprefix(".") or "<compiled module>"
 
 
 def _common(paths: Sequence[Path]) -> Path:
