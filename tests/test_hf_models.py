@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from functools import partial
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # (GQA, rotary embeddings handed to every layer, SDPA, RMSNorm)
     "llama": ("LlamaConfig", "LlamaForCausalLM", SMALL),
-    # (a mixture of experts: each layer's experts one 3-D parameter, sharded on the experts)
+    # (a mixture of experts: each layer's experts two 3-D parameters, sharded on the experts)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2}),
     # (tied embedding and head, Conv1D layers; dropout off for a bitwise reference)
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=128, n_embd=64, n_layer=LAYERS, n_head=4,
@@ -38,12 +39,14 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def _build(name: str, checkpointing: bool) -> torch.nn.Module:
+def _build(name: str, checkpointing: bool, split: bool = False) -> torch.nn.Module:
     config, model, kwargs = CONFIGS[name]
     torch.manual_seed(0)
     m = getattr(transformers, model)(getattr(transformers, config)(**kwargs, attn_implementation="sdpa"))
     if checkpointing:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if split:  # (GPT-2: a graph break between its body, the tied embedding's read, and its head, the second)
+        m.transformer.register_forward_hook(lambda *_: torch._dynamo.graph_break())
     return m.train()
 
 
@@ -65,7 +68,7 @@ def _call(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def _rank(rank: int, world: int, name: str, checkpointing: bool) -> dict:
+def _rank(rank: int, world: int, name: str, checkpointing: bool, split: bool = False) -> dict:
     from torch._dynamo.backends.registry import lookup_backend
 
     compiled_fsdp.config.comm.block_regions = True
@@ -87,7 +90,7 @@ def _rank(rank: int, world: int, name: str, checkpointing: bool) -> dict:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = run_parity(rank, lambda: _build(name, checkpointing), _shard, _batch, lambda loss, ids: loss,
+        res = run_parity(rank, partial(_build, name, checkpointing, split), _shard, _batch, lambda loss, ids: loss,
                          wrap=wrap, ref_forward=lambda ref, inputs: _call(ref, *inputs))
     res["warnings"] = sorted({str(w.message)[:200] for w in caught if "compiled_fsdp" in str(w.message)})
     res["graphs"] = graphs
@@ -112,8 +115,9 @@ def test_decoder_layers_compile_once(name: str, checkpointing: bool) -> None:
     take the rotary embeddings and the mask as keyword inputs; with
     ``gradient_checkpointing_enable()`` each layer's call goes through
     transformers' ``GradientCheckpointingLayer`` and torch's non-reentrant
-    checkpoint; Mixtral's experts are one 3-D parameter a layer, sharded on
-    the experts as any dim-0 parameter."""
+    checkpoint; Mixtral's experts are two 3-D parameters a layer
+    (``gate_up_proj``, ``down_proj``), sharded on the experts as any dim-0
+    parameter."""
     for res in run_distributed(_rank, 2, name, checkpointing, timeout=900):
         _assert_bitwise(res)
         assert res["counts"] == [{}] * 3, res["counts"]
@@ -126,18 +130,36 @@ def test_decoder_layers_compile_once(name: str, checkpointing: bool) -> None:
                                       for i in range(LAYERS)], res["explain"]
 
 
-def test_gpt2_root_falls_back_at_its_loss() -> None:
-    """GPT-2 (tied embedding and head) breaks Dynamo's graph in its loss:
-    transformers 5 reads ``loss_function``, which calls
-    ``logger.warning_once`` for a model whose ``loss_type`` it does not
-    know. The root's parameters are then read in two frames, so the root
-    falls back to the eager runtime, said with the reason (one eager gather
-    and reduce-scatter a step from the second, once the decision is made),
-    while the layers' compile regions keep their collectives in the graph,
+def test_gpt2_break_in_its_loss_keeps_the_root_compiled() -> None:
+    """GPT-2 breaks Dynamo's graph in its loss: transformers 5 reads
+    ``loss_function``, which calls ``logger.warning_once`` for a model whose
+    ``loss_type`` it does not know. Every model's ``forward`` there is
+    decorated, so Dynamo first traced the wrappers' frames through the whole
+    forward, then abandoned those attempts at the break; their reads counted,
+    and the root fell back as if its tied embedding and head were read in
+    three frames: the embedding gathered and reduced eagerly every step
+    ([Note: Reads of an abandoned trace attempt] in
+    compiled_fsdp/compile/frames.py). The root stays compiled: bitwise, no
+    eager collective, the layers one region traced once."""
+    for res in run_distributed(_rank, 2, "gpt2", False, timeout=900):
+        _assert_bitwise(res)
+        assert res["counts"] == [{}] * 3, res["counts"]
+        assert res["graphs"][0] == (1, LAYERS), res["graphs"]
+        assert res["explain"][0][1:3] == ("compiled", None), res["explain"][0]
+        assert res["explain"][1:] == [(f"transformer.h.{i}", "compiled", None, "a compile region")
+                                      for i in range(LAYERS)], res["explain"]
+
+
+def test_gpt2_tied_weights_split_by_a_break() -> None:
+    """A graph break between GPT-2's body and its head (a user's forward hook
+    on ``model.transformer``): the tied weight is read in two frames, so the
+    root falls back, said with the reason (one eager gather and
+    reduce-scatter a step from the second, once the split is known), while
+    the layers' compile regions keep their collectives in the first graph,
     and ``explain`` says so ([Note: A region's path is its graph's] in
     compiled_fsdp/tools/explain.py; "fallback" with no reason before).
     Bitwise all the same."""
-    for res in run_distributed(_rank, 2, "gpt2", False, timeout=900):
+    for res in run_distributed(_rank, 2, "gpt2", False, True, timeout=900):
         _assert_bitwise(res)
         assert res["counts"][1:] == [{"all_gather": 1, "reduce_scatter": 1}] * 2, res["counts"]
         path, reason = res["explain"][0][1:3]

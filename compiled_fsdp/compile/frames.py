@@ -23,7 +23,8 @@ module's hooks run (see [Note: Hooks under Dynamo] in runtime/state.py):
   the root stays compiled. A parameter read in two fragments (a tied embedding
   and head with a break between them) would be gathered and reduced twice, so
   then the root falls back. Markers record the frame they are traced in (at
-  compile time, via ``comptime``), so such a split is known once the first step
+  compile time, via ``comptime``; a trace attempt Dynamo abandoned does not
+  count: [Note: Reads of an abandoned trace attempt]), so such a split is known once the first step
   has compiled; from the next step on the root falls back (its fragments are
   recompiled once, since its gathered views are now graph inputs). The first
   step is numerically exact either way.
@@ -54,11 +55,14 @@ def record_marker_trace(key: int, param_index: int, split_key: Optional[Hashable
     """Called at Dynamo trace time (through ``comptime``) when a marker is emitted.
     ``split_key``: what the frames are recorded under, when not ``key`` (a block
     compiled as its own frame: see [Note: Blocks compiled on their own] in
-    entry.py)."""
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    frame = compile_id.frame_id if compile_id is not None else -1
-    install.SESSION.record_trace(key, param_index, frame, split_key)
-    _append_to_sequence(key, param_index)
+    entry.py). Recorded once the compile ends, if its trace attempt was the
+    last ([Note: Reads of an abandoned trace attempt])."""
+    traced = _this_attempt()
+    if traced is None:
+        install.SESSION.record_trace(key, param_index, -1, split_key)
+        return
+    traced.markers.append((key, param_index))
+    traced.reads.append((key, param_index, split_key))
 
 
 def traced_reads(key: Hashable) -> set[int]:
@@ -71,17 +75,34 @@ def was_traced(key: Hashable) -> bool:
     return key in install.SESSION.traced_frames
 
 
-def _append_to_sequence(key: int, param_index: int) -> None:
-    """Adds a read to the marker sequence of the graph being compiled."""
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    trace = torch._guards.CompileContext.current_trace_id()
-    if compile_id is None or trace is None:
-        return
-    attempt, seq = install.SESSION.compile_markers.get(str(compile_id), (trace.attempt, []))
-    if trace.attempt != attempt:  # Dynamo restarted the analysis: keep the last attempt's
-        seq = []
-    seq.append((key, param_index))
-    install.SESSION.compile_markers[str(compile_id)] = (trace.attempt, seq)
+# [Note: Reads of an abandoned trace attempt]
+# Dynamo may trace a frame more than once: a graph break inside a function
+# it inlined restarts the analysis, and the next attempt stops at that
+# function's call. What the abandoned attempt traced is in no graph. A
+# decorated ``forward`` (transformers wraps every model's) is such a call:
+# with a break anywhere below it, the wrapper's frame traced the whole
+# forward, every root parameter read, then gave up; so did the next
+# wrapper's; only the forward's own frame compiled them. Recorded at trace
+# time, those reads made each root parameter "read in more than one Dynamo
+# frame", and the root fell back for nothing (GPT-2, whose loss breaks the
+# graph: its embedding and head gathered eagerly every step). So what a
+# compile traced is kept per attempt (``install.TracedAttempt``) and taken
+# when no compile is under way any more (Dynamo's end callback), from a
+# compile's last attempt only; the same holds for the markers [Note:
+# Agreeing on collectives] checks. Tested by
+# tests/test_hf_models.py::test_gpt2_root_falls_back_at_its_loss (the root
+# stays compiled) and tests/test_graph_breaks.py (a real split still falls back).
+def _this_attempt() -> Optional[install.TracedAttempt]:
+    """What the compile under way traced in its current attempt (None outside one)."""
+    context = torch._guards.CompileContext.try_get()
+    if context is None or context.compile_id is None:
+        return None
+    key = str(context.compile_id)
+    traced = install.SESSION.compile_markers.get(key)
+    if traced is None or traced.attempt != context.attempt:  # (Dynamo restarted the analysis)
+        traced = install.SESSION.compile_markers[key] = install.TracedAttempt(
+            context, context.attempt, context.compile_id.frame_id)
+    return traced
 
 
 def record_bucket_trace(key: int) -> None:
@@ -93,7 +114,9 @@ def record_bucket_trace(key: int) -> None:
     every block: [Note: Blocks as compile regions] in regions.py). Part of
     the graph's collectives for [Note: Agreeing on collectives] (as a read of
     the whole bucket, index -1), not a read of its parameters in this frame."""
-    _append_to_sequence(key, -1)
+    traced = _this_attempt()
+    if traced is not None:
+        traced.markers.append((key, -1))
 
 
 def arm() -> None:
@@ -126,23 +149,31 @@ def _on_compile_start(args: Optional[CallbackArgs]) -> None:
 
 
 def _on_compile_end(args: CallbackArgs) -> None:
-    """Dynamo's compile-end callback: a frame that reads sharded parameters in
-    an order no earlier graph did is checked against the other ranks before it
-    runs. See [Note: Agreeing on collectives] in runtime/divergence.py."""
+    """Dynamo's compile-end callback (no compile under way any more): what
+    the compiles traced is recorded ([Note: Reads of an abandoned trace
+    attempt]), and a frame that reads sharded parameters in an order no
+    earlier graph did is checked against the other ranks before it runs. See
+    [Note: Agreeing on collectives] in runtime/divergence.py."""
     try:
         with install.SESSION.dynamo_lock:
             if install.SESSION.dynamo_compiling:
                 install.SESSION.dynamo_compiling = False
                 install.close_window()
-        _check_new_graph(str(args.compile_id))
+        ended = install.SESSION.end_compiles()
+        for traced in ended.values():
+            for key, index, split_key in traced.reads:
+                install.SESSION.record_trace(key, index, traced.frame, split_key)
+        _check_new_graph(ended.get(str(args.compile_id)))
     except BaseException:
         compat.end_callback_raised()
         raise
 
 
-def _check_new_graph(compile_id: str) -> None:
+def _check_new_graph(traced: Optional[install.TracedAttempt]) -> None:
+    """(Another thread's compile that ended before this one is not checked:
+    its rank's checker runs in its own thread.)"""
     set_compiling(False)
-    _, seq = install.SESSION.compile_markers.pop(compile_id, (0, []))
+    seq = traced.markers if traced is not None else []
     if not seq:
         return
     groups = [registry.owner_of(key) for key, _ in seq]

@@ -298,9 +298,9 @@ class CompileSession:
         # group key (or a block's entry split key) -> param index -> ids of
         # the Dynamo frames whose graphs read it.
         self.traced_frames: dict[Hashable, dict[int, set[int]]] = {}
-        # Compile id -> (trace attempt, the markers traced in it, in order),
-        # until the compile ends (frames._on_compile_end).
-        self.compile_markers: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+        # Compile id -> what its current trace attempt traced, until no compile
+        # is under way (frames._on_compile_end takes them: ``end_compiles``).
+        self.compile_markers: dict[str, TracedAttempt] = {}
         # Whether a Dynamo compile is under way. Process-wide, as Dynamo's
         # count of pending compiles is: its start and end callbacks run in
         # whichever thread starts the first and ends the last of concurrent compiles.
@@ -375,6 +375,13 @@ class CompileSession:
                     del self._split_keys[split]
                     self.traced_frames.pop(split, None)
 
+    def end_compiles(self) -> dict[str, TracedAttempt]:
+        """What every compile traced in its last attempt (no compile is
+        under way: Dynamo's end callback), by compile id; forgotten here."""
+        with _lock:
+            ended, self.compile_markers = self.compile_markers, {}
+        return {key: traced for key, traced in ended.items() if traced.attempt == traced.context.attempt}
+
     def reset(self) -> None:
         with _lock:
             self.reports.joint.clear()
@@ -386,6 +393,21 @@ class CompileSession:
             self._region_variants = ("", {})
             self.retraced_regions.clear()
         self.regions.reset()  # (this thread's)
+
+
+@dataclasses.dataclass
+class TracedAttempt:
+    """What one trace attempt of a Dynamo compile emitted, in order: its
+    markers (for [Note: Agreeing on collectives]; index -1 for a whole
+    bucket) and its parameter reads (key, index, split key), in Dynamo frame
+    ``frame``. ``context``'s ``attempt`` is the compile's last once it ended
+    ([Note: Reads of an abandoned trace attempt] in frames.py)."""
+
+    context: Any  # (torch._guards.CompileContext)
+    attempt: int
+    frame: int
+    markers: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    reads: list[tuple[int, int, Optional[Hashable]]] = dataclasses.field(default_factory=list)
 
 
 SESSION = CompileSession()

@@ -171,15 +171,14 @@ def _last_path(state: FSDPState) -> str:
 def _region_path(root: FSDPState) -> str:
     """[Note: A region's path is its graph's]
     A compile region's reads leave no record of their own: the root's graph
-    ran them. A root that fell back at a graph break of its own (its
-    parameters gathered by the eager runtime; GPT-2 in transformers 5 breaks
-    at its loss's ``logger.warning_once``) still ran that graph, regions
-    included, their collectives in it: the regions were compiled. A root
-    frame Dynamo skipped (``UNTRACED``) ran its blocks' hooks eagerly, and
-    they have records of their own. Said "fallback", with no reason, before.
-    Tested by tests/test_hf_models.py::test_gpt2_root_falls_back_at_its_loss."""
-    path = _last_path(root)
-    return "compiled" if path == "fallback" and root.last_path() is Path.FALLBACK else path
+    ran them. A root that fell back because a graph break split its reads
+    (its parameters gathered by the eager runtime: a tied embedding and head
+    with a break between them) still ran its graphs, regions included, their
+    collectives in them: the regions were compiled. A root frame Dynamo
+    skipped whole ran its blocks' hooks eagerly, and they have records of
+    their own. Said "fallback", with no reason, before. Tested by
+    tests/test_hf_models.py::test_gpt2_tied_weights_split_by_a_break."""
+    return "compiled" if root.last_path() is Path.FALLBACK else _last_path(root)
 
 
 def _untraced_reason(module: nn.Module) -> str:
