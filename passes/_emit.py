@@ -111,15 +111,29 @@ def emit_unpack(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec],
     return [b(operator.getitem, out, i) for i in range(len(specs))]
 
 
-def emit_reduce(b: NodeBuilder, flat: fx.Node, world_size: int, group_name: str, by_all_to_all: bool,
+# [Note: Static sizes in the reduce]
+# A size the passes write into a graph must be an int, never read off a fake
+# value: under torch.compile(dynamic=True) Dynamo makes a module's int
+# attributes symbolic (a head count), a gradient's shape is then an
+# expression in that symbol (``3*s0*(24//s0)`` rows for a 72-row weight),
+# and torch's fake ``view`` to static sizes gives its output that
+# expression back. The backward graph binds no such symbol, so the
+# all-to-all's splits, taken from the packed bucket's fake ``numel()``,
+# named one it did not bind: ``NameError: name 's197' is not defined`` at
+# the first backward of ``replicate`` (where no padding interposes a
+# static size). The splits now come from the bucket's specs, and the sum
+# over ranks views the received bucket as ``[N, -1]`` (eager alike).
+# Tested by tests/test_dynamic_shapes.py::test_replicate_under_dynamic_true.
+def emit_reduce(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], group_name: str, by_all_to_all: bool,
                 live: fx.Node | None = None) -> fx.Node:
-    """The summed ``[T]`` of a packed ``[N * T]`` gradient bucket, waited: a
-    ``reduce_scatter_tensor``, or (``by_all_to_all``, as the markers say) an
-    all-to-all and a local sum (see [Note: Reduce-scatter on gloo] in
-    compiled_fsdp/core/comm.py)."""
+    """The summed ``[T]`` of a packed ``[N * T]`` gradient bucket of ``specs``,
+    waited: a ``reduce_scatter_tensor``, or (``by_all_to_all``, as the markers
+    say) an all-to-all and a local sum (see [Note: Reduce-scatter on gloo] in
+    compiled_fsdp/core/comm.py). Its sizes are the specs' ([Note: Static
+    sizes in the reduce])."""
+    world_size = specs[0].world_size
     if by_all_to_all:
-        total = b.value(flat).numel() // world_size
-        splits = [total] * world_size
+        splits = [sum(s.shard_numel for s in specs)] * world_size
         a2a = _issue(b, A2A, A2A_IF, live, flat, splits, splits, group_name)
         return sum_received(b, b(WAIT, a2a), world_size)
     rs = _issue(b, RS, RS_IF, live, flat, "sum", world_size, group_name)

@@ -187,7 +187,7 @@ def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
             kept = list(a.kept)
             kept_flat = emit_pack_grads(b, kept, specs) if any(k is not None for k in kept) else None
             flat = reduce_input(b, a.grad, kept_flat, a.reduce_dtype)
-            summed = emit_reduce(b, flat, a.world_size, a.group_name, a.reduce_by_all_to_all, live=a.live)
+            summed = emit_reduce(b, flat, specs, a.group_name, a.reduce_by_all_to_all, live=a.live)
             if a.replicate_group_name is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
                 summed = emit_all_reduce(b, summed, a.replicate_group_name, live=a.live)
             results = split_reduced(b, summed, specs, list(a.local_rows), [a.grad_dtype] * len(specs))

@@ -186,10 +186,6 @@ def _plan_bucket(kind: BucketKind, module_key: int, markers: list[fx.Node]) -> B
         raise _Skip(f"mixed dtypes {sorted(dtypes)} in one bucket")
     for s in ordered:
         shape, spec = tuple(s.inputs[0].meta["val"].shape), s.args.spec
-        if first.world_size == 1 and not all(isinstance(d, int) for d in shape):
-            # (replicate under dynamic=True: its reduce packed the gradient's own symbolic
-            # size, a symbol the backward graph does not bind; [Note: Static ints under dynamic=True])
-            raise _Skip(f"param {s.args.param_index}: symbolic input shape {shape}")
         want = (s.args.local_rows, *spec.rest) if kind == "gather" else s.args.full_shape
         if shape != want or s.args.local_rows > spec.shard_dim0:
             raise _Skip(f"param {s.args.param_index}: input shape {shape} != {want}")
@@ -396,8 +392,7 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         if reduced_later(plan):
             emit_reduce_later(b, plan, grads, specs)
             return _replace_roots(graph, plan, [None] * len(plan.slots))
-        summed = emit_reduce(b, emit_pack_grads(b, grads, specs), plan.world_size, plan.group_name,
-                             plan.by_all_to_all)
+        summed = emit_reduce(b, emit_pack_grads(b, grads, specs), specs, plan.group_name, plan.by_all_to_all)
         replicate_group = plan.slots[0].args.replicate_group_name
         if replicate_group is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
             summed = emit_all_reduce(b, summed, replicate_group)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import compiled_fsdp
-from compiled_fsdp.tools.check_worker import max_diff, shard_specs
+from compiled_fsdp.tools.check_worker import managed_params, max_diff
 
 
 def in_regions(model: nn.Module) -> list[bool]:
@@ -61,7 +61,7 @@ def run_parity(
     else:
         model = copy.deepcopy(ref)
         shard(model)
-    specs = shard_specs(model)
+    managed = managed_params(model)
     runner = wrap(model) if wrap is not None else model
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
@@ -71,8 +71,10 @@ def run_parity(
     assert named.keys() == named_ref.keys(), (named.keys(), named_ref.keys())
 
     def local(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        spec = specs.get(id(named[name]))
-        return t if t is None or spec is None else spec.local(t, rank)
+        # (this rank's piece: by its place in the parameter's shard group, not in the world:
+        # a replicate or HSDP job's ranks hold the same rows on every replica)
+        fp = managed.get(id(named[name]))
+        return t if t is None or fp is None else fp.local_of(t, fp.shard_rank)
 
     out = {"loss": [], "grad": [], "param": [], "counts": [], "bytes": [], "graph_counts": [], "after": []}
     for step in range(steps):

@@ -5,6 +5,7 @@ ints under dynamic=True] in compiled_fsdp/core/marker.py and [Note: No compile
 regions under dynamic=True] in compiled_fsdp/compile/regions.py."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import pytest
@@ -32,7 +33,13 @@ def _batch(step: int) -> tuple[torch.Tensor]:
     return (torch.randint(0, 67, (b, t), generator=torch.Generator().manual_seed(step)),)
 
 
-def _rank(rank: int, world: int, regions: bool, dynamic: Optional[bool]) -> dict:
+def _replicate_each(model: GPT) -> None:
+    for block in model.layers:
+        compiled_fsdp.replicate(block)
+    compiled_fsdp.replicate(model)
+
+
+def _rank(rank: int, world: int, regions: bool, dynamic: Optional[bool], shard: str = "fully_shard") -> dict:
     compiled_fsdp.config.comm.block_regions = regions
     compiled: list[torch.nn.Module] = []
 
@@ -40,7 +47,11 @@ def _rank(rank: int, world: int, regions: bool, dynamic: Optional[bool]) -> dict
         compiled.append(model)
         return torch.compile(model, backend="aot_eager", dynamic=dynamic)
 
-    res = run_parity(rank, _build, shard_each, _batch, loss_fn, steps=len(SIZES), wrap=wrap)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_parity(rank, _build, shard_each if shard == "fully_shard" else _replicate_each, _batch, loss_fn,
+                         steps=len(SIZES), wrap=wrap)
+    res["warnings"] = [str(w.message)[:200] for w in caught if "compiled_fsdp" in str(w.message)]
     report = {r.fqn: r for r in compiled_fsdp.explain(compiled[0])}
     res["block"] = (report["layers.0"].path, report["layers.0"].reason, report["layers.0"].units)
     return res
@@ -66,3 +77,17 @@ def test_dynamic_true_buckets_every_collective(regions: bool, dynamic: Optional[
             assert reason is not None and "dynamic=True" in reason, res["block"]
         elif regions:
             assert reason is None and units[0].startswith("a compile region"), res["block"]
+
+
+def test_replicate_under_dynamic_true() -> None:
+    """``replicate`` (a shard group of one rank: DDP's layout) each block and
+    the root, compiled whole with ``dynamic=True``: four steps of other
+    sizes, bitwise to the reference, every all-reduce in its bucket, no
+    warning. Before [Note: Static sizes in the reduce] (passes/_emit.py) the
+    first backward raised ``NameError`` on a symbol (the head count's) that
+    the backward graph does not bind; a special case of the lowering then
+    left every reduce to its eager all-reduce (33 a step) with a warning."""
+    for res in run_distributed(_rank, 2, True, True, "replicate", timeout=900):
+        assert res["loss"] == [0.0] * len(SIZES) and max(res["grad"]) == 0.0 and max(res["param"]) == 0.0, res
+        assert res["counts"] == [{}] * len(SIZES), res["counts"]
+        assert res["warnings"] == [], res["warnings"]

@@ -319,8 +319,7 @@ def sum_received(op: Emit, received: Any, world: int) -> Any:
     """The reduce-scatter's sum, from an all-to-all's ``[N * T]`` output (every
     rank's ``[T]`` for this rank, in rank order); see [Note: Reduce-scatter on
     gloo] in comm.py."""
-    total = op.value(received).numel() // world
-    return op(aten.sum.dim_IntList, op(aten.view.default, received, [world, total]), [0])
+    return op(aten.sum.dim_IntList, op(aten.view.default, received, [world, -1]), [0])
 
 
 def split_reduced(
