@@ -125,8 +125,9 @@ def module_path(node: fx.Node) -> Path:
 
 
 # Dynamo's name of a frame's local: ``L['self']``, or ``L['args'][0]`` where a
-# decorator's wrapper is the frame (transformers' on Llama's ``forward``).
-_LOCAL = re.compile(r"^L(\[[^\]]*\])+")
+# decorator's wrapper ``f(*args, **kwargs)`` is the frame (transformers' on
+# Llama's ``forward``); an index after any other local is the module's own.
+_LOCAL = re.compile(r"^L\['(?:args|kwargs)'\]\[[^\]]*\]|^L\['[^']*'\]")
 
 
 def _display(entry: object) -> str:
