@@ -90,7 +90,7 @@ def was_traced(key: Hashable) -> bool:
 # when no compile is under way any more (Dynamo's end callback), from a
 # compile's last attempt only; the same holds for the markers [Note:
 # Agreeing on collectives] checks. Tested by
-# tests/test_hf_models.py::test_gpt2_root_falls_back_at_its_loss (the root
+# tests/test_hf_models.py::test_gpt2_break_in_its_loss_keeps_the_root_compiled (the root
 # stays compiled) and tests/test_graph_breaks.py (a real split still falls back).
 def _this_attempt() -> Optional[install.TracedAttempt]:
     """What the compile under way traced in its current attempt (None outside one)."""

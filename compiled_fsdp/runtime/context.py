@@ -194,7 +194,7 @@ class RootContext:
     def reset_iteration(self) -> None:
         """``FSDPModule.reset_iter_state``: after an exception aborted a forward
         or backward, the next forward starts as the first of an iteration
-        (tests/test_fsdp2_api.py::test_reset_iter_state_after_exception)."""
+        (tests/test_reset_iter_state.py::test_reset_iter_state_after_exception)."""
         for g in self.groups():
             g.abandon_iteration()
         compiled_path().end_iteration(self)
