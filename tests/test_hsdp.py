@@ -475,3 +475,37 @@ def test_replicate_buckets_with_a_block_compiled_on_its_own() -> None:
     for res in run_distributed(_block_compiled, 2, timeout=300):
         assert res["buckets"] >= 3 and res["counts"] == [res["buckets"]] * 3, res
         assert res["diff"] < 1e-6, res
+
+
+def _root_falls_back(rank: int, world: int) -> dict:
+    ref = BreakGPT("between", tie_head=True)
+    model = copy.deepcopy(ref)
+    replicate(model, bucket_cap_mb=0.02)
+    run = torch.compile(model, backend="aot_eager")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    counts = []
+    for step in range(3):
+        compiled_fsdp.reset_collective_counts()
+        tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
+        loss_fn(run(tokens[rank]), tokens[rank]).backward()
+        (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
+        counts.append(compiled_fsdp.collective_counts().get("all_reduce", 0))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    (report,) = compiled_fsdp.explain(model)
+    return {"buckets": len(replicate.state(model).param_group.reduce_buckets), "counts": counts,
+            "path": report.path, "diff": full_diff(full_params(model), ref)}
+
+
+def test_replicate_buckets_in_a_root_that_falls_back() -> None:
+    """[Note: replicate's buckets] inside a compiled call whose root falls back
+    ([Note: Fallback decision rule]: a tied embedding and head with a break
+    between them): the first step's all-reduces run in the two graphs, each
+    reducing its own reads' gradients; from the second step the runtime's
+    buckets reduce eagerly, one all-reduce per bucket per step, within 1e-6
+    of the reference after 3 AdamW steps."""
+    for res in run_distributed(_root_falls_back, 2, timeout=300):
+        assert res["path"] == "fallback", res
+        assert res["buckets"] >= 3 and res["counts"] == [0] + [res["buckets"]] * 2, res
+        assert res["diff"] < 1e-6, res

@@ -27,7 +27,12 @@ module's hooks run (see [Note: Hooks under Dynamo] in runtime/state.py):
   count: [Note: Reads of an abandoned trace attempt]), so such a split is known once the first step
   has compiled; from the next step on the root falls back (its fragments are
   recompiled once, since its gathered views are now graph inputs). The first
-  step is numerically exact either way.
+  step is exact either way: each fragment reduces its own reads' gradients.
+  Under a ``param_dtype`` below the reduce dtype, that first step sums a tied
+  parameter's two gradients after the cast, where later steps (and FSDP2) sum
+  them in the ``param_dtype`` first: one rounding apart (measured: one bf16
+  ulp of the gradient). tests/test_hsdp.py::
+  test_replicate_buckets_in_a_root_that_falls_back.
 
 A break between modules in a parent's forward leaves the children compiled:
 each child is inlined whole into one fragment.
