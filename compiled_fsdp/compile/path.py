@@ -42,7 +42,7 @@ from compiled_fsdp.core import (
 )
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, Unshard
 from compiled_fsdp.runtime.context import Path, RootContext
-from compiled_fsdp.runtime.extension import CompiledPath
+from compiled_fsdp.runtime.extension import CompiledPath, compiled_in_place
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase
 from compiled_fsdp.runtime.state import FSDPState
@@ -88,12 +88,6 @@ class _RootCompile:
         # Parameters whose gradient a dropped handoff made zero although their
         # module did not run (see ``_drop_unread_handoffs``).
         self.regrad_none: list[FSDPParam] = []
-
-
-def _compiled_in_place(module: torch.nn.Module) -> bool:
-    """``module.compile()`` was called: its own call is compiled, no
-    ``OptimizedModule`` around it."""
-    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def _root(ctx: RootContext) -> _RootCompile:
@@ -213,9 +207,9 @@ class TorchCompilePath(CompiledPath):
     def root_compiles(self, state: FSDPState, in_compiled_call: bool) -> bool:
         group = state.param_group
         # ``torch.compile(model)`` (an OptimizedModule calls it) or ``model.compile()``
-        # (its own call is compiled in place): tests/test_fsdp2_api.py::test_every_module_compiled
-        compiled = in_compiled_call or _compiled_in_place(state.module)
-        return compiled and (group is None or (not frames.is_split(group.key) and not group.gathers_eagerly))
+        # (its own call is compiled in place, which ``in_compiled_call`` includes
+        # for a root): tests/test_fsdp2_api.py::test_every_module_compiled
+        return in_compiled_call and (group is None or (not frames.is_split(group.key) and not group.gathers_eagerly))
 
     def predicts_own_frame(self, state: FSDPState) -> bool:
         """As its last forward was; before its first, from how it is compiled
@@ -226,7 +220,7 @@ class TorchCompilePath(CompiledPath):
         if state.path is not None:
             return state.path is Path.OWN_FRAME
         module = state.module
-        return (_compiled_in_place(module)
+        return (compiled_in_place(module)
                 or id(module) in _root(state.ctx).wrapped or isinstance(module, OptimizedModule))
 
     def compiles_inside(self, state: FSDPState) -> bool:
@@ -238,7 +232,7 @@ class TorchCompilePath(CompiledPath):
         for top in state.modules:
             for m in top.modules():
                 target = m._orig_mod if isinstance(m, OptimizedModule) else m
-                compiled = target is not m or _compiled_in_place(m)
+                compiled = target is not m or compiled_in_place(m)
                 if compiled and any(id(x) in owners for x in target.modules()):
                     return True
         return False
@@ -249,7 +243,7 @@ class TorchCompilePath(CompiledPath):
         ``torch.compile(module)`` in its parent's place. See [Note: Blocks
         compiled on their own] and [Note: Gathers handed to the next block's
         graph] in entry.py."""
-        compiled = in_compiled_call or _compiled_in_place(state.module)
+        compiled = in_compiled_call or compiled_in_place(state.module)
         if not (compiled and _may_compile_own_frame(state)):
             return False
         ctx = state.ctx

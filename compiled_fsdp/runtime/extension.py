@@ -26,7 +26,7 @@ from compiled_fsdp.runtime.registry import RUNTIME
 # (tests/test_layers.py forbids the cycle).
 FSDPParam = FSDPParamGroup = FSDPState = RootContext = Any
 
-__all__ = ["CompiledPath", "compiled_path", "set_compiled_path"]
+__all__ = ["CompiledPath", "compiled_in_place", "compiled_path", "set_compiled_path"]
 
 
 class CompiledPath:
@@ -114,6 +114,12 @@ _EAGER_ONLY = CompiledPath()  # (stateless: no compile layer loaded)
 
 def compiled_path() -> CompiledPath:
     return RUNTIME.path or _EAGER_ONLY
+
+
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """``module.compile()`` was called: its own call is compiled, no
+    ``OptimizedModule`` around it."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def set_compiled_path(path: CompiledPath) -> None:

@@ -35,8 +35,11 @@ began: with micro-batches accumulating without sync, their gradients came out
 0.06 off, silently (FSDP2's test_train_parity_hsdp with every module
 compiled in place). A module run as Python while its root's forward is
 compiled (``Phase.COMPILED_FORWARD``) is in a compiled call either way: it is
-served as a fallback, exactly as under ``torch.compile(model)``. Tested by
-tests/test_compile_in_place.py.
+served as a fallback, exactly as under ``torch.compile(model)``. So is the
+root itself: its call is compiled, so where it cannot stay compiled (a break
+splits its reads) it falls back, and its regions, which run in its graphs,
+are compiled (it ran as "eager" before, its regions reported so, and
+``explain()`` named no reason). Tested by tests/test_compile_in_place.py.
 
 [Note: Traced in this thread]
 The hooks and the parameter property ask ``torch.compiler.is_dynamo_compiling()``,
@@ -67,7 +70,7 @@ from compiled_fsdp.core import compat
 from compiled_fsdp.runtime.backward_use import backward_reads_params, only_embeddings_hold
 from compiled_fsdp.runtime.context import Path, RootContext
 from compiled_fsdp.runtime.divergence import annotate_error
-from compiled_fsdp.runtime.extension import compiled_path
+from compiled_fsdp.runtime.extension import compiled_in_place, compiled_path
 from compiled_fsdp.runtime.param_group import FSDPParamGroup, Phase
 from compiled_fsdp.runtime.policy import MixedPrecisionPolicy, cast_floating
 from compiled_fsdp.runtime.streams import CommStreams
@@ -254,6 +257,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         ctx = self.ctx
         path = compiled_path()
         if self.is_root:
+            # [Note: A root compiled in place]: its own call is compiled.
+            in_compiled_call = in_compiled_call or compiled_in_place(self.module)
             ctx.begin_iteration()
             if ctx.checker is not None:  # see [Note: Agreeing on collectives] in divergence.py
                 ctx.checker.check_step(ctx.step)

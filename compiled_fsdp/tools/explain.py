@@ -190,8 +190,9 @@ def _untraced_reason(module: nn.Module) -> str:
 
 
 def _break_reason(module: nn.Module) -> Optional[str]:
-    """The graph break whose user stack runs through ``module``'s forward."""
-    code = type(module).forward.__code__
+    """The graph break whose user stack runs through ``module``'s forward
+    (its own class's: a region root's wraps it, compile/regions.py)."""
+    code = getattr(type(module), "_fsdp_base_class", type(module)).forward.__code__
     last_line = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
     for reason in reversed(torch._dynamo.utils.graph_break_reasons):
         for frame in reason.user_stack:
