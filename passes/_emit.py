@@ -31,6 +31,7 @@ from compiled_fsdp.core import copy_out
 from compiled_fsdp.core.layout import (
     ShardSpec,
     bucket_offsets,
+    bucket_width,
     cast,
     joined_shapes,
     pack_grads,
@@ -93,7 +94,7 @@ def emit_pack_grads(b: NodeBuilder, grads: Sequence[fx.Node | None], specs: Sequ
     if specs[0].world_size == 1 or len(specs) == 1 and offsets is None or not _as_one_op(b, like):
         return pack_grads(b, list(grads), list(specs), offsets, total)
     offsets = bucket_offsets(specs) if offsets is None else list(offsets)
-    total = sum(s.shard_numel for s in specs) if total is None else total
+    total = bucket_width(specs) if total is None else total
     return b(copy_out.pack_bucket_grads._opoverload, list(grads), *_shapes(specs), specs[0].world_size,
              list(offsets), total)
 
@@ -104,7 +105,7 @@ def emit_unpack(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec],
     be copied out ([Note: One copy-out per bucket] in
     compiled_fsdp/core/copy_out.py), views where the bucket is one parameter."""
     offsets = bucket_offsets(specs) if offsets is None else list(offsets)
-    total = sum(s.shard_numel for s in specs) if total is None else total
+    total = bucket_width(specs) if total is None else total
     if specs[0].world_size == 1 or all(s.shard_numel == total for s in specs) or not _as_one_op(b, flat):
         return unpack_gathered(b, flat, specs, offsets, total)
     out = b(copy_out.unpack_bucket._opoverload, flat, *_shapes(specs), specs[0].world_size, offsets, total)
@@ -133,7 +134,7 @@ def emit_reduce(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], group
     sizes in the reduce])."""
     world_size = specs[0].world_size
     if by_all_to_all:
-        splits = [sum(s.shard_numel for s in specs)] * world_size
+        splits = [bucket_width(specs)] * world_size
         a2a = _issue(b, A2A, A2A_IF, live, flat, splits, splits, group_name)
         return sum_received(b, b(WAIT, a2a), world_size)
     rs = _issue(b, RS, RS_IF, live, flat, "sum", world_size, group_name)

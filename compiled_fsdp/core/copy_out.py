@@ -35,7 +35,15 @@ from typing import Optional
 import torch
 
 from compiled_fsdp.core.comm import unaliased
-from compiled_fsdp.core.layout import EAGER, pack_grads, pack_shards, post_forward_part, split_specs, unpack_gathered
+from compiled_fsdp.core.layout import (
+    EAGER,
+    bucket_width,
+    pack_grads,
+    pack_shards,
+    post_forward_part,
+    split_specs,
+    unpack_gathered,
+)
 
 __all__ = ["keep_part", "pack_bucket", "pack_bucket_grads", "unpack_bucket"]
 
@@ -75,7 +83,7 @@ def pack_bucket(shards: list[torch.Tensor], full_shapes: list[int], ndims: list[
 @pack_bucket.register_fake
 def _(shards: list[torch.Tensor], full_shapes: list[int], ndims: list[int], world_size: int,
       dtype: Optional[torch.dtype]) -> torch.Tensor:
-    total = sum(s.shard_numel for s in split_specs(full_shapes, ndims, world_size))
+    total = bucket_width(split_specs(full_shapes, ndims, world_size))
     return shards[0].new_empty([total], dtype=dtype or shards[0].dtype)
 
 

@@ -160,6 +160,11 @@ def bucket_offsets(specs: Sequence[ShardSpec]) -> list[int]:
     return offsets
 
 
+def bucket_width(specs: Sequence[ShardSpec]) -> int:
+    """``T`` of a ``[N, T]`` bucket: one rank's shards side by side. See [Note: Bucket layout]."""
+    return sum(spec.shard_numel for spec in specs)
+
+
 def to_canonical(t: torch.Tensor, shard_dim: int) -> torch.Tensor:
     """``t`` with ``shard_dim`` first: a view ([Note: Shard dims])."""
     return t if shard_dim == 0 else t.movedim(shard_dim, 0)
@@ -253,7 +258,7 @@ def unpack_gathered(
     parameters (default: ``specs`` are the whole bucket, in order)."""
     world = specs[0].world_size
     offsets = bucket_offsets(specs) if offsets is None else offsets
-    total = sum(s.shard_numel for s in specs) if total is None else total
+    total = bucket_width(specs) if total is None else total
     rows = op(aten.view.default, gathered, [world, total])
     fulls = []
     for spec, off in zip(specs, offsets):
@@ -291,7 +296,7 @@ def pack_grads(
     or a ``None`` gradient): the columns no gradient fills are zeros."""
     world = specs[0].world_size
     if offsets is None:
-        offsets, total = bucket_offsets(specs), sum(s.shard_numel for s in specs)
+        offsets, total = bucket_offsets(specs), bucket_width(specs)
     assert total is not None, "a bucket's total width comes with its offsets"
     cols, cursor, like = [], 0, next(g for g in grads if g is not None)
     for grad, spec, off in sorted(zip(grads, specs, offsets), key=lambda x: x[2]):

@@ -70,6 +70,7 @@ from compiled_fsdp.core import comm, compat, registry
 from compiled_fsdp.core.layout import (
     EAGER,
     ShardSpec,
+    bucket_width,
     cast,
     pack_grads,
     pack_shards,
@@ -274,7 +275,7 @@ def issue_gather(shards: list[torch.Tensor], specs: list[ShardSpec], param_dtype
 @gather_next.register_fake
 def _gather_next_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = GatherNext.bind(args, kwargs)
-    total = sum(s.shard_numel for s in _next_specs(m))
+    total = bucket_width(_next_specs(m))
     return m.shards[0].new_empty([m.world_size * total], dtype=m.param_dtype or m.shards[0].dtype)
 
 
@@ -386,7 +387,7 @@ def regather(*args: Any, **kwargs: Any) -> torch.Tensor:
 @regather.register_fake
 def _regather_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
     m = Regather.bind(args, kwargs)
-    total = sum(s.shard_numel for s in _regather_specs(m))
+    total = bucket_width(_regather_specs(m))
     return m.shards[0].new_empty([m.world_size * total], dtype=m.param_dtype or m.shards[0].dtype,
                                  device=m.device)
 

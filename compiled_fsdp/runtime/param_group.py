@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from compiled_fsdp.core import registry, rules
 from compiled_fsdp.core.comm import PendingCollective
-from compiled_fsdp.core.layout import EAGER, bucket_offsets, post_forward_part
+from compiled_fsdp.core.layout import EAGER, bucket_offsets, bucket_width, post_forward_part
 from compiled_fsdp.runtime.collectives import all_gather_bucket, all_gather_part, copy_out_all_gather, reduce_bucket
 from compiled_fsdp.runtime.divergence import COLLECTIVE, Checker, Checkpoint, PendingCheck, stable_code
 from compiled_fsdp.runtime.ext_gather import ExtensionGather
@@ -149,7 +149,7 @@ class FSDPParamGroup:
         # boundary: [Note: Blocks as compile regions] in compile/regions.py).
         self.computes_dtensors = any(p.dtensor_spec is not None or p.annotated is not None for p in fsdp_params)
         # Per parameter: where it lies in the group's gathered bucket ([Note: Bucket layout]).
-        self.bucket_numel = sum(s.shard_numel for s in self.specs)
+        self.bucket_numel = bucket_width(self.specs)
         for i, (p, offset) in enumerate(zip(fsdp_params, bucket_offsets(self.specs))):
             p.group, p.index, p.bucket_offset = self, i, offset
         self.state = ShardedState.SHARDED

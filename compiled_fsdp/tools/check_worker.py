@@ -173,7 +173,7 @@ def _run_variant(spec: ModelSpec, cfg: CheckConfig, variant: str, ref: list[dict
 
     def local(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         fp = managed.get(id(named[name]))
-        return t if t is None or fp is None else fp.local_of(t, rank)
+        return t if t is None or fp is None else fp.local_of(t, fp.shard_rank)  # (its rank in the shard group)
 
     out, tensors = [], []
     for step in range(cfg.steps):
