@@ -136,6 +136,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
+from torch.utils._pytree import tree_map_only
 
 from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of
@@ -185,10 +186,50 @@ def _region_of(forward: Callable, cls: type) -> Callable:
         comptime(entering)
         out = forward(module, *args, **kwargs)  # (the reads take ``shards`` from the entry: (4))
         comptime(leaving)
-        return out
+        return _returned(out, [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
 
     with torch._dynamo.config.patch(enable_invoke_subgraph_regional_compile=True):
         return compat.nested_compile_region(body, NestedCompileRegionOptions(partitioner=_partition))
+
+
+# [Note: What a region returns]
+# ``invoke_subgraph`` takes from a region's body only tensors that are not
+# its inputs, and reuses a body's trace only where it returns one tensor or a
+# tuple or list of tensors (on 2.11-2.15). Blocks return more: T5's return
+# ``(hidden, self_bias, cross_bias)``, the cross-attention bias None in the
+# encoder, and hand the self-attention bias on untouched from the second
+# block on. So the body returns, and the block's ``forward`` takes back:
+#
+# - a tensor that *is* one of the body's inputs, cloned: the same values,
+#   its gradient handed to the input by the clone's backward. Returned as it
+#   was, the first step of ``torch.compile(model)`` failed ("Encountered
+#   aliasing during higher order op tracing"). A view of an input is not
+#   caught;
+# - None in a tuple or list, as an empty tensor of a shape no block returns
+#   (``_NONE``), made None again by the block's ``forward``. Left as it was,
+#   Dynamo traced the body again for every block (T5's encoder: "output
+#   contains non-tensor types"), and the project's warning blamed something
+#   the forward reads.
+#
+# Tested by tests/test_hf_models.py::test_t5_encoder_decoder.
+_NONE = (0, 1511)  # (an empty uint8 tensor of this shape stands for None)
+
+
+def _returned(out: Any, inputs: list[torch.Tensor]) -> Any:
+    """Traced in a region's body: what it returns for ``out`` (the note above)."""
+    if isinstance(out, torch.Tensor) or type(out) not in (tuple, list):
+        return tree_map_only(torch.Tensor, lambda x: x.clone() if any(x is a for a in inputs) else x, out)
+    return type(out)(torch.empty(_NONE, dtype=torch.uint8) if x is None
+                     else x.clone() if isinstance(x, torch.Tensor) and any(x is a for a in inputs) else x
+                     for x in out)
+
+
+def _taken_back(out: Any) -> Any:
+    """The block's output from its region's (the note above)."""
+    if type(out) not in (tuple, list):
+        return out
+    return type(out)(None if isinstance(x, torch.Tensor) and x.dtype is torch.uint8 and tuple(x.shape) == _NONE
+                     else x for x in out)
 
 
 def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
@@ -225,7 +266,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
                     else torch.empty(0)
             if torch.compiler.is_dynamo_compiling():  # ([Note: Agreeing on collectives]: this block's
                 comptime(entry.record_region_call)  # bucket; [Note: Region calls traced once])
-            return region(self, token, _own(entry), *args, **kwargs)
+            return _taken_back(region(self, token, _own(entry), *args, **kwargs))  # ([Note: What a region returns])
 
         region_cls = type(cls.__name__, (cls,), {"forward": forward, "_fsdp_region": True,
                                                   "__module__": cls.__module__})
