@@ -300,7 +300,10 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 # shapes, its settings (``region_key``) and its tensor inputs' shapes, dtypes
 # and whether they require grad, per compile attempt since the root's step
 # began; a block equal to one traced before warns, once per class, naming the
-# block. (A first block whose input requires no gradient, where the others'
+# block. (The same holds where a forward's side effect makes Dynamo refuse to
+# reuse the trace: transformers' decoder layers update the KV cache under
+# use_cache=True, and the warning names that too.) (A first block whose
+# input requires no gradient, where the others'
 # do, is a variant of its own, as it must be: its backward differs. Recorded
 # without its inputs, it warned for the second block.) Torch 2.11 traces
 # every call of a region and keeps one subgraph for equal graphs: there is
@@ -312,10 +315,12 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 _RETRACED = (
     "compiled_fsdp: Dynamo traced the compile region of {cls!r} again for {block}, whose parameters and FSDP "
     "settings and inputs equal those of a block of that class traced before in this compile: something else "
-    "its forward reads differs between the blocks (a Python attribute such as a layer index, a global). So "
-    "Dynamo traces each such block on its own (and compiles it on its own where the traces differ), "
-    "and the first step grows with the model's depth. TORCH_LOGS=hierarchical_compile names the guard that "
-    "failed; make that value the same for every block, or pass it in as a tensor.")
+    "its forward reads differs between the blocks (a Python attribute such as a layer index, a global), or "
+    "its forward has a side effect Dynamo does not replay (it updates an object: transformers' KV cache "
+    "under use_cache=True). So Dynamo traces each such block on its own (and compiles it on its own where "
+    "the traces differ), and the first step grows with the model's depth. TORCH_LOGS=hierarchical_compile "
+    "names the guard that failed, or why the trace was not eligible for reuse; make that value the same for "
+    "every block or pass it in as a tensor, or leave the side effect out of training (use_cache=False).")
 
 
 def _described(values: Any) -> tuple:
