@@ -477,11 +477,13 @@ def test_replicate_buckets_with_a_block_compiled_on_its_own() -> None:
         assert res["diff"] < 1e-6, res
 
 
-def _root_falls_back(rank: int, world: int) -> dict:
+def _root_falls_back(rank: int, world: int, in_place: bool) -> dict:
     ref = BreakGPT("between", tie_head=True)
     model = copy.deepcopy(ref)
     replicate(model, bucket_cap_mb=0.02)
-    run = torch.compile(model, backend="aot_eager")
+    if in_place:
+        model.compile(backend="aot_eager")
+    run = model if in_place else torch.compile(model, backend="aot_eager")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
     counts = []
     for step in range(3):
@@ -498,14 +500,17 @@ def _root_falls_back(rank: int, world: int) -> dict:
             "path": report.path, "diff": full_diff(full_params(model), ref)}
 
 
-def test_replicate_buckets_in_a_root_that_falls_back() -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile(model)", "model.compile()"])
+def test_replicate_buckets_in_a_root_that_falls_back(in_place: bool) -> None:
     """[Note: replicate's buckets] inside a compiled call whose root falls back
     ([Note: Fallback decision rule]: a tied embedding and head with a break
     between them): the first step's all-reduces run in the two graphs, each
     reducing its own reads' gradients; from the second step the runtime's
     buckets reduce eagerly, one all-reduce per bucket per step, within 1e-6
-    of the reference after 3 AdamW steps."""
-    for res in run_distributed(_root_falls_back, 2, timeout=300):
+    of the reference after 3 AdamW steps. The same compiled in place
+    ([Note: A root compiled in place]: its buckets were lazy there, as in
+    plain eager, with the root said "eager")."""
+    for res in run_distributed(_root_falls_back, 2, in_place, timeout=300):
         assert res["path"] == "fallback", res
         assert res["buckets"] >= 3 and res["counts"] == [0] + [res["buckets"]] * 2, res
         assert res["diff"] < 1e-6, res

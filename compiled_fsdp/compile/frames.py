@@ -27,12 +27,13 @@ module's hooks run (see [Note: Hooks under Dynamo] in runtime/state.py):
   count: [Note: Reads of an abandoned trace attempt]), so such a split is known once the first step
   has compiled; from the next step on the root falls back (its fragments are
   recompiled once, since its gathered views are now graph inputs). The first
-  step is exact either way: each fragment reduces its own reads' gradients.
-  Under a ``param_dtype`` below the reduce dtype, that first step sums a tied
-  parameter's two gradients after the cast, where later steps (and FSDP2) sum
-  them in the ``param_dtype`` first: one rounding apart (measured: one bf16
-  ulp of the gradient). tests/test_hsdp.py::
-  test_replicate_buckets_in_a_root_that_falls_back.
+  step's math is the same: each fragment reduces its own reads' gradients,
+  which sum to the parameter's. Under a ``param_dtype`` below the reduce
+  dtype it rounds differently: it sums a tied parameter's two gradients
+  after the cast, where later steps (and FSDP2) sum them in the
+  ``param_dtype`` first (measured: one bf16 ulp of the gradient; RESULTS,
+  2026-12-01, thirty-eighth session). The fallback's reduce, in fp32:
+  tests/test_hsdp.py::test_replicate_buckets_in_a_root_that_falls_back.
 
 A break between modules in a parent's forward leaves the children compiled:
 each child is inlined whole into one fragment.

@@ -136,7 +136,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch._dynamo.comptime import comptime
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from compiled_fsdp.compile import install
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of
@@ -186,42 +186,59 @@ def _region_of(forward: Callable, cls: type) -> Callable:
         comptime(entering)
         out = forward(module, *args, **kwargs)  # (the reads take ``shards`` from the entry: (4))
         comptime(leaving)
-        return _returned(out, [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
+        if not torch.compiler.is_dynamo_compiling():  # (eager: the body is the block's forward)
+            return out
+        return _returned(out, [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)])
 
     with torch._dynamo.config.patch(enable_invoke_subgraph_regional_compile=True):
         return compat.nested_compile_region(body, NestedCompileRegionOptions(partitioner=_partition))
 
 
 # [Note: What a region returns]
-# ``invoke_subgraph`` takes from a region's body only tensors that are not
-# its inputs, and reuses a body's trace only where it returns one tensor or a
-# tuple or list of tensors (on 2.11-2.15). Blocks return more: T5's return
-# ``(hidden, self_bias, cross_bias)``, the cross-attention bias None in the
-# encoder, and hand the self-attention bias on untouched from the second
-# block on. So the body returns, and the block's ``forward`` takes back:
+# ``invoke_subgraph`` takes from a region's body no tensor that is its input
+# or another of its outputs (on 2.11-2.15), and from 2.13 on reuses a body's
+# trace only where it returns one tensor or a tuple or list of tensors (2.11
+# traces every call and keeps one subgraph for equal graphs). Blocks return
+# more: T5's return ``(hidden, self_bias, cross_bias)``, the cross-attention
+# bias None in the encoder, and hand the self-attention bias on untouched
+# from the second block on. So, under Dynamo, the body returns, and the
+# block's ``forward`` takes back:
 #
-# - a tensor that *is* one of the body's inputs, cloned: the same values,
-#   its gradient handed to the input by the clone's backward. Returned as it
-#   was, the first step of ``torch.compile(model)`` failed ("Encountered
-#   aliasing during higher order op tracing"). A view of an input is not
-#   caught;
-# - None in a tuple or list, as an empty tensor of a shape no block returns
-#   (``_NONE``), made None again by the block's ``forward``. Left as it was,
-#   Dynamo traced the body again for every block (T5's encoder: "output
-#   contains non-tensor types"), and the project's warning blamed something
-#   the forward reads.
+# - a tensor that *is* one of the body's inputs (at any depth of its
+#   arguments), or an output returned before it, cloned: the same values,
+#   its gradient handed on by the clone's backward. Returned as it was, the
+#   first step of ``torch.compile(model)`` failed ("Encountered aliasing
+#   during higher order op tracing"). A view of an input is not caught: that
+#   error then carries a note saying what to do (``_REFUSED``);
+# - None in a top-level tuple or list, as an empty tensor of a shape no
+#   block returns (``_NONE``, on the device of the output's first tensor),
+#   made None again by the block's ``forward``. Left as it was, Dynamo traced
+#   the body again for every block (T5's encoder: "output contains
+#   non-tensor types"), and the project's warning blamed something the
+#   forward reads. None deeper down still keeps a trace from reuse. (A list
+#   comes back from a reused trace as a tuple: torch's.)
 #
+# Eager, the body runs as the block's forward and returns what it returns.
 # Tested by tests/test_hf_models.py::test_t5_encoder_decoder.
 _NONE = (0, 1511)  # (an empty uint8 tensor of this shape stands for None)
 
 
 def _returned(out: Any, inputs: list[torch.Tensor]) -> Any:
     """Traced in a region's body: what it returns for ``out`` (the note above)."""
-    if isinstance(out, torch.Tensor) or type(out) not in (tuple, list):
-        return tree_map_only(torch.Tensor, lambda x: x.clone() if any(x is a for a in inputs) else x, out)
-    return type(out)(torch.empty(_NONE, dtype=torch.uint8) if x is None
-                     else x.clone() if isinstance(x, torch.Tensor) and any(x is a for a in inputs) else x
-                     for x in out)
+    seen = list(inputs)
+
+    def fresh(x: torch.Tensor) -> torch.Tensor:
+        if any(x is a for a in seen):
+            return x.clone()
+        seen.append(x)
+        return x
+
+    out = tree_map_only(torch.Tensor, fresh, out)
+    if type(out) not in (tuple, list) or not any(x is None for x in out):
+        return out
+    like = next((x for x in out if isinstance(x, torch.Tensor)), None)
+    none = like.new_empty(_NONE, dtype=torch.uint8) if like is not None else torch.empty(_NONE, dtype=torch.uint8)
+    return type(out)(none if x is None else x for x in out)
 
 
 def _taken_back(out: Any) -> Any:
@@ -438,7 +455,7 @@ def make_region_root(module: nn.Module) -> None:
 
 
 def _falling_back(module: nn.Module, plain: Callable, args: tuple, kwargs: dict) -> Any:
-    from torch._dynamo.exc import UncapturedHigherOrderOpError
+    from torch._dynamo.exc import BackendCompilerFailed, UncapturedHigherOrderOpError
 
     session = install.SESSION
     callback = compat.frame_callback()
@@ -446,10 +463,17 @@ def _falling_back(module: nn.Module, plain: Callable, args: tuple, kwargs: dict)
         session.regions.reset()
         try:
             return plain(module, *args, **kwargs)
+        except BackendCompilerFailed as exc:  # (a region changing its input: refused by the backend)
+            if "invoke_subgraph" in str(exc):
+                exc.add_note(_REFUSED)
+            raise
         except UncapturedHigherOrderOpError as exc:
             traced = session.regions.traced
             session.regions.reset()
-            if traced is None or not _leave_regions(module, traced[0]):
+            if traced is None:  # (refused after a body's trace: an output aliasing an input's view, say)
+                exc.add_note(_REFUSED)
+                raise
+            if not _leave_regions(module, traced[0]):
                 raise
             state = get_fsdp_state(module)
             if traced[1] is not plain.__code__ or state is None or not state.is_root:
@@ -458,6 +482,13 @@ def _falling_back(module: nn.Module, plain: Callable, args: tuple, kwargs: dict)
                 raise
             compiled_path().on_step(state.ctx)
             compat.restore_frame_callback(callback)  # (so that the forward is compiled again)
+
+
+_REFUSED = ("compiled_fsdp: where the error names invoke_subgraph, torch refused a sharded block's compile "
+            "region (config.comm.block_regions) after tracing it: a block may not return a view of its "
+            "input, nor change an input in place ([Note: What a region returns] in compiled_fsdp/compile/"
+            "regions.py). Return a copy (.clone()), or set compiled_fsdp.config.comm.block_regions = False before "
+            "the first fully_shard to compile the blocks inline.")
 
 
 def _leave_regions(module: nn.Module, cls: type) -> int:

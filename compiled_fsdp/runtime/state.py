@@ -271,7 +271,9 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
             # A root compiled in place (``model.compile()``: no OptimizedModule
             # around the call) is in a compiled forward all the same; see
             # [Note: A root compiled in place].
-            in_compiled_call = in_compiled_call or ctx.phase is Phase.COMPILED_FORWARD
+            # So is a root's forward that fell back there (a break split its reads).
+            in_compiled_call = in_compiled_call or ctx.phase is Phase.COMPILED_FORWARD \
+                or (ctx.phase is Phase.FORWARD and ctx.root.last_path() is Path.FALLBACK)
             if path.begins_own_frame(self, in_compiled_call):
                 return
         # See [Note: Fallback decision rule] in compile/frames.py.
