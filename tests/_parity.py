@@ -118,3 +118,24 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def full_diff(full: dict[str, torch.Tensor], ref: nn.Module) -> float:
     """max |full - ref| over the reference's parameters."""
     return max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+
+
+def global_batch_steps(rank: int, world: int, model: nn.Module, run: Callable, ref: nn.Module,
+                       steps: int = 3) -> list[dict[str, int]]:
+    """``steps`` AdamW steps of ``run`` (``model``, sharded, maybe compiled)
+    on this rank's batch of the tiny GPT's tokens, and of ``ref`` on the
+    global batch; each step's eager collective counts."""
+    from compiled_fsdp.tools.models import batch, loss_fn
+
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    counts = []
+    for step in range(steps):
+        compiled_fsdp.reset_collective_counts()
+        tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
+        loss_fn(run(tokens[rank]), tokens[rank]).backward()
+        (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
+        counts.append(compiled_fsdp.collective_counts())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return counts

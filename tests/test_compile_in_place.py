@@ -11,11 +11,10 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import fully_shard
-from compiled_fsdp.tools.models import batch, loss_fn
 
 from _dist import run_distributed
 from _models import BreakBlock, BreakGPT
-from _parity import full_diff, full_params
+from _parity import full_diff, full_params, global_batch_steps
 
 
 class _MLP(torch.nn.Module):
@@ -76,17 +75,7 @@ def _split_rank(rank: int, world: int) -> dict:
         fully_shard(block)
     fully_shard(model)
     model.compile(backend="aot_eager")
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
-    counts = []
-    for step in range(3):
-        compiled_fsdp.reset_collective_counts()
-        tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
-        loss_fn(model(tokens[rank]), tokens[rank]).backward()
-        (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
-        counts.append(compiled_fsdp.collective_counts())
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    counts = global_batch_steps(rank, world, model, model, ref)
     return {"diff": full_diff(full_params(model), ref), "counts": counts,
             "reports": [(r.fqn, r.path, r.reason) for r in compiled_fsdp.explain(model)]}
 

@@ -25,7 +25,7 @@ from compiled_fsdp.tools.models import batch, loss_fn, tiny
 from _dist import run_distributed
 from _graphs import GraphCapture, handed_in_waits
 from _models import BreakGPT
-from _parity import full_diff, full_params, in_regions
+from _parity import full_diff, full_params, global_batch_steps, in_regions
 
 
 def _hsdp_mesh(world: int):
@@ -450,17 +450,7 @@ def _block_compiled(rank: int, world: int) -> dict:
     model = copy.deepcopy(ref)
     replicate(model, bucket_cap_mb=0.02)
     model.layers[0].compile(backend="aot_eager", fullgraph=True)
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
-    counts = []
-    for step in range(3):
-        compiled_fsdp.reset_collective_counts()
-        tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
-        loss_fn(model(tokens[rank]), tokens[rank]).backward()
-        (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
-        counts.append(compiled_fsdp.collective_counts().get("all_reduce", 0))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    counts = [c.get("all_reduce", 0) for c in global_batch_steps(rank, world, model, model, ref)]
     return {"buckets": len(replicate.state(model).param_group.reduce_buckets), "counts": counts,
             "diff": full_diff(full_params(model), ref)}
 
@@ -484,17 +474,7 @@ def _root_falls_back(rank: int, world: int, in_place: bool) -> dict:
     if in_place:
         model.compile(backend="aot_eager")
     run = model if in_place else torch.compile(model, backend="aot_eager")
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
-    counts = []
-    for step in range(3):
-        compiled_fsdp.reset_collective_counts()
-        tokens = [batch(ref.cfg, 2, 100 * step + r) for r in range(world)]
-        loss_fn(run(tokens[rank]), tokens[rank]).backward()
-        (sum(loss_fn(ref(t), t) for t in tokens) / world).backward()
-        counts.append(compiled_fsdp.collective_counts().get("all_reduce", 0))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    counts = [c.get("all_reduce", 0) for c in global_batch_steps(rank, world, model, run, ref)]
     (report,) = compiled_fsdp.explain(model)
     return {"buckets": len(replicate.state(model).param_group.reduce_buckets), "counts": counts,
             "path": report.path, "diff": full_diff(full_params(model), ref)}
