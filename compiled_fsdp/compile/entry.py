@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -183,6 +183,9 @@ class CompiledEntry:
         # one: the one expected to run after it (and the first region's own)
         # ([Note: Gathers issued ahead of compile regions] in regions.py).
         self.region_ahead: list[CompiledEntry] = []
+        # Its state's pre- and post-forward hooks, which the region's call
+        # calls itself under Dynamo ([Note: A region's call under Dynamo] in region_call.py).
+        self.region_hooks: Optional[tuple[Callable, Callable]] = None
         self.full_shapes = tuple(joined_shapes(group.specs))
         self.local_rows = tuple(p.local_rows for p in group.fsdp_params)
         key, split_key = group.key, self.split_key

@@ -326,6 +326,16 @@ class CompileSession:
         self._region_variants: tuple[str, dict[type, set[Hashable]]] = ("", {})
         self.retraced_regions: set[type] = set()
         self._watched: dict[int, int] = {}  # key -> id of the owner whose death forgets it
+        self._decoded: dict[tuple[Callable[[str], Any], str], Any] = {}
+
+    def decoded(self, key: str, decode: Callable[[str], Any]) -> Any:
+        """``decode(key)``, the same object for the same key until ``reset()``:
+        Dynamo wraps a constant result it has wrapped before (the same
+        object) once per trace ([Note: A region's read settings] in region_reads.py)."""
+        with _lock:
+            if (decode, key) not in self._decoded:
+                self._decoded[(decode, key)] = decode(key)
+            return self._decoded[(decode, key)]
 
     def forget_region_variants(self) -> None:
         """Each root's step starts afresh: a compile id repeats after
@@ -392,6 +402,7 @@ class CompileSession:
             self._split_keys.clear()
             self._region_variants = ("", {})
             self.retraced_regions.clear()
+            self._decoded.clear()
         self.regions.reset()  # (this thread's)
 
 

@@ -45,7 +45,14 @@ __all__ = ["in_a_region", "issue_ahead", "read_settings", "refresh", "traced_rea
 # same key, all but its group's key (the reads' must not differ between
 # blocks): traced through the group and its specs, they cost 55 ms a block
 # in Dynamo's trace (its own profiler, ``dynamo_profiler``, warm, 24 blocks),
-# 34 ms after. Tested by
+# 34 ms after. Dynamo still wraps such a constant element by element, each
+# element a source of the region's trace, and it re-maps every such source for
+# each block it reuses the trace for. Wrapped anew at each read, one block's
+# eleven reads gave 275 of its 417 traced sources. So ``read_settings`` gives
+# the settings every parameter shares once and each parameter's others apart,
+# and both decoders return the same object for the same key
+# (``CompileSession.decoded``), which Dynamo wraps once per trace: 76 sources
+# (a body's first trace 0.49 s -> 0.37 s at 32 blocks, warm). Tested by
 # tests/test_block_regions.py::test_a_setting_changed_between_steps_recompiles.
 
 
@@ -104,14 +111,22 @@ def _decode(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 @torch._dynamo.assume_constant_result
-def read_settings(key: str) -> tuple[tuple[tuple[str, Any], ...], ...]:
-    """Each parameter's ``param_settings`` and ``_read_flags`` from its
-    region's key, in the group's order. Indexed in the traced code, not here:
-    Dynamo passes a constant result's arguments as constants, and torch 2.11
-    gave a parameter's index as a symbolic int in a second model's compile of
-    the same code (tests/test_hsdp.py::test_replicate); indexing a constant
-    tuple with it specializes it."""
-    return tuple(_decode(settings) for settings in json.loads(_made(key))["reads"])
+def read_settings(key: str) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[tuple[str, Any], ...], ...]]:
+    """The ``param_settings`` and ``_read_flags`` of the region's reads from
+    its key: those every parameter shares, and each parameter's others, in
+    the group's order (pairs). Indexed in the traced code, not here: Dynamo
+    passes a constant result's arguments as constants, and torch 2.11 gave a
+    parameter's index as a symbolic int in a second model's compile of the
+    same code (tests/test_hsdp.py::test_replicate); indexing a constant tuple
+    with it specializes it. The same object for the same key (see [Note: A
+    region's read settings])."""
+    return install.SESSION.decoded(key, _shared_and_own)
+
+
+def _shared_and_own(key: str) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[tuple[str, Any], ...], ...]]:
+    reads = [_decode(settings) for settings in json.loads(_made(key))["reads"]]
+    shared = tuple(pair for pair in reads[0] if all(pair in read for read in reads[1:]))
+    return shared, tuple(tuple(pair for pair in read if pair not in shared) for read in reads)
 
 
 def _made(key: str) -> str:
@@ -154,7 +169,9 @@ def traced_read(entry: CompiledEntry, param: FSDPParam) -> torch.Tensor:
     record (1), its gather taken from one issued ahead, and everything else
     from the region's key ([Note: A region's read settings])."""
     index = param.index
-    settings = dict(read_settings(entry.region_key)[index])
+    shared, own = read_settings(entry.region_key)
+    settings = dict(shared)
+    settings.update(own[index])
     sync, sink = settings.pop("sync"), settings.pop("sink")
     shard_dim, plain = settings.pop("shard_dim"), settings.pop("plain")
     full = Unshard.call(shard=to_canonical(entry.region_shards[index], shard_dim), module_key=ENTRY_KEY,
@@ -163,27 +180,38 @@ def traced_read(entry: CompiledEntry, param: FSDPParam) -> torch.Tensor:
     return full if plain else param.to_compute(full)
 
 
+# The issue-ahead's settings (``_ahead_settings``' keys), in the order ``_ahead_of`` returns them.
+_AHEAD = ("full_shapes", "group_name", "world_size", "param_dtype", "device", "canonical")
+
+
 @torch._dynamo.assume_constant_result
-def _ahead_of(key: str) -> tuple[tuple[str, Any], ...]:
-    return _decode(json.loads(_made(key))["ahead"])
+def _ahead_of(key: str) -> tuple:
+    return install.SESSION.decoded(key, _ahead_decoded)
+
+
+def _ahead_decoded(key: str) -> tuple:
+    settings = dict(_decode(json.loads(_made(key))["ahead"]))
+    return tuple(settings[name] for name in _AHEAD)
 
 
 def issue_ahead(entry: CompiledEntry, after: list[torch.Tensor]) -> torch.Tensor:
     """``entry``'s region's gather, issued after ``after`` are computed
     (traced into the outer graph) for its ``regather`` to take; returns the
     token the region before it takes. Its arguments come from the region's
-    key, as its reads' do ([Note: A region's read settings]). The token needs
+    key, as its reads' do ([Note: A region's read settings]), as a tuple
+    (made a dict, Dynamo traced 90 more instructions a block). The token needs
     no gradient, and has none: the last region takes a token made without
     the op, and a token that required a gradient failed the first block's
     reuse check there, so Dynamo traced the region's body again for the last
     block of every model ([Note: A region traced again for an equal block]
     in regions.py found it)."""
-    settings = dict(_ahead_of(entry.region_key))
+    full_shapes, group_name, world_size, param_dtype, device, canonical = _ahead_of(entry.region_key)
     shards = entry.region_shards
-    if not settings.pop("canonical"):
+    if not canonical:
         shards = [p.to_canonical(shards[p.index]) for p in entry.group.fsdp_params]
     with torch.no_grad():
-        return IssueAhead.call(shards=shards, after=after, module_key=entry.group.key, **settings)
+        return IssueAhead.call(shards=shards, after=after, module_key=entry.group.key, full_shapes=full_shapes,
+                               group_name=group_name, world_size=world_size, param_dtype=param_dtype, device=device)
 
 
 def refresh(group: FSDPParamGroup) -> None:

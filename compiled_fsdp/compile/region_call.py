@@ -1,0 +1,59 @@
+"""A compile region's call while Dynamo traces it: the block's forward between
+its FSDP hooks, called directly. See [Note: A region's call under Dynamo]."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as _torch_module
+
+from compiled_fsdp.core import compat
+
+__all__ = ["region_call"]
+
+
+# [Note: A region's call under Dynamo]
+# Dynamo inlines a call of a module with hooks through ``nn.Module.__call__``
+# and ``_call_impl``: the checks of eight hook dicts, the loops over them,
+# and each hook. A sharded block has three (``FSDPState``'s pre- and
+# post-forward, ``_annotate_failed_forward``), which under Dynamo only cast
+# the inputs and the output (``MixedPrecisionPolicy``): about 260 of the
+# 760 instructions Dynamo traced around each block's region call in a
+# whole-model compile. So a region class's ``__call__``, while Dynamo
+# traces, calls the block's forward between the two hooks itself (the same
+# functions, in ``_call_impl``'s order; ``_annotate_failed_forward`` does
+# nothing under Dynamo) where the block has just the hooks ``fully_shard``
+# registered: one pre-forward hook, two forward hooks, no backward hook and
+# no global hook. Any other hook, a user's registered before or after, takes
+# torch's path; Dynamo guards the dicts' lengths, so a hook added later
+# recompiles. Run as Python, the call is torch's, and Dynamo's frame
+# evaluation runs it as Python (``compat.not_a_frame_itself``): compiled as a
+# frame of its own (a root compiled in place calls its blocks as Python), the
+# call traced the hooks, so the eager runtime never saw the block begin
+# (tests/test_compile_in_place.py::test_root_compiled_in_place_with_accumulation
+# found it). Tested by
+# tests/test_region_variants.py::test_a_region_block_with_hooks_of_its_users
+# (a user's hooks run, in order with FSDP's),
+# tests/test_mixed_precision.py::test_inputs_and_outputs_are_cast (the
+# pre-forward's cast of a region's input) and
+# tests/test_block_regions.py::test_identical_blocks_compile_once.
+def _only_fsdp_hooks(module: nn.Module) -> bool:
+    return len(module._forward_pre_hooks) == 1 and len(module._forward_hooks) == 2 and not (
+        module._backward_pre_hooks or module._backward_hooks or _torch_module._global_forward_pre_hooks
+        or _torch_module._global_forward_hooks or _torch_module._global_backward_pre_hooks
+        or _torch_module._global_backward_hooks)
+
+
+def region_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A region class's ``__call__`` (the note above)."""
+    if torch.compiler.is_dynamo_compiling() and _only_fsdp_hooks(self):
+        pre_forward, post_forward = self.__dict__["_fsdp_region_entry"].region_hooks
+        changed = pre_forward(self, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        return post_forward(self, args, self.forward(*args, **kwargs))
+    return nn.Module.__call__(self, *args, **kwargs)
+
+
+compat.not_a_frame_itself(region_call)
