@@ -227,6 +227,36 @@ def test_a_region_block_with_hooks_of_its_users(when: str) -> None:
         assert res["warnings"] == [], res["warnings"]  # (the region traced once)
 
 
+class _Halving(_Widening):
+    """A block whose class has a ``__call__`` of its own (as an older
+    transformers' ``GradientCheckpointingLayer``): it halves what the call returns."""
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return super().__call__(*args, **kwargs) * 0.5
+
+
+class _HalvingStack(_Stack):
+    def __init__(self, blocks: int) -> None:
+        torch.nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_Halving(8) for _ in range(blocks))
+
+
+def _own_call_rank(rank: int, world: int) -> dict:
+    compiled_fsdp.config.comm.block_regions = True
+    return _stack_parity(rank, lambda: _HalvingStack(3), 3, after_step=in_regions)
+
+
+def test_a_region_block_with_a_call_of_its_own() -> None:
+    """Three blocks whose class defines ``__call__``: every block a region,
+    the class's call kept, bitwise equal to the reference after 3 steps
+    under ``aot_eager``. A region class's own ``__call__`` ([Note: A
+    region's call under Dynamo]) had replaced it: the output was not halved."""
+    for res in run_distributed(_own_call_rank, 2, timeout=900):
+        assert_close(res, 0.0)
+        assert res["after"][-1] == [False, True, True, True], res["after"]
+
+
 class _Returning(torch.nn.Module):
     """A block that returns what ``invoke_subgraph`` refuses or will not reuse
     ([Note: What a region returns]): its result twice beside None and an

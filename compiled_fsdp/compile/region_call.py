@@ -23,11 +23,16 @@ __all__ = ["region_call"]
 # whole-model compile. So a region class's ``__call__``, while Dynamo
 # traces, calls the block's forward between the two hooks itself (the same
 # functions, in ``_call_impl``'s order; ``_annotate_failed_forward`` does
-# nothing under Dynamo) where the block has just the hooks ``fully_shard``
-# registered: one pre-forward hook, two forward hooks, no backward hook and
-# no global hook. Any other hook, a user's registered before or after, takes
-# torch's path; Dynamo guards the dicts' lengths, so a hook added later
-# recompiles. Run as Python, the call is torch's, and Dynamo's frame
+# nothing under Dynamo) where the block has as many hooks as ``fully_shard``
+# registered (counted: one forward pre-hook, two forward hooks) and no
+# backward hook and no global hook. A user's forward hook, registered before
+# or after, takes torch's path; Dynamo guards the forward hook dicts'
+# lengths, so one added after the first compile recompiles. (Empty hook
+# dicts Dynamo does not guard by default, ``skip_nnmodule_hook_guards``: a
+# backward hook added after the first compile goes unseen, as on torch's
+# path.) A class with a ``__call__`` or ``_call_impl`` of its own (an older
+# transformers' checkpointing layer) keeps it: its region class gets no
+# ``__call__``. Run as Python, the call is torch's, and Dynamo's frame
 # evaluation runs it as Python (``compat.not_a_frame_itself``): compiled as a
 # frame of its own (a root compiled in place calls its blocks as Python), the
 # call traced the hooks, so the eager runtime never saw the block begin
@@ -35,6 +40,7 @@ __all__ = ["region_call"]
 # found it). Tested by
 # tests/test_region_variants.py::test_a_region_block_with_hooks_of_its_users
 # (a user's hooks run, in order with FSDP's),
+# tests/test_region_variants.py::test_a_region_block_with_a_call_of_its_own,
 # tests/test_mixed_precision.py::test_inputs_and_outputs_are_cast (the
 # pre-forward's cast of a region's input) and
 # tests/test_block_regions.py::test_identical_blocks_compile_once.

@@ -124,9 +124,11 @@ def read_settings(key: str) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[tu
 
 
 def _shared_and_own(key: str) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[tuple[str, Any], ...], ...]]:
+    """(Shared by every trace and block: the traced code copies, never changes them.)"""
     reads = [_decode(settings) for settings in json.loads(_made(key))["reads"]]
-    shared = tuple(pair for pair in reads[0] if all(pair in read for read in reads[1:]))
-    return shared, tuple(tuple(pair for pair in read if pair not in shared) for read in reads)
+    typed = [{(k, type(v), repr(v)) for k, v in read} for read in reads]  # (1 == True == 1.0: not equal here)
+    shared = tuple((k, v) for k, v in reads[0] if all((k, type(v), repr(v)) in t for t in typed[1:]))
+    return shared, tuple(tuple((k, v) for k, v in read if (k, v) not in shared) for read in reads)
 
 
 def _made(key: str) -> str:
@@ -191,6 +193,7 @@ def _ahead_of(key: str) -> tuple:
 
 def _ahead_decoded(key: str) -> tuple:
     settings = dict(_decode(json.loads(_made(key))["ahead"]))
+    assert set(settings) == set(_AHEAD), sorted(settings)  # (_ahead_settings' keys, every one taken)
     return tuple(settings[name] for name in _AHEAD)
 
 

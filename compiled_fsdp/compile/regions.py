@@ -290,8 +290,10 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
             # list cost Dynamo 104 traced instructions a block; [Note: What a region returns])
             return _taken_back(region(self, token, entry.region_shards, *args, **kwargs))
 
-        region_cls = type(cls.__name__, (cls,), {"forward": forward, "__call__": region_call, "_fsdp_region": True,
-                                                  "__module__": cls.__module__})
+        attrs = {"forward": forward, "_fsdp_region": True, "__module__": cls.__module__}
+        if cls.__call__ is nn.Module.__call__ and cls._call_impl is nn.Module._call_impl:  # (a class's own
+            attrs["__call__"] = region_call  # call, a checkpointing layer's say, stays: region_call.py)
+        region_cls = type(cls.__name__, (cls,), attrs)
         install.SESSION.region_classes[cls] = region_cls
     module.__class__ = region_cls
 
