@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.nn.modules import module as _torch_module
 
 from compiled_fsdp.core import compat
+from compiled_fsdp.runtime.state import FORWARD_HOOKS
 
 __all__ = ["region_call"]
 
@@ -24,7 +25,7 @@ __all__ = ["region_call"]
 # traces, calls the block's forward between the two hooks itself (the same
 # functions, in ``_call_impl``'s order; ``_annotate_failed_forward`` does
 # nothing under Dynamo) where the block has as many hooks as ``fully_shard``
-# registered (counted: one forward pre-hook, two forward hooks) and no
+# registered (counted: ``FORWARD_HOOKS`` in runtime/state.py) and no
 # backward hook and no global hook. A user's forward hook, registered before
 # or after, takes torch's path; Dynamo guards the forward hook dicts'
 # lengths, so one added after the first compile recompiles. (Empty hook
@@ -45,7 +46,7 @@ __all__ = ["region_call"]
 # pre-forward's cast of a region's input) and
 # tests/test_block_regions.py::test_identical_blocks_compile_once.
 def _only_fsdp_hooks(module: nn.Module) -> bool:
-    return len(module._forward_pre_hooks) == 1 and len(module._forward_hooks) == 2 and not (
+    return (len(module._forward_pre_hooks), len(module._forward_hooks)) == FORWARD_HOOKS and not (
         module._backward_pre_hooks or module._backward_hooks or _torch_module._global_forward_pre_hooks
         or _torch_module._global_forward_hooks or _torch_module._global_backward_pre_hooks
         or _torch_module._global_backward_hooks)

@@ -105,6 +105,12 @@ def iter_fsdp_states(module: nn.Module) -> list["FSDPState"]:
     return out
 
 
+# How many forward pre-hooks and forward hooks ``FSDPState`` registers on each
+# of its modules (``__init__``); a compile region's call counts on them
+# ([Note: A region's call under Dynamo] in compile/region_call.py).
+FORWARD_HOOKS = (1, 2)
+
+
 class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
     """What ``fully_shard`` attaches to one module: its parameter group and hooks.
     Derives from torch's FSDP2 state only to be recognised as one: see
