@@ -6,7 +6,9 @@ import copy
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 import compiled_fsdp
 from compiled_fsdp.tools.check_worker import managed_params, max_diff
@@ -108,11 +110,39 @@ def assert_close(result: dict, tol: float) -> None:
         assert worst <= tol, f"{key} differs from the reference by {worst:.3e} (> {tol:.1e}): {result[key]}"
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t.full_tensor()`` (detached), gathered by torch's eager all-gather
+    where ``t`` is sharded on one mesh dim and replicated on the others (a
+    collective: every rank calls it). DTensor's own gather is the functional
+    op, whose work's name gloo's two worker threads race on ([Note:
+    All-gathers on gloo] in compiled_fsdp/core/comm.py): a rank of this
+    suite died of it in CI, gathering every parameter after each step.
+    Other placements (tensor parallelism's strided shards) go through
+    DTensor."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    sharded = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
+    if len(sharded) != 1 or type(sharded[0][1]) is not Shard:
+        return t.full_tensor().detach()
+    mesh_dim, dim = sharded[0][0], sharded[0][1].dim
+    group = t.device_mesh.get_group(mesh_dim)
+    world = group.size()
+    counts = [c.numel() for c in torch.empty(t.shape[dim], device="meta").chunk(world)]
+    counts += [0] * (world - len(counts))
+    local = t.to_local()
+    plain = torch.zeros((max(counts), *local.movedim(dim, 0).shape[1:]), dtype=local.dtype, device=local.device)
+    plain[: local.shape[dim]].copy_(local.detach().movedim(dim, 0))  # (a subclass's values into a plain tensor)
+    out = plain.new_empty((world * plain.shape[0], *plain.shape[1:]))
+    dist.all_gather_into_tensor(out, plain, group=group)
+    rows = out.chunk(world)
+    return torch.cat([rows[r][: counts[r]] for r in range(world)]).movedim(0, dim)
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of a sharded (or replicated) model gathered whole, by
-    its name in the model without ``torch.compile``'s wrapper (a collective:
-    every rank calls it)."""
-    return {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+    """Every parameter of a sharded (or replicated) model gathered whole
+    (``whole``), by its name in the model without ``torch.compile``'s
+    wrapper (a collective: every rank calls it)."""
+    return {n.replace("_orig_mod.", ""): whole(p) for n, p in model.named_parameters()}
 
 
 def full_diff(full: dict[str, torch.Tensor], ref: nn.Module) -> float:

@@ -21,7 +21,7 @@ from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
 from _models import shard_each
-from _parity import assert_close, in_regions, run_parity
+from _parity import assert_close, in_regions, run_parity, whole
 
 BLOCKS = 3
 
@@ -394,7 +394,7 @@ def _setting_rank(rank: int, world: int) -> dict:
             for block in model.layers:
                 block.set_gradient_divide_factor(factor)
         loss_fn(compiled(tokens), tokens).backward()
-        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters() if n.startswith("layers.")})
+        grads.append({n: whole(p.grad) for n, p in model.named_parameters() if n.startswith("layers.")})
         model.zero_grad(set_to_none=True)
     return {"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames,
             "mean": max((grads[1][n] - g).abs().max().item() for n, g in grads[0].items()),

@@ -24,6 +24,7 @@ from examples.torchtitan_pattern import chunked_loss, selective_ac, shard_like_t
 
 from _dist import run_distributed
 from _graphs import GraphCapture, saved_gathered
+from _parity import whole
 
 VOCAB, DIM = 128, 32
 
@@ -124,7 +125,7 @@ def _titan_rank(rank: int, world: int, mode: str) -> dict:
             opt.step()
             opt.zero_grad()
         out["loss"].append((loss - ref_loss).abs().item())
-        full = {_clean(n): p.full_tensor() for n, p in model.named_parameters()}
+        full = {_clean(n): whole(p) for n, p in model.named_parameters()}
         out["param"].append(max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
     out["explain"] = [(r.fqn, r.path) for r in compiled_fsdp.explain(model)]
     out["saved_gathered"] = [saved_gathered(g) for g in capture.forward]
@@ -214,7 +215,7 @@ def _embedding_rank(rank: int, world: int, case: str) -> dict:
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        full = {_clean(n): p.full_tensor() for n, p in model.named_parameters()}
+        full = {_clean(n): whole(p) for n, p in model.named_parameters()}
         out["param"] = max(out["param"], max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
     return out
 
@@ -268,7 +269,7 @@ def _kept_rank(rank: int, world: int, mode: str) -> dict:
             with torch.no_grad():
                 for p in [*model.parameters(), *ref.parameters()]:
                     p.mul_(0.5)
-        full = {_clean(n): p.full_tensor() for n, p in model.named_parameters()}
+        full = {_clean(n): whole(p) for n, p in model.named_parameters()}
         out["param"].append(max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
     return out
 

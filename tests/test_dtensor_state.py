@@ -31,6 +31,7 @@ from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
 from _models import gpt_case
+from _parity import whole
 
 
 def _shard(model: nn.Module) -> nn.Module:
@@ -168,7 +169,7 @@ def _roundtrip_rank(rank: int, world: int, root: str) -> dict:
     # ``step`` shared with the live optimizer, which trains on below)
     full_osd = copy.deepcopy(get_optimizer_state_dict(model, opt, options=full_opts))
     out["full_on_rank"] = bool(full)
-    gathered = {n: p.full_tensor() for n, p in model.named_parameters()}  # a collective: every rank
+    gathered = {n: whole(p) for n, p in model.named_parameters()}  # a collective: every rank
     if rank == 0:
         out["full_values"] = all(not isinstance(v, DTensor) and v.device.type == "cpu" for v in full.values())
         out["full_exact"] = all(torch.equal(full[n], t) for n, t in gathered.items())
@@ -218,7 +219,7 @@ def _resumed_run(rank: int, world: int, root: str, backend: str) -> dict:
     dcp.load(state, checkpoint_id=root)
     set_state_dict(runner, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     full = torch.load(os.path.join(root, "full.pt"))
-    exact = all(torch.equal(p.full_tensor(), full[n]) for n, p in model.named_parameters())
+    exact = all(torch.equal(whole(p), full[n]) for n, p in model.named_parameters())
     losses = _train(runner, opt, range(2, 4)) if world == 2 else []
     return {"losses": losses, "params": _local_params(model), "exact": exact}
 

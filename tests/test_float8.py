@@ -22,7 +22,7 @@ from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
 from _graphs import AG, GraphCapture, one_graph, saved_gathered
-from _parity import full_diff, full_params, reference_grads
+from _parity import full_diff, full_params, reference_grads, whole
 
 pytest.importorskip("torchao.float8")
 
@@ -327,7 +327,7 @@ def _dcp_rank(rank: int, world: int, root: str) -> tuple:
         sd = other.state_dict()
         dcp.load(sd, checkpoint_id=root)
         other.load_state_dict(sd)
-        diffs.append(max((a.full_tensor() - b.full_tensor()).abs().max().item()
+        diffs.append(max((whole(a) - whole(b)).abs().max().item()
                          for a, b in zip(mine.parameters(), other.parameters())))
     other(_batch(STEPS, rank)).backward()  # (the loaded copy still gathers its float8 weights)
     return (*diffs, type(other.layers[0].up.weight.to_local()).__name__)

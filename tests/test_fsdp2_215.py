@@ -18,6 +18,7 @@ from compiled_fsdp.core import compat
 from examples.torchtitan_pattern import chunked_loss
 
 from _dist import run_distributed
+from _parity import whole
 
 
 def _mean_of_ranks(ref: nn.Module, world: int, step: int, run) -> None:  # noqa: ANN001
@@ -101,10 +102,10 @@ def _spmd_rank(rank: int, world: int, tp: int, backends: tuple[str, ...]) -> dic
             opt.step()
             opt.zero_grad()
         for b, model in ours.items():
-            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+            full = {n: whole(p) for n, p in model.named_parameters()}
             worst[b] = max(worst[b], max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
             if theirs is not None:
-                vs_fsdp2[b] = max(vs_fsdp2[b], max((full[n] - p.full_tensor()).abs().max().item()
+                vs_fsdp2[b] = max(vs_fsdp2[b], max((full[n] - whole(p)).abs().max().item()
                                                    for n, p in theirs.named_parameters()))
 
     def placed(model: nn.Module) -> dict:
@@ -169,7 +170,7 @@ def _finalize_rank(rank: int, world: int) -> dict:
             handle = model.finalize_backward(async_op=True)
             handle.wait()
             out["before"] = out["before"] and not get_fsdp_state(model).ctx.pending_reduces
-        out[manual] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[manual] = {n: whole(p.grad) for n, p in model.named_parameters()}
     out["diff"] = max((out[True][n] - g).abs().max().item() for n, g in out[False].items())
     # FSDP2's recipe for several backwards before one finalization: sync off
     # for them, on again before finalize_backward, which reduces the kept sum.
@@ -184,7 +185,7 @@ def _finalize_rank(rank: int, world: int) -> dict:
         if micro:
             model.set_requires_gradient_sync(True)
             model.finalize_backward()
-        out[("micro", micro)] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[("micro", micro)] = {n: whole(p.grad) for n, p in model.named_parameters()}
     out["micro"] = max((out[("micro", True)][n] - g).abs().max().item() for n, g in out[("micro", False)].items())
     return {"before": out["before"], "diff": out["diff"], "micro": out["micro"]}
 
@@ -225,7 +226,7 @@ def _methods_rank(rank: int, world: int) -> dict:
         grads.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                       for n, p in ref.named_parameters()})
         ref.zero_grad(set_to_none=True)
-    out["unused"] = max((model.get_parameter(n).grad.full_tensor() - (g + grads[1][n]) / world).abs().max().item()
+    out["unused"] = max((whole(model.get_parameter(n).grad) - (g + grads[1][n]) / world).abs().max().item()
                         for n, g in grads[0].items())
     # set_keep_unsharded_storage: the bytes stay after reshard.
     dec = Decoder()
@@ -326,7 +327,7 @@ def _optimizer_in_backward_rank(rank: int, world: int, how: str) -> dict:
         loss_fn(ref(tokens), tokens).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    full = {n: whole(p) for n, p in model.named_parameters()}
     diff = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
     names = [n for n, _ in ref.named_parameters()]
     from collections import Counter

@@ -23,6 +23,7 @@ import compiled_fsdp
 from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
+from _parity import whole
 
 
 class TwiceInner(nn.Module):
@@ -68,7 +69,7 @@ def _train(rank: int, world: int, shard: Callable[[nn.Module], None], backend: s
         (sum(ref(x).sum() for x in xs) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+    full = {n.replace("_orig_mod.", ""): whole(p) for n, p in model.named_parameters()}
     diffs = [(full[n] - p).abs().max().item() for n, p in ref.named_parameters()]
     return full, diffs
 
@@ -182,7 +183,7 @@ def _nested_compiled(rank: int, world: int, checkpointed: bool, backend: str = "
         (sum(dpo(ref, x, y) for x, y in zip(xs, ys)) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+    full = {n.replace("_orig_mod.", ""): whole(p) for n, p in model.named_parameters()}
     return max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
 
 
@@ -232,7 +233,7 @@ def _list_of_modules(rank: int, world: int, backend: str) -> dict:
             (sum(ref(x, skip).pow(2).sum() for x in xs) / world).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+        full = {n.replace("_orig_mod.", ""): whole(p) for n, p in model.named_parameters()}
         out[name] = {n: full[n] for n, _ in ref.named_parameters()}
         out[name + "_ref"] = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
         if name == "ours":
@@ -291,20 +292,20 @@ def _methods(rank: int, world: int) -> dict:
     for m in (model, model.inner):  # (per module, as FSDP2's)
         m.set_gradient_divide_factor(1.0)
     model(x).sum().backward()
-    summed = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    summed = {n: whole(p.grad) for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = None
     for m in (model, model.inner):
         with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):  # FSDP2's deprecated name
             m.set_reduce_scatter_divide_factor(float(world))
     model(x).sum().backward()
-    mean = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    mean = {n: whole(p.grad) for n, p in model.named_parameters()}
     out["factor"] = max((summed[n] / world - mean[n]).abs().max().item() for n in mean)
     # register_fsdp_forward_method: a method other than forward gathers and frees.
     model.score = lambda t: model.outer(model.inner(t)).mean()  # type: ignore[attr-defined]
     compiled_fsdp.register_fsdp_forward_method(model, "score")
     with torch.no_grad():
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        full = {n: whole(p) for n, p in model.named_parameters()}
         expect = torch.nn.functional.linear(
             torch.nn.functional.linear(x, full["inner.weight"], full["inner.bias"]),
             full["outer.weight"], full["outer.bias"]).mean()
@@ -523,7 +524,7 @@ def thread_ranks_main(backend: str) -> None:
                 ref_opt.step()
                 ref_opt.zero_grad()
                 losses.append((loss.item(), ref_loss.item()))
-            full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+            full = {n.replace("_orig_mod.", ""): whole(p) for n, p in model.named_parameters()}
             results[rank] = (losses, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
 
         except BaseException as exc:  # noqa: BLE001 (reported below)

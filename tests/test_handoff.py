@@ -18,7 +18,7 @@ from examples.gpt import GPT, GPTConfig
 
 from _dist import run_distributed
 from _models import gpt_case
-from _parity import assert_close, run_parity
+from _parity import assert_close, run_parity, whole
 
 
 class RoutedGPT(GPT):
@@ -225,7 +225,7 @@ def _factor_rank(rank: int, world: int) -> dict:
         _per_block("aot_eager")(model)
         tokens = make_batch(rank)[0]
         loss(model(tokens), tokens).backward()
-        grads[factor] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        grads[factor] = {n: whole(p.grad) for n, p in model.named_parameters()}
     return {n: (grads[1.0][n] / world - g).abs().max().item() for n, g in grads[None].items()}
 
 

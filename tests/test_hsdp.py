@@ -25,7 +25,7 @@ from compiled_fsdp.tools.models import batch, loss_fn, tiny
 from _dist import run_distributed
 from _graphs import GraphCapture, handed_in_waits
 from _models import BreakGPT
-from _parity import full_diff, full_params, global_batch_steps, in_regions
+from _parity import full_diff, full_params, global_batch_steps, in_regions, whole
 
 
 def _hsdp_mesh(world: int):
@@ -146,7 +146,7 @@ def _load_1d(rank: int, world: int, checkpoint: str) -> float:
     dcp.load(sd, checkpoint_id=checkpoint)
     model.load_state_dict(sd)
     full = torch.load(os.path.join(checkpoint, "full.pt"))
-    return max((p.full_tensor() - full[n]).abs().max().item() for n, p in model.named_parameters())
+    return max((whole(p) - full[n]).abs().max().item() for n, p in model.named_parameters())
 
 
 def _hows(backend: str) -> tuple[str, ...]:

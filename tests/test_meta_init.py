@@ -12,7 +12,7 @@ from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
 from _models import gpt_case
-from _parity import assert_close, run_parity
+from _parity import assert_close, run_parity, whole
 
 
 def _shard(model: nn.Module) -> nn.Module:
@@ -199,7 +199,7 @@ def _assigned_rank(rank: int, world: int, which: str, backend: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    full = {n: p.full_tensor() if which != "ref" else p.detach() for n, p in model.named_parameters()}
+    full = {n: whole(p) if which != "ref" else p.detach() for n, p in model.named_parameters()}
     return {"losses": losses, "params": {n.replace("_orig_mod.", ""): p.tolist() for n, p in full.items()}}
 
 

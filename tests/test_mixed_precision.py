@@ -16,7 +16,7 @@ from compiled_fsdp.tools.check_worker import shard_specs
 from _dist import run_distributed
 from _graphs import AG, GraphCapture, one_graph, saved_gathered
 from _models import gpt_case
-from _parity import assert_close, run_parity
+from _parity import assert_close, run_parity, whole
 
 BF16 = torch.bfloat16
 
@@ -185,7 +185,7 @@ def _vs_fsdp2_rank(rank: int, world: int, reduce_dtype: Optional[torch.dtype], t
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    ours, theirs = ({n: p.full_tensor() for n, p in m.named_parameters()} for m in models)
+    ours, theirs = ({n: whole(p) for n, p in m.named_parameters()} for m in models)
     return {n: (ours[n] - theirs[n]).abs().max().item() for n in ours}
 
 

@@ -20,7 +20,7 @@ from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
 from _graphs import GraphCapture, saved_gathered
-from _parity import in_regions, reference_grads
+from _parity import in_regions, reference_grads, whole
 
 D, H, E = 8, 12, 4
 
@@ -85,7 +85,7 @@ def _train(rank: int, world: int, model: nn.Module, ref: nn.Module, run: Any) ->
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        full = {n: whole(p) for n, p in model.named_parameters()}
         worst = max(worst, max((full[n.replace("_orig_mod.", "")] - p).abs().max().item()
                                for n, p in ref.named_parameters()))
     return {"worst": worst, "counts": counts}
@@ -138,8 +138,8 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
         sd = other.state_dict()
         dcp.load(sd, checkpoint_id=ckpt)
         other.load_state_dict(sd)
-        full = {n: p.full_tensor() for n, p in mine.named_parameters()}
-        out["dcp"] = max(max((full[n] - p.full_tensor()).abs().max().item() for n, p in m.named_parameters())
+        full = {n: whole(p) for n, p in mine.named_parameters()}
+        out["dcp"] = max(max((full[n] - whole(p)).abs().max().item() for n, p in m.named_parameters())
                          for m in (dim0, other))
         out["dcp_dim0_placement"] = str(dim0.layers[0].w1.placements)
     return out

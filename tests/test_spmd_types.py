@@ -15,6 +15,7 @@ import torch.nn as nn
 from compiled_fsdp.core import compat
 
 from _dist import run_distributed
+from _parity import whole
 
 pytest.importorskip("spmd_types")
 if compat.spmd_types_package() is None:
@@ -88,7 +89,7 @@ def _rank(rank: int, world: int, backends: tuple[str, ...]) -> dict:
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    full = {b: {n: p.full_tensor() for n, p in m.named_parameters()} for b, m in models.items()}
+    full = {b: {n: whole(p) for n, p in m.named_parameters()} for b, m in models.items()}
     out: dict = {
         "worst": {b: max((f[n] - p).abs().max().item() for n, p in ref.named_parameters()) for b, f in full.items()},
         "vs_fsdp2": {b: max((f[n] - full["fsdp2"][n]).abs().max().item() for n in f) for b, f in full.items()},
@@ -148,7 +149,7 @@ def _hsdp_on_flattened_dp(world: int) -> dict:
         x = _batch(2, dp)
         spmd.assert_type(x, {flat.get_group(): spmd.S(0)})
         typed[name] = _typecheck(m, mesh, x)
-    diff = max((p.full_tensor() - q.full_tensor()).abs().max().item()
+    diff = max((whole(p) - whole(q)).abs().max().item()
                for p, q in zip(models["ours"].parameters(), models["fsdp2"].parameters()))
     return {"diff": diff, "typed": typed}
 

@@ -19,7 +19,7 @@ import compiled_fsdp
 from compiled_fsdp import fully_shard
 
 from _dist import run_distributed
-from _parity import reference_grads
+from _parity import reference_grads, whole
 
 V, D, HEADS, T, B = 32, 16, 4, 8, 2
 
@@ -146,7 +146,7 @@ def _train(model: nn.Module, run: Any, ref: nn.Module, dp_rank: int, dp: int, st
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        full = {n: whole(p) for n, p in model.named_parameters()}
         worst = max(worst, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
     return {"worst": worst, "counts": counts, "losses": losses, "graphs": graphs}
 
@@ -192,7 +192,7 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
     if mode == "eager":  # DCP: saved 2-D by ours, loaded into FSDP2's 2-D and into ours 1-D (no TP)
         ckpt = os.path.join(root, "ckpt")
         dcp.save(model.state_dict(), checkpoint_id=ckpt)
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        full = {n: whole(p) for n, p in model.named_parameters()}
         other = Llama()
         parallelize(other, mesh["tp"])
         _shard(other, fsdp2_shard, mesh["dp"])
@@ -203,7 +203,7 @@ def _rank(rank: int, world: int, mode: str, root: str) -> dict:
             sd = m.state_dict()
             dcp.load(sd, checkpoint_id=ckpt)
             m.load_state_dict(sd)
-            diffs.append(max((full[n] - p.full_tensor()).abs().max().item() for n, p in m.named_parameters()))
+            diffs.append(max((full[n] - whole(p)).abs().max().item() for n, p in m.named_parameters()))
         # Into one process: the checkpoint as one torch.save file, loaded by a plain model.
         if rank == 0:
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -385,7 +385,7 @@ def _mlp_rank(rank: int, world: int) -> dict:
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+            full = {n: whole(p) for n, p in model.named_parameters()}
             worst = max(worst, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
         out[impl] = worst
     out["vs_fsdp2"] = max((a.to_local() - b.to_local()).abs().max().item()

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _parity import whole
 
 pytest.importorskip("torchtitan")
 
@@ -118,7 +119,7 @@ def _rank(rank: int, world: int, impl: str, compile_: bool, ckpt: str, float8: b
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    full = {n: whole(p) for n, p in model.named_parameters()}
     out: dict = {"losses": losses}
     if float8:
         from torchao.float8.float8_linear import Float8Linear
@@ -133,7 +134,7 @@ def _rank(rank: int, world: int, impl: str, compile_: bool, ckpt: str, float8: b
         dcp.load(state, checkpoint_id=ckpt)
         model.load_state_dict(state)
         theirs = torch.load(os.path.join(ckpt, "full.pt"))
-        out["loaded"] = max((p.full_tensor() - theirs[n]).abs().max().item() for n, p in model.named_parameters())
+        out["loaded"] = max((whole(p) - theirs[n]).abs().max().item() for n, p in model.named_parameters())
     return out
 
 

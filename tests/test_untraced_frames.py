@@ -14,7 +14,7 @@ from compiled_fsdp import explain, fully_shard
 from _dist import run_distributed
 from _graphs import GraphCapture
 from _models import gpt_case
-from _parity import assert_close, run_parity
+from _parity import assert_close, run_parity, whole
 
 WAYS = ["flop_counter", "comm_debug", "recompile_limit", "compile_disabled", "failing_backend",
         "disabled_block", "blocks_flop_counter", "blocks_compile_disabled"]
@@ -161,7 +161,7 @@ def _two_models_rank(rank: int, world: int) -> list:
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-        full = {n.replace("_orig_mod.", ""): p.full_tensor() for n, p in model.named_parameters()}
+        full = {n.replace("_orig_mod.", ""): whole(p) for n, p in model.named_parameters()}
         diffs.append(max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
     return diffs
 

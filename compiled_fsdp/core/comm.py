@@ -24,30 +24,42 @@ and passes it to the collectives below and, in the markers, to the lowering.
 
 [Note: All-gathers on gloo]
 Torch's functional all-gather (``_c10d_functional.all_gather_into_tensor``,
-which graphs and the eager prefetches issue without waiting) corrupts memory
-on gloo once two are in flight on one group. Measured on this machine with
-no code of this package (2 gloo ranks, rounds of two all-gathers of a few
-thousand elements issued, then waited, every value checked), on torch 2.11,
-2.13 and 2.15 alike: SIGSEGV or SIGABRT (glibc's "malloc_consolidate():
-unaligned fastbin chunk detected") within 8-30 s; with one in flight, none
-in 20,000 rounds; two in flight through ``dist.all_gather_into_tensor(...,
-async_op=True)``, none; two functional reduce-scatters or all-to-alls, none.
-A gloo worker thread ran ``AsyncAllgatherCoalescedWork``, the work the
-functional op makes, when a rank died. It was the crash the suite met four
-times under load (RESULTS, 2026-11-30: a SIGSEGV in the functional
-all-gather's dispatch, twice; glibc's heap checks, twice), wherever a
-schedule or a prefetch had two gathers in flight. So on gloo every
-all-gather this package leaves unwaited is ``compiled_fsdp::all_gather_by_work``:
-the eager collective, with its work registered for its output
-(``_register_work``, as torch does for a collective a graph takes in flight),
-so that the functional ``wait_tensor`` waits it as it waits the functional
-op's. A graph on gloo carries that op where it carried torch's (the lowering
-asks ``gathers_by_work``; passes/cost_model.py counts it among the gathers),
-and so do the all-gathers Dynamo traced into it on a gloo group (tensor
-parallelism's: ``gloo_gathers_by_work`` in passes/collectives.py, before the
-partitioned graph's passes; the fifth crash, in CI, was such a gather).
-NCCL and the one-process groups keep torch's op. Tensor parallelism's eager
-all-gathers are torch's own and stay as they are. Tested by
+which graphs and the eager prefetches issue without waiting) runs on gloo
+as a work of type ``ALLGATHER_COALESCED``, and gloo's two worker threads
+race on that name: each, after its work completes and with the group's
+lock released, assigns the finished work's type name to one ``std::string``
+of the group's status (``runLoop`` in torch's ProcessGroupGloo.cpp; found
+by reading torch's source and its 2.15 binary). A name of more than 15
+characters lives on the heap, so two works finishing together free one
+buffer twice: SIGSEGV, or glibc's "malloc(): unaligned tcache chunk
+detected", on a thread with no Python frame. The eager all-gather
+(``ALLGATHER``), reduce-scatter, all-to-all and all-reduce have short
+names and never touch the heap. Measured (2 gloo ranks, rounds of two
+gathers of a few thousand elements in flight, then waited, every value
+checked; ``python benchmarks/gloo_inflight_gathers.py``), torch 2.15:
+- the functional op: a rank died within 8 s (2.13, 2.11: within 30 s);
+- the eager ``allgather_coalesced``, same name, not functional: died in
+  6-18 s (2.11: 9 s);
+- the functional op on a group built with one worker thread: 30,000
+  rounds, no crash (2.11: 20,000);
+- the eager ``all_gather_into_tensor``: 30,000 rounds, no crash.
+One functional gather at a time races too, when the thread that finished
+the last one is descheduled for a whole collective: 200,000 rounds with a
+busy loop on one of the two cores did not crash, and CI met it once, in
+DTensor's ``full_tensor`` called for every parameter in turn (the tests
+gather with the eager op: ``whole`` in tests/_parity.py).
+So on gloo every all-gather this package leaves unwaited is
+``compiled_fsdp::all_gather_by_work``: the eager collective, with its work
+registered for its output (``_register_work``, as torch does for a
+collective a graph takes in flight), so that the functional
+``wait_tensor`` waits it as it waits the functional op's. A graph on gloo
+carries that op where it carried torch's (the lowering asks
+``gathers_by_work``; passes/cost_model.py counts it among the gathers), and
+so do the all-gathers Dynamo traced into it on a gloo group (tensor
+parallelism's: ``gloo_gathers_by_work`` in passes/collectives.py, before
+the partitioned graph's passes). NCCL and the one-process groups keep
+torch's op. DTensor's own gathers (``full_tensor``, tensor parallelism's
+eager redistributes) are torch's and stay as they are. Tested by
 tests/test_gloo_reduce.py::test_gathers_in_flight_on_gloo and, for the
 traced ones, tests/test_tensor_parallel.py.
 """
