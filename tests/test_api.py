@@ -31,6 +31,10 @@ def _sharding_rank(rank: int, world: int) -> dict:
     compiled_fsdp.reset_collective_counts()
     # Reading parameters and the state dict outside forward returns shards, no communication.
     w = model.layers[0].attn.qkv.weight
+    # Each property's getter names its parameter in its code, in no closure cell
+    # ([Note: The getter's name a constant of its code] in runtime/module_class.py).
+    getters = [(getattr(type(m), n).fget, n) for m in model.modules() for n in m.__dict__.get("_fsdp_params", {})]
+    named_in_code = all(f.__closure__ is None and n in f.__code__.co_consts for f, n in getters)
     sd = model.state_dict()
     counts = compiled_fsdp.collective_counts()
     full_opts = StateDictOptions(full_state_dict=True)
@@ -54,6 +58,7 @@ def _sharding_rank(rank: int, world: int) -> dict:
         "total": total,
         "local": local,
         "w_shape": tuple(w.to_local().shape),
+        "named_in_code": named_in_code and len(getters) == len(list(ref.named_parameters())),
         "w_global": (tuple(w.shape), tuple(w.placements)),
         "is_param": isinstance(w, nn.Parameter) and isinstance(w, DTensor),
         "keys_match": list(sd) == list(ref.state_dict()),
@@ -77,6 +82,7 @@ def test_sharding_and_state_dicts(world: int) -> None:
         assert res["w_global"] == ((72, 24), (Shard(0),))
         assert res["keys_match"] and res["counts"] == {}
         assert res["exact"] and res["roundtrip"] and res["grads_none"] and res["assign"]
+        assert res["named_in_code"]
 
 
 class _Scalar(nn.Module):

@@ -20,6 +20,7 @@ the shards under the original FQNs.
 """
 from __future__ import annotations
 
+import types
 from typing import Any, Optional
 
 import torch
@@ -32,10 +33,29 @@ from compiled_fsdp.runtime.registry import RUNTIME
 __all__ = ["install_class"]
 
 
-def _make_property(name: str) -> property:
-    def getter(self: nn.Module) -> torch.Tensor:
-        return self._fsdp_params[name].current_value()
+# [Note: The getter's name a constant of its code]
+# A property's getter names its parameter in a constant of its own code, not
+# in a closure cell: Dynamo reads a cell through a source of its own
+# (``type(module).__dict__[name].fget.__closure__[0].cell_contents``), as
+# deep as the module, with a guard; a compile region's trace re-maps every
+# such source for each block it is reused for: one of a region body's
+# sources per parameter read, 219 -> 209 in a GPT block (RESULTS,
+# 2026-12-02). The code is the template's with the placeholder replaced;
+# each getter is never a frame of its own. Tested by
+# tests/test_api.py::test_sharding_and_state_dicts (no getter has a cell)
+# and tests/test_untraced_frames.py (the getters as frames).
+_PLACEHOLDER = "\0managed parameter name"
 
+
+def _getter_template(self: nn.Module) -> torch.Tensor:
+    return self._fsdp_params["\0managed parameter name"].current_value()
+
+
+def _make_property(name: str) -> property:
+    template = _getter_template.__code__
+    code = template.replace(co_consts=tuple(name if c == _PLACEHOLDER else c for c in template.co_consts))
+    getter = types.FunctionType(code, _getter_template.__globals__, f"_fsdp_param_{name}")
+    compat.never_a_frame(getter)  # ([Note: The property as a frame])
     return property(getter, doc=f"managed parameter {name!r}; see [Note: Parameter property]")
 
 
@@ -55,7 +75,6 @@ def _make_property(name: str) -> property:
 # the hooks are ([Note: Hooks under Dynamo] in state.py); inlining is
 # unaffected. Tested by tests/test_untraced_frames.py (the second model; and
 # the failing backend and disabled block, untraced from the first step).
-compat.never_a_frame(_make_property("").fget)  # (every property's getter shares this code object)
 
 
 def install_class(
