@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor, Shard
 import compiled_fsdp
 from compiled_fsdp.tools.check_worker import managed_params, max_diff
 
+from _graphs import shard_shape
+
 
 def in_regions(model: nn.Module) -> list[bool]:
     """Per sharded module (``explain()``'s order), whether it ran as a compile
@@ -127,8 +129,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     mesh_dim, dim = sharded[0][0], sharded[0][1].dim
     group = t.device_mesh.get_group(mesh_dim)
     world = group.size()
-    counts = [c.numel() for c in torch.empty(t.shape[dim], device="meta").chunk(world)]
-    counts += [0] * (world - len(counts))
+    counts = [shard_shape([t.shape[dim]], world, r)[0] for r in range(world)]
     local = t.to_local()
     plain = torch.zeros((max(counts), *local.movedim(dim, 0).shape[1:]), dtype=local.dtype, device=local.device)
     plain[: local.shape[dim]].copy_(local.detach().movedim(dim, 0))  # (a subclass's values into a plain tensor)
