@@ -30,12 +30,14 @@ import torch.fx as fx
 from compiled_fsdp.core import copy_out
 from compiled_fsdp.core.layout import (
     ShardSpec,
+    average,
     bucket_offsets,
     bucket_width,
     cast,
     joined_shapes,
     pack_grads,
     pack_shards,
+    split_averaged,
     sum_received,
     to_device,
     unpack_gathered,
@@ -135,10 +137,32 @@ def emit_reduce(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], group
     world_size = specs[0].world_size
     if by_all_to_all:
         splits = [bucket_width(specs)] * world_size
-        a2a = _issue(b, A2A, A2A_IF, live, flat, splits, splits, group_name)
-        return sum_received(b, b(WAIT, a2a), world_size)
+        received = b(WAIT, _issue(b, A2A, A2A_IF, live, flat, splits, splits, group_name))
+        if _as_one_op(b, received):  # ([Note: The reduce's arithmetic as ops on the CPU])
+            return b(copy_out.sum_ranks._opoverload, received, world_size, splits[0])
+        return sum_received(b, received, world_size)
     rs = _issue(b, RS, RS_IF, live, flat, "sum", world_size, group_name)
     return b(WAIT, rs)
+
+
+def emit_reduced(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], local_rows: Sequence[int],
+                 grad_dtypes: Sequence[torch.dtype | None], group_name: str, by_all_to_all: bool,
+                 replicate_group_name: str | None = None, device: str | None = None,
+                 live: fx.Node | None = None) -> list[fx.Node]:
+    """Each parameter's averaged local rows of a packed ``[N * T]`` gradient
+    bucket: ``emit_reduce``, HSDP's all-reduce over the replicas where
+    ``replicate_group_name`` is given ([Note: HSDP] in
+    compiled_fsdp/runtime/api.py), then ``average`` (one op on the CPU: [Note:
+    The reduce's arithmetic as ops on the CPU] in compiled_fsdp/core/copy_out.py)
+    and ``split_averaged``."""
+    summed = emit_reduce(b, flat, specs, group_name, by_all_to_all, live=live)
+    if replicate_group_name is not None:
+        summed = emit_all_reduce(b, summed, replicate_group_name, live=live)
+    if _as_one_op(b, summed):
+        avg = b(copy_out.average_bucket._opoverload, summed, float(specs[0].divisor))
+    else:
+        avg = average(b, summed, specs[0].divisor)
+    return split_averaged(b, avg, specs, local_rows, grad_dtypes, device)
 
 
 def emit_all_reduce(b: NodeBuilder, summed: fx.Node, group_name: str, live: fx.Node | None = None) -> fx.Node:

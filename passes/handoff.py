@@ -44,13 +44,12 @@ from compiled_fsdp.core.layout import (
     cast,
     joined_shapes,
     reduce_input,
-    split_reduced,
     split_specs,
     unpack_gathered,
 )
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, GatherNext, ReduceGrad, ReduceNext, Regather, Unshard
 
-from ._emit import emit_all_reduce, emit_gather, emit_pack_grads, emit_reduce, emit_unpack
+from ._emit import emit_gather, emit_pack_grads, emit_reduced, emit_unpack
 from .graph import (
     ChainTag,
     MarkerArgs,
@@ -187,10 +186,8 @@ def _apply_reduce(graph: fx.Graph, n: fx.Node) -> None:
             kept = list(a.kept)
             kept_flat = emit_pack_grads(b, kept, specs) if any(k is not None for k in kept) else None
             flat = reduce_input(b, a.grad, kept_flat, a.reduce_dtype)
-            summed = emit_reduce(b, flat, specs, a.group_name, a.reduce_by_all_to_all, live=a.live)
-            if a.replicate_group_name is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
-                summed = emit_all_reduce(b, summed, a.replicate_group_name, live=a.live)
-            results = split_reduced(b, summed, specs, list(a.local_rows), [a.grad_dtype] * len(specs))
+            results = emit_reduced(b, flat, specs, list(a.local_rows), [a.grad_dtype] * len(specs), a.group_name,
+                                   a.reduce_by_all_to_all, a.replicate_group_name, live=a.live)
     for u in list(n.users):
         assert u.target is operator.getitem, u
         u.replace_all_uses_with(results[u.args[1]])

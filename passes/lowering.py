@@ -37,10 +37,10 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp.core import copy_out
-from compiled_fsdp.core.layout import joined_shapes, reduce_input, split_reduced
+from compiled_fsdp.core.layout import joined_shapes, reduce_input
 from compiled_fsdp.core.marker import Regather
 
-from ._emit import emit_all_reduce, emit_gather, emit_gather_bytes, emit_pack_grads, emit_reduce, emit_unpack
+from ._emit import emit_gather, emit_gather_bytes, emit_pack_grads, emit_reduced, emit_unpack
 from .bucketing import merge_small_buckets
 from .buckets import BucketKind, BucketPlan, Slot, comm_dtype_of
 from .config import overlap
@@ -392,12 +392,9 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
         if reduced_later(plan):
             emit_reduce_later(b, plan, grads, specs)
             return _replace_roots(graph, plan, [None] * len(plan.slots))
-        summed = emit_reduce(b, emit_pack_grads(b, grads, specs), specs, plan.group_name, plan.by_all_to_all)
-        replicate_group = plan.slots[0].args.replicate_group_name
-        if replicate_group is not None:  # HSDP: [Note: HSDP] in compiled_fsdp/runtime/api.py
-            summed = emit_all_reduce(b, summed, replicate_group)
-        results = split_reduced(b, summed, specs, [s.args.local_rows for s in plan.slots],
-                                [s.args.grad_dtype for s in plan.slots], plan.device)
+        results = emit_reduced(b, emit_pack_grads(b, grads, specs), specs, [s.args.local_rows for s in plan.slots],
+                               [s.args.grad_dtype for s in plan.slots], plan.group_name, plan.by_all_to_all,
+                               plan.slots[0].args.replicate_group_name, plan.device)
     _replace_roots(graph, plan, results)
 
 

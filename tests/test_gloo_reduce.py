@@ -39,7 +39,8 @@ def _rank(rank: int, world: int, by_all_to_all: bool) -> dict:
                for a, b in zip(sa, sb))
     return {"eager": eager, "compiled": compiled, "same_grads": same,
             "a2a": sum(count(g, A2A) for g in capture.backward),
-            "rs": sum(count(g, RS) for g in capture.backward)}
+            "rs": sum(count(g, RS) for g in capture.backward),
+            "sums": sum(count(g, torch.ops.compiled_fsdp.sum_ranks.default) for g in capture.backward)}
 
 
 @pytest.mark.parametrize("by_all_to_all", [True, False])
@@ -47,7 +48,8 @@ def test_gloo_reduce(by_all_to_all: bool) -> None:
     """3 ranks with different batches, so the order of the sum shows: the eager
     runtime and aot_eager reduce the same way and give bitwise equal gradients,
     both within 1e-6 of the reference trained on the global batch; the backward graphs hold one all-to-all per reduce
-    bucket (the knob turned off: one reduce_scatter_tensor) and no other reduce."""
+    bucket (the knob turned off: one reduce_scatter_tensor) and no other reduce, each all-to-all summed by
+    one ``sum_ranks`` ([Note: The reduce's arithmetic as ops on the CPU])."""
     for res in run_distributed(_rank, 3, by_all_to_all):
         for key in ("eager", "compiled"):
             for what in ("loss", "grad", "param"):
@@ -56,6 +58,7 @@ def test_gloo_reduce(by_all_to_all: bool) -> None:
         assert res["same_grads"]
         n_buckets = 4  # two blocks and the root's two units (see [Note: Units])
         assert (res["a2a"], res["rs"]) == ((n_buckets, 0) if by_all_to_all else (0, n_buckets))
+        assert res["sums"] == res["a2a"]
 
 
 def _in_flight_rank(rank: int, world: int, rounds: int) -> tuple:

@@ -118,9 +118,11 @@ def test_gather_output_shapes_and_layout() -> None:
 def test_copies_are_aten_ops_off_the_cpu() -> None:
     """[Note: One copy-out per bucket]: the one-op copies are for buckets on
     the CPU; elsewhere (a GPU; here the meta device stands for one) the
-    bucket's pack, copy-out and gradient pack stay aten ops for Inductor to fuse."""
+    bucket's pack, copy-out and gradient pack stay aten ops for Inductor to
+    fuse. So does the reduce's division ([Note: The reduce's arithmetic as
+    ops on the CPU]), which on the CPU runs the layout's own ``average``."""
     copy_ops = {torch.ops.compiled_fsdp.pack_bucket.default, torch.ops.compiled_fsdp.unpack_bucket.default,
-                torch.ops.compiled_fsdp.pack_bucket_grads.default}
+                torch.ops.compiled_fsdp.pack_bucket_grads.default, torch.ops.compiled_fsdp.average_bucket.default}
     on = {device: _two_module_graph(n=2, device=device) for device in ("cpu", "meta")}
     for gm in on.values():
         run_joint_passes(gm)
@@ -130,6 +132,9 @@ def test_copies_are_aten_ops_off_the_cpu() -> None:
     gathers = calls(on["meta"], c10d.all_gather_into_tensor.default)
     assert [g.args[0].target for g in gathers] == [torch.ops.aten.cat.default, torch.ops.aten.view.default]
     assert [tuple(g.meta["val"].shape) for g in gathers] == [(30,), (20,)]
+    assert len(calls(on["meta"], torch.ops.aten.div.Tensor)) == 2  # (one a bucket, for Inductor to fuse)
+    averaged = calls(on["cpu"], torch.ops.compiled_fsdp.average_bucket.default)
+    assert [(a.args[0].target, a.args[1]) for a in averaged] == [(c10d.wait_tensor.default, 2.0)] * 2
 
 
 def test_duplicate_reduce_grads_are_summed_before_one_reduce_scatter() -> None:

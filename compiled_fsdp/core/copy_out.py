@@ -27,6 +27,20 @@ them against 0.248 s without (paired, benchmarks/RESULTS.md, "The GPU after
 the stand-in and the copy ops"), and gained no first step. Tested by
 tests/test_block_compile.py and tests/test_passes_fx.py (a graph on the meta
 device keeps the aten copies).
+
+[Note: The reduce's arithmetic as ops on the CPU]
+What a gradient bucket's reduce computes after its collective, the sum over
+ranks of gloo's all-to-all (``sum_received``) and the division by the
+divisor (``average``), Inductor compiled as a kernel of its own for each
+bucket size: two of the nine C++ kernels a whole-model compile of the
+benchmark GPT with regions built beyond torch's own regions (RESULTS,
+thirty-fifth session: the root's two buckets of 131,136 and 139,264
+elements), about 0.9 s each in a cold first step on this machine. On the
+CPU the lowering emits them as ``sum_ranks`` and ``average_bucket``
+(``emit_reduced`` in passes/_emit.py), which run the layout's own functions:
+no kernel to compile, and the values are the eager runtime's, bitwise. HSDP's
+all-reduce over the replicas runs between the two. Tested by
+tests/test_passes_fx.py::test_copies_are_aten_ops_off_the_cpu.
 """
 from __future__ import annotations
 
@@ -37,15 +51,17 @@ import torch
 from compiled_fsdp.core.comm import unaliased
 from compiled_fsdp.core.layout import (
     EAGER,
+    average,
     bucket_width,
     pack_grads,
     pack_shards,
     post_forward_part,
     split_specs,
+    sum_received,
     unpack_gathered,
 )
 
-__all__ = ["keep_part", "pack_bucket", "pack_bucket_grads", "unpack_bucket"]
+__all__ = ["average_bucket", "keep_part", "pack_bucket", "pack_bucket_grads", "sum_ranks", "unpack_bucket"]
 
 
 @torch.library.custom_op("compiled_fsdp::unpack_bucket", mutates_args=())
@@ -101,6 +117,29 @@ def _(grads: list[Optional[torch.Tensor]], full_shapes: list[int], ndims: list[i
       offsets: list[int], total: int) -> torch.Tensor:
     like = next(g for g in grads if g is not None)
     return like.new_empty([world_size * total])
+
+
+@torch.library.custom_op("compiled_fsdp::sum_ranks", mutates_args=())
+def sum_ranks(received: torch.Tensor, world_size: int, width: int) -> torch.Tensor:
+    """``layout.sum_received``: the ``[width]`` sum of an all-to-all's
+    ``[world_size * width]`` output ([Note: The reduce's arithmetic as ops on the CPU])."""
+    return sum_received(EAGER, received, world_size)
+
+
+@sum_ranks.register_fake
+def _(received: torch.Tensor, world_size: int, width: int) -> torch.Tensor:
+    return received.new_empty([width])  # ([Note: Static sizes in the reduce] in passes/_emit.py)
+
+
+@torch.library.custom_op("compiled_fsdp::average_bucket", mutates_args=())
+def average_bucket(summed: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``layout.average`` ([Note: The reduce's arithmetic as ops on the CPU])."""
+    return average(EAGER, summed, divisor)
+
+
+@average_bucket.register_fake
+def _(summed: torch.Tensor, divisor: float) -> torch.Tensor:
+    return torch.empty_like(summed)
 
 
 @torch.library.custom_op("compiled_fsdp::keep_part", mutates_args=())

@@ -327,13 +327,18 @@ def sum_received(op: Emit, received: Any, world: int) -> Any:
     return op(aten.sum.dim_IntList, op(aten.view.default, received, [world, -1]), [0])
 
 
-def split_reduced(
-    op: Emit, summed: Any, specs: Sequence[ShardSpec], local_rows: Sequence[int],
+def average(op: Emit, summed: Any, divisor: float) -> Any:
+    """The summed ``[T]`` divided by the bucket's ``ShardSpec.divisor``: the
+    mean over the ranks that contributed, or the factor set."""
+    return op(aten.div.Tensor, summed, divisor)
+
+
+def split_averaged(
+    op: Emit, avg: Any, specs: Sequence[ShardSpec], local_rows: Sequence[int],
     dtypes: Optional[Sequence[Optional[torch.dtype]]] = None, device: Optional[str] = None,
 ) -> list[Any]:
-    """The averaged gradient of each local shard from the summed ``[T]``, in
-    the parameter's dtype (``dtypes``), on ``device`` (``to_device``)."""
-    avg = op(aten.div.Tensor, summed, specs[0].divisor)
+    """Each local shard's gradient from the averaged ``[T]``, in the
+    parameter's dtype (``dtypes``), on ``device`` (``to_device``)."""
     grads = []
     for i, (spec, off, rows) in enumerate(zip(specs, bucket_offsets(specs), local_rows)):
         piece = op(aten.slice.Tensor, avg, 0, off, off + spec.shard_numel)
@@ -341,3 +346,12 @@ def split_reduced(
         rows_only = op(aten.slice.Tensor, shard, 0, 0, rows)
         grads.append(to_device(op, cast(op, rows_only, dtypes[i] if dtypes is not None else None), device))
     return grads
+
+
+def split_reduced(
+    op: Emit, summed: Any, specs: Sequence[ShardSpec], local_rows: Sequence[int],
+    dtypes: Optional[Sequence[Optional[torch.dtype]]] = None, device: Optional[str] = None,
+) -> list[Any]:
+    """The averaged gradient of each local shard from the summed ``[T]``:
+    ``average``, then ``split_averaged``."""
+    return split_averaged(op, average(op, summed, specs[0].divisor), specs, local_rows, dtypes, device)
