@@ -127,7 +127,7 @@ def emit_unpack(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec],
 # static size). The splits now come from the bucket's specs, and the sum
 # over ranks views the received bucket as ``[N, -1]`` (eager alike).
 # Tested by tests/test_dynamic_shapes.py::test_replicate_under_dynamic_true.
-def emit_reduce(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], group_name: str, by_all_to_all: bool,
+def _reduce(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], group_name: str, by_all_to_all: bool,
                 live: fx.Node | None = None) -> fx.Node:
     """The summed ``[T]`` of a packed ``[N * T]`` gradient bucket of ``specs``,
     waited: a ``reduce_scatter_tensor``, or (``by_all_to_all``, as the markers
@@ -150,14 +150,14 @@ def emit_reduced(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], loca
                  replicate_group_name: str | None = None, device: str | None = None,
                  live: fx.Node | None = None) -> list[fx.Node]:
     """Each parameter's averaged local rows of a packed ``[N * T]`` gradient
-    bucket: ``emit_reduce``, HSDP's all-reduce over the replicas where
+    bucket: ``_reduce``, HSDP's all-reduce over the replicas where
     ``replicate_group_name`` is given ([Note: HSDP] in
     compiled_fsdp/runtime/api.py), then ``average`` (one op on the CPU: [Note:
     The reduce's arithmetic as ops on the CPU] in compiled_fsdp/core/copy_out.py)
     and ``split_averaged``."""
-    summed = emit_reduce(b, flat, specs, group_name, by_all_to_all, live=live)
+    summed = _reduce(b, flat, specs, group_name, by_all_to_all, live=live)
     if replicate_group_name is not None:
-        summed = emit_all_reduce(b, summed, replicate_group_name, live=live)
+        summed = _all_reduce(b, summed, replicate_group_name, live=live)
     if _as_one_op(b, summed):
         avg = b(copy_out.average_bucket._opoverload, summed, float(specs[0].divisor))
     else:
@@ -165,7 +165,7 @@ def emit_reduced(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], loca
     return split_averaged(b, avg, specs, local_rows, grad_dtypes, device)
 
 
-def emit_all_reduce(b: NodeBuilder, summed: fx.Node, group_name: str, live: fx.Node | None = None) -> fx.Node:
+def _all_reduce(b: NodeBuilder, summed: fx.Node, group_name: str, live: fx.Node | None = None) -> fx.Node:
     """HSDP: the reduced ``[T]`` summed over the replicas (``all_reduce`` on
     the replicate group), waited."""
     return b(WAIT, _issue(b, AR, AR_IF, live, summed, "sum", group_name))

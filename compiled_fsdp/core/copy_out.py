@@ -38,9 +38,13 @@ thirty-fifth session: the root's two buckets of 131,136 and 139,264
 elements), about 0.9 s each in a cold first step on this machine. On the
 CPU the lowering emits them as ``sum_ranks`` and ``average_bucket``
 (``emit_reduced`` in passes/_emit.py), which run the layout's own functions:
-no kernel to compile, and the values are the eager runtime's, bitwise. HSDP's
-all-reduce over the replicas runs between the two. Tested by
-tests/test_passes_fx.py::test_copies_are_aten_ops_off_the_cpu.
+no kernel to compile (but for the cast of each gradient to its parameter's
+dtype, where it reduces in another), and the values are the eager runtime's,
+bitwise. HSDP's all-reduce over the replicas runs between the two. Tested by
+tests/test_passes_fx.py::test_copies_are_aten_ops_off_the_cpu (no division
+left as an aten op) and tests/test_gloo_reduce.py::test_gloo_reduce (each
+all-to-all summed by one ``sum_ranks``, the gradients bitwise the eager
+runtime's).
 """
 from __future__ import annotations
 
@@ -123,6 +127,7 @@ def _(grads: list[Optional[torch.Tensor]], full_shapes: list[int], ndims: list[i
 def sum_ranks(received: torch.Tensor, world_size: int, width: int) -> torch.Tensor:
     """``layout.sum_received``: the ``[width]`` sum of an all-to-all's
     ``[world_size * width]`` output ([Note: The reduce's arithmetic as ops on the CPU])."""
+    assert received.numel() == world_size * width, (received.shape, world_size, width)
     return sum_received(EAGER, received, world_size)
 
 

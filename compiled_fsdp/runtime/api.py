@@ -9,7 +9,7 @@ shard is then summed over its replicas (an all-reduce on the column's
 group) and divided by every contributing rank (R x S: the mean, as FSDP2).
 One definition of that: ``ShardSpec.replicas`` and ``divisor`` (core/layout.py),
 which the eager runtime (``finish_grad_sync``), the markers and the lowering
-(``emit_all_reduce`` after the bucket's reduce) all read. The replicas'
+(``emit_reduced``: the all-reduce after the bucket's reduce) all read. The replicas'
 all-reduce runs on its own group and rides in its reduce's lazy tail in the
 schedule (passes/schedule.py); the cost model prices it on the inter-node link.
 Gathers handed between blocks' graphs ([Note: Gathers handed to the next
