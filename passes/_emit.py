@@ -128,7 +128,7 @@ def emit_unpack(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec],
 # over ranks views the received bucket as ``[N, -1]`` (eager alike).
 # Tested by tests/test_dynamic_shapes.py::test_replicate_under_dynamic_true.
 def _reduce(b: NodeBuilder, flat: fx.Node, specs: Sequence[ShardSpec], group_name: str, by_all_to_all: bool,
-                live: fx.Node | None = None) -> fx.Node:
+            live: fx.Node | None = None) -> fx.Node:
     """The summed ``[T]`` of a packed ``[N * T]`` gradient bucket of ``specs``,
     waited: a ``reduce_scatter_tensor``, or (``by_all_to_all``, as the markers
     say) an all-to-all and a local sum (see [Note: Reduce-scatter on gloo] in
