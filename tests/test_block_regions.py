@@ -37,6 +37,25 @@ def _caught(about: str) -> Iterator[list[str]]:
     found.extend(str(w.message) for w in caught if about in str(w.message))
 
 
+@contextlib.contextmanager
+def _schemas() -> Iterator[list[int]]:
+    """Counts the calls that reach torch's own ``invoke_subgraph.gen_schema``."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    calls: list[int] = []
+    original = InvokeSubgraphHOP.gen_schema
+
+    def counted(self: Any, *args: Any) -> Any:
+        calls.append(1)
+        return original(self, *args)
+
+    InvokeSubgraphHOP.gen_schema = counted
+    try:
+        yield calls
+    finally:
+        InvokeSubgraphHOP.gen_schema = original
+
+
 def _stack_parity(rank: int, build: Any, steps: int, **kwargs: Any) -> dict:
     """A stack of toy blocks, sharded and compiled whole under ``aot_eager``,
     against its reference: a fresh random batch a step, the output's mean square."""
@@ -81,10 +100,12 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
 
     CORE.backward_gathers.reset()
     CORE.later_reduces.reset()
-    with recording() as rec, _caught("traced the compile region") as retraced:
+    with recording() as rec, _caught("traced the compile region") as retraced, _schemas() as schemas:
         res = run_parity(rank, _build, shard_each, lambda step: (batch(cfg, 2, step),), loss_fn, wrap=wrap,
                          after_step=lambda m: (CORE.backward_gathers.taken, CORE.later_reduces.delivered))
     res["retraced"] = retraced
+    res["schemas"] = len(schemas)
+    res["schema_memo_left"] = "gen_schema" in vars(torch.ops.higher_order.invoke_subgraph)
     res["graphs"] = graphs
     res["explain"] = [(r.fqn, r.path, r.units[:1] and r.units[0].split(" (")[0])
                       for r in compiled_fsdp.explain(model_of[0])]
@@ -132,6 +153,9 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         # (traced once: the last block's token, made without the issue-ahead op, required no
         # gradient where the others' did, and Dynamo traced the region again for it)
         assert res["retraced"] == [], res["retraced"]
+        # (torch's schema of the region made once in the trace, not twice a block: [Note: One
+        # schema per region]; without the memo 2 * BLOCKS + 1; torch's own method back after)
+        assert res["schemas"] <= 3 and not res["schema_memo_left"], res["schemas"]
         # (the region's joint graph: its block's bucket; the outer one: the root's units)
         assert (1, 1) in res["joint"] and len(res["joint"]) == 2, res["joint"]
         assert res["explain"][0][:2] == ("", "compiled")  # (the root: the outer graph's units)

@@ -87,6 +87,7 @@ from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from compiled_fsdp.compile.region_schema import memoize_region_schemas
 from compiled_fsdp.compile.region_tracing import RegionTracing
 from compiled_fsdp.core import compat, registry
 
@@ -249,13 +250,15 @@ class _Window:
         self.depth = 0
         self.saved: tuple[Any, Any] | None = None
         self.backward = 0  # windows opened for a backward, not closed yet
-        self.restore_rng: Callable[[], None] | None = None  # see compat.fix_rng_state_order
+        # what puts torch back when the last window closes: compat.fix_rng_state_order,
+        # [Note: One schema per region]
+        self.restores: list[Callable[[], None]] = []
 
     def enter(self) -> None:
         with _lock:
             if self.depth == 0:
                 self.saved = (functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass)
-                self.restore_rng = compat.fix_rng_state_order()
+                self.restores = [compat.fix_rng_state_order(), memoize_region_schemas()]
             self.depth += 1
             # (at every depth: a pass the user set inside a window keeps ours too)
             joint = functorch_config.joint_custom_pass
@@ -273,9 +276,9 @@ class _Window:
             if self.depth == 0 and self.saved is not None:
                 functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass = self.saved
                 self.saved = None
-                if self.restore_rng is not None:
-                    self.restore_rng()
-                    self.restore_rng = None
+                for restore in self.restores:
+                    restore()
+                self.restores = []
 
 
 class CompileSession:
