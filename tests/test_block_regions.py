@@ -153,9 +153,10 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         # (traced once: the last block's token, made without the issue-ahead op, required no
         # gradient where the others' did, and Dynamo traced the region again for it)
         assert res["retraced"] == [], res["retraced"]
-        # (torch's schema of the region made once in the trace, not twice a block: [Note: One
-        # schema per region]; without the memo 2 * BLOCKS + 1; torch's own method back after)
-        assert res["schemas"] <= 3 and not res["schema_memo_left"], res["schemas"]
+        # (torch's schema of the region made about three times in the trace, not twice a block:
+        # [Note: One schema per region]; without the memo 2 * BLOCKS + 2 on 2.15; torch's own
+        # method back after)
+        assert 1 <= res["schemas"] <= 3 and not res["schema_memo_left"], res["schemas"]
         # (the region's joint graph: its block's bucket; the outer one: the root's units)
         assert (1, 1) in res["joint"] and len(res["joint"]) == 2, res["joint"]
         assert res["explain"][0][:2] == ("", "compiled")  # (the root: the outer graph's units)

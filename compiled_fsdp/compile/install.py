@@ -276,9 +276,12 @@ class _Window:
             if self.depth == 0 and self.saved is not None:
                 functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass = self.saved
                 self.saved = None
-                for restore in self.restores:
-                    restore()
-                self.restores = []
+                restores, self.restores = self.restores, []
+                for restore in restores:  # (each, whatever another raised)
+                    try:
+                        restore()
+                    except Exception:
+                        warnings.warn("compiled_fsdp: putting torch back after a compile failed", stacklevel=2)
 
 
 class CompileSession:

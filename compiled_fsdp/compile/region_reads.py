@@ -62,10 +62,11 @@ __all__ = ["in_a_region", "issue_ahead", "read_settings", "refresh", "traced_rea
 # (``CompiledEntry.reads_alias``, set each step): one ``DTensor`` input
 # (the root's embedding, say) turns AOTAutograd's subclass handling on for
 # the whole graph, which traces the joint once more to learn the outputs'
-# subclass layout, and each of those traces re-traces every region call for
-# its schema (``invoke_subgraph``'s mutation check): three traces a region
-# call instead of two. Measured under cProfile at 8 blocks: 26 schema
-# traces, 18 after. The aliases' gradients move into the ``DTensor``s'
+# subclass layout. Before [Note: One schema per region] (region_schema.py)
+# each of those traces also re-traced every region call for its schema
+# (``invoke_subgraph``'s mutation check): three a call instead of two, 26
+# schema traces at 8 blocks under cProfile, 18 after; the extra trace of
+# the joint itself remains. The aliases' gradients move into the ``DTensor``s'
 # ``.grad`` as the regions' do (2). A tensor hook (``register_hook``) a user
 # puts on such a ``DTensor`` parameter does not see the gradient arrive, nor
 # does ``torch.autograd.grad(loss, param)``, as for every region's parameter;

@@ -6,22 +6,28 @@ of it (``HigherOrderOperator``'s autograd kernel, in every release
 2.11-2.15), only to refuse a subgraph that writes its inputs. For
 ``invoke_subgraph`` that means tracing the region's body again with
 ``make_fx`` and walking the result for mutations and aliases: twice for
-every block that calls a region while AOTAutograd traces the outer graph (its
-metadata pass and its joint trace). That is torch's cost for its own regions
-as much as for ours, and at 32 GPT blocks it was about a sixth of a cold
+every block that calls a region while AOTAutograd traces the outer graph
+(its metadata pass and its joint trace; on 2.11 functionalization asks
+again at every call, uncached). That is torch's cost for its own regions
+as much as for ours, and at 32 GPT blocks it was about an eighth of a cold
 first step on the CPU (RESULTS, "One schema per region").
 
-The answer depends on the subgraph alone: a region's ``GraphModule`` has no
-control flow, so the same graph called on operands of the same types, shapes,
-strides and ``requires_grad`` has the same schema. ``memoize_region_schemas``
-keeps each answer for the rest of the compile window
-([Note: Passes installed while compiling] in install.py) and gives it again
-for the same graph object, identifier and operands: a region's first call
-still runs torch's check, so a region that writes its inputs is refused as
-before. The memo holds the graphs it keys on, so no id is reused while it
-lives; it goes, and torch's own method is back, when the window closes. A
-subgraph that is not a ``GraphModule`` (a Python function) is passed
-through. Tested: tests/test_block_regions.py::test_one_schema_per_region.
+torch makes the schema by tracing the body again from fresh tensors of the
+operands' type, shape, stride, dtype, device and ``requires_grad``, and it
+records only each argument's kind and which operands the body writes. So
+the same graph object, under the same identifier, called on operands equal
+in all of those, has the same schema. ``memoize_region_schemas`` keeps each
+answer for the rest of the compile window ([Note: Passes installed while
+compiling] in install.py) and gives it again for such a call: about three
+a region (the autograd key's, and functionalization's of its forward and
+backward graphs). It takes it that no pass edits a region's graph in place
+while the window is open (torch's and ours make new graphs). A region's
+first call still runs torch's check, so a region that writes its inputs
+is refused as before. The memo holds the graphs it keys on, so no id is
+reused while it lives; it goes, and torch's own method is back, when the
+window closes. A subgraph that is not a ``GraphModule`` (a Python function)
+and operands with no strides are passed through. Tested:
+tests/test_block_regions.py::test_identical_blocks_compile_once.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def memoize_region_schemas() -> Callable[[], None]:
     memo: dict[tuple, tuple[fx.GraphModule, Any]] = {}
 
     def gen_schema(subgraph: Any, identifier: Any, *operands: Any) -> Any:
-        if not isinstance(subgraph, fx.GraphModule):
+        if not isinstance(subgraph, fx.GraphModule) or any(
+                isinstance(o, torch.Tensor) and o.layout != torch.strided for o in operands):
             return original(subgraph, identifier, *operands)
         key = (id(subgraph), identifier, tuple(map(_operand_key, operands)))
         known = memo.get(key)
@@ -63,7 +70,8 @@ def memoize_region_schemas() -> Callable[[], None]:
     invoke_subgraph.gen_schema = gen_schema
 
     def restore() -> None:
-        vars(invoke_subgraph).pop("gen_schema", None)
+        if vars(invoke_subgraph).get("gen_schema") is gen_schema:
+            del invoke_subgraph.gen_schema
         memo.clear()
 
     return restore
