@@ -277,11 +277,9 @@ class _Window:
                 functorch_config.joint_custom_pass, inductor_config.post_grad_custom_post_pass = self.saved
                 self.saved = None
                 restores, self.restores = self.restores, []
-                for restore in restores:  # (each, whatever another raised)
-                    try:
-                        restore()
-                    except Exception:
-                        warnings.warn("compiled_fsdp: putting torch back after a compile failed", stacklevel=2)
+                with contextlib.ExitStack() as stack:  # (each runs, whatever another raised)
+                    for restore in restores:
+                        stack.callback(restore)
 
 
 class CompileSession:

@@ -23,9 +23,8 @@ a region (the autograd key's, and functionalization's of its forward and
 backward graphs). It takes it that no pass edits a region's graph in place
 while the window is open (torch's and ours make new graphs). A region's
 first call still runs torch's check, so a region that writes its inputs
-is refused as before. The memo holds the graphs it keys on, so no id is
-reused while it lives; it goes, and torch's own method is back, when the
-window closes. A subgraph that is not a ``GraphModule`` (a Python function)
+is refused as before. The memo holds the graphs it keys on; it goes, and
+torch's own method is back, when the window closes. A subgraph that is not a ``GraphModule`` (a Python function)
 and operands with no strides are passed through. Tested:
 tests/test_block_regions.py::test_identical_blocks_compile_once.
 """
@@ -53,19 +52,16 @@ def memoize_region_schemas() -> Callable[[], None]:
     if "gen_schema" in vars(invoke_subgraph):  # (a memo is in place already)
         return lambda: None
     original = invoke_subgraph.gen_schema
-    memo: dict[tuple, tuple[fx.GraphModule, Any]] = {}
+    memo: dict[tuple, Any] = {}  # (keyed on the graph itself: a module hashes by identity)
 
     def gen_schema(subgraph: Any, identifier: Any, *operands: Any) -> Any:
         if not isinstance(subgraph, fx.GraphModule) or any(
                 isinstance(o, torch.Tensor) and o.layout != torch.strided for o in operands):
             return original(subgraph, identifier, *operands)
-        key = (id(subgraph), identifier, tuple(map(_operand_key, operands)))
-        known = memo.get(key)
-        if known is not None and known[0] is subgraph:
-            return known[1]
-        schema = original(subgraph, identifier, *operands)
-        memo[key] = (subgraph, schema)
-        return schema
+        key = (subgraph, identifier, tuple(map(_operand_key, operands)))
+        if key not in memo:
+            memo[key] = original(subgraph, identifier, *operands)
+        return memo[key]
 
     invoke_subgraph.gen_schema = gen_schema
 
