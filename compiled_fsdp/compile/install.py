@@ -74,6 +74,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import warnings
@@ -119,8 +120,8 @@ class _Reports:
         self.joint: collections.deque = collections.deque(maxlen=_MAX_REPORTS)
         self.schedule: collections.deque = collections.deque(maxlen=_MAX_REPORTS)
         self.recordings: list[Recording] = []
-        # Observer(stage, graph_module, report): the debug dump's hook.
-        self.observers: list[Callable[[str, fx.GraphModule, Any], None]] = []
+        # Observer(stage, graph_module, report, region=...): the debug dump's hook.
+        self.observers: list[Callable[..., None]] = []
         # module_key -> {the parameters one graph read: that graph's unit lines},
         # for ``explain()``. A graph break splits a root's parameters over several
         # graphs; a recompile of a graph replaces its entry. Blocks compiled on
@@ -151,24 +152,28 @@ class _Reports:
             for r in self.recordings:
                 r.schedule.append(report)
 
-    def notify(self, stage: str, gm: fx.GraphModule, report: Any) -> None:
+    def notify(self, stage: str, gm: fx.GraphModule, report: Any, region: bool = False) -> None:
+        """Shows a graph to the observers; ``region``: a compile region's
+        joint graph (regions.py's partitioner ran the passes on it)."""
         for fn in list(self.observers):
-            fn(stage, gm, report)
+            fn(stage, gm, report, region=region)
 
 
 
 
-def run_joint(gm: fx.GraphModule, units_for_explain: bool = True) -> None:
-    """The joint graph's passes on ``gm``, shown to the observers and reported
-    (``units_for_explain``: its units are what ``explain()`` lists)."""
+def run_joint(gm: fx.GraphModule, region: bool = False) -> None:
+    """The joint graph's passes on ``gm``, shown to the observers and reported;
+    ``region``: a compile region's body, whose units ``explain()`` does not
+    list (it lists the root's graph's) and whose graphs a dump shows apart."""
     from compiled_fsdp.passes import run_joint_passes
 
-    report = run_joint_passes(gm, SESSION.reports.notify if SESSION.reports.observers else None)
+    observe = functools.partial(SESSION.reports.notify, region=region) if SESSION.reports.observers else None
+    report = run_joint_passes(gm, observe)
     symbolic = [why for (_, _, why) in (report.lowering.skipped if report.lowering else ()) if "symbolic" in why]
     if symbolic:  # ([Note: Static ints under dynamic=True] in core/marker.py)
         warnings.warn(_SYMBOLIC.format(n=len(symbolic), why=symbolic[0]), stacklevel=2)
     if report.has_markers:
-        SESSION.reports.add_joint(report, units_for_explain)
+        SESSION.reports.add_joint(report, units_for_explain=not region)
         SESSION.reports.add_pipeline(report.pipeline)
 
 
@@ -485,9 +490,11 @@ def recording() -> Iterator[Recording]:
             SESSION.reports.recordings.remove(rec)
 
 
-def add_observer(fn: Callable[[str, fx.GraphModule, Any], None]) -> None:
-    """Call ``fn(stage, gm, report)`` around every joint pass (see ``run_joint_passes``)
-    and after the lowering and scheduling in the post-grad pass."""
+def add_observer(fn: Callable[..., None]) -> None:
+    """Call ``fn(stage, gm, report, region=...)`` around every joint pass (see
+    ``run_joint_passes``; ``region``: a compile region's joint graph) and after
+    the lowering and scheduling in the post-grad pass (``region`` False: a
+    region's partitioned graphs there are told apart by the observer)."""
     with _lock:
         SESSION.reports.observers.append(fn)
 
@@ -498,7 +505,7 @@ def observer_owners() -> list[Any]:
         return [getattr(fn, "__self__", None) for fn in SESSION.reports.observers]
 
 
-def remove_observer(fn: Callable[[str, fx.GraphModule, Any], None]) -> None:
+def remove_observer(fn: Callable[..., None]) -> None:
     with _lock:
         if fn in SESSION.reports.observers:
             SESSION.reports.observers.remove(fn)

@@ -160,7 +160,7 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
     from compiled_fsdp.passes.aliasing import clone_outputs_aliasing_inputs, mark_marker_inputs  # (at compile)
 
     mark_marker_inputs(joint)
-    install.run_joint(joint, units_for_explain=False)
+    install.run_joint(joint, region=True)
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     clone_outputs_aliasing_inputs(forward)
     clone_outputs_aliasing_inputs(backward)

@@ -66,8 +66,10 @@ from torch._inductor import config as inductor_config
 from torch._logging._internal import trace_log
 
 from compiled_fsdp.compile import install
+from compiled_fsdp.passes.graph import region_calls
 from compiled_fsdp.tools.debug_render import (
     GraphRecord,
+    count_region_calls,
     graph_stats,
     module_names,
     render_graph,
@@ -242,15 +244,16 @@ class DumpSession:
                 self._write(rec, "02_bytecode_decompiled.py", what, depyf.decompile(new_code))
         return None
 
-    def _on_pass(self, stage: str, gm: fx.GraphModule, report: Optional[Any]) -> None:
+    def _on_pass(self, stage: str, gm: fx.GraphModule, report: Optional[Any], region: bool = False) -> None:
         with self._lock:
             rec = self._graph(str(CompileContext.current_compile_id()))
             with self._guard(rec, f"graph {stage}"):
                 names = module_names()
-                rec.stages.append(stage)
-                idx = 10 + len(rec.stages) - 1
                 # The scheduling pass sees a partitioned graph and says which.
                 kind = report.graph if stage == "schedule" else _graph_kind(gm)
+                rec = _graph_of(rec, stage, kind, gm, region)
+                rec.stages.append(stage)
+                idx = 10 + len(rec.stages) - 1
                 if stage == "before":
                     fname = f"{idx}_joint_before_passes.py"
                     what = "the joint forward+backward graph AOTAutograd built, before our passes"
@@ -261,6 +264,8 @@ class DumpSession:
                 self._write(rec, fname, what, render_graph(what, rec, self.rank(), body))
                 if kind == "joint":  # see [Note: Predicted timeline]: from the joint graph
                     rec.stats = graph_stats(gm, names)
+                    if not region:
+                        count_region_calls(rec, gm)
                     trace = chrome_trace(timeline_slices(gm, names),
                                          f"rank {self.rank()} graph {rec.compile_id} (predicted)", pid=self.rank())
                     self._write(rec, "40_timeline.json",
@@ -269,6 +274,36 @@ class DumpSession:
 
     def _on_compile_end(self, args: Any) -> None:
         self.flush()
+
+
+# [Note: A region's graphs in a dump]
+# A whole-model compile with compile regions ([Note: Blocks as compile
+# regions] in compile/regions.py) compiles, in one compile id, the root's
+# graph and each region's body: a joint graph the region's partitioner runs
+# the passes on (``region`` True), then its forward and backward graphs,
+# which Inductor's post-grad pass schedules with the root's. Each region's
+# files go to ``region_<k>/`` of the root's folder (k: the order its joint
+# graph came in, the order Dynamo numbered the region's subgraphs), with its
+# own predicted timeline and reports, and the index lists the region's units
+# and how many times the root's graph calls it. A partitioned graph is told
+# apart by its structure: in a compile that has regions, the root's graphs
+# call them (``invoke_subgraph``) and a region's graphs call none; each goes
+# to the first region whose graph of that kind is not yet there.
+# Tested by tests/test_debug_dump.py::test_dump_of_compile_regions.
+
+
+def _graph_of(rec: GraphRecord, stage: str, kind: str, gm: fx.GraphModule, region: bool) -> GraphRecord:
+    """The record a graph the passes ran on belongs to: ``rec`` (the
+    compile's) or one of its regions' (the note above)."""
+    if region:
+        if stage == "before" or not rec.regions:
+            k = len(rec.regions)
+            rec.regions.append(GraphRecord(f"{rec.compile_id} region {k}", os.path.join(rec.dir, f"region_{k}")))
+        return rec.regions[-1]
+    if stage != "schedule" or not rec.regions or region_calls(gm.graph):
+        return rec
+    done = f"_{kind}_after_schedule.py"
+    return next((r for r in rec.regions if not any(f.endswith(done) for f in r.files)), rec.regions[-1])
 
 
 def _graph_kind(gm: fx.GraphModule) -> str:

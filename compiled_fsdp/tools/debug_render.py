@@ -5,19 +5,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import pprint
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp.compile import install
 from compiled_fsdp.core import registry
-from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY
-from compiled_fsdp.passes.graph import chain_tag
+from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, IssueAhead, ReduceLater, Regather
+from compiled_fsdp.passes.cost_model import tensor_bytes
+from compiled_fsdp.passes.graph import chain_tag, is_reduce_grad, is_unshard, region_calls
 from compiled_fsdp.passes.timeline import collective_bytes, is_collective
 from compiled_fsdp.tools.debug_timeline import bucket_name, collective_label
 
-__all__ = ["GraphRecord", "graph_stats", "module_names", "render_graph", "write_index", "write_readme"]
+__all__ = ["GraphRecord", "count_region_calls", "graph_stats", "module_names", "render_graph", "write_index",
+           "write_readme"]
 
 
 @dataclasses.dataclass
@@ -35,18 +37,38 @@ class GraphRecord:
     stats: Optional[dict[str, Any]] = None
     dynamo_graphs: int = 0
     inductor_outputs: int = 0
+    # The compile regions of this compile ([Note: A region's graphs in a dump]
+    # in debug.py), each a record of its own; a region's calls from the root's graph.
+    regions: list["GraphRecord"] = dataclasses.field(default_factory=list)
+    calls: int = 0
 
 
 def module_names() -> dict[int, str]:
     """module_key (the n-th ``fully_shard`` call) -> ``fqn (Class)``; the root is ``<root>``."""
     # See [Note: Blocks compiled on their own] in compile/entry.py.
-    out = {ENTRY_KEY: "the module this frame was compiled for (a block compiled on its own; "
-                      "every identical block runs this graph)",
+    out = {ENTRY_KEY: "the module this frame was compiled for (a block compiled on its own), or a compile "
+                      "region's block; every identical block runs this graph",
            # See [Note: Gathers handed to the next block's graph] in compile/entry.py.
            NEXT_KEY: "the module after it (its gather handed over, its gradient reduced here)"}
     for g in registry.owners():
         out[g.key] = f"{g.label} ({g.name})"
     return out
+
+
+def _grads_bytes(n: fx.Node) -> int:
+    return sum(tensor_bytes(a.meta.get("val")) for a in ReduceLater.bind(n.args, dict(n.kwargs)).grads)
+
+
+# The ops that run a collective inside them (a compile region's: [Note:
+# Gathers issued ahead of compile regions] in compile/regions.py): how the
+# index names each, and its unsharded bytes (an issue-ahead's gather is the
+# bytes of the region's regather that takes it).
+_OWN_COLLECTIVES: dict[Any, tuple[str, Callable[[fx.Node], int]]] = {
+    Regather.op().default: ("all-gather (regather: the one issued ahead, else gathered here)",
+                            lambda n: tensor_bytes(n.meta.get("val"))),
+    IssueAhead.op().default: ("all-gather issued ahead for a region (its bytes are the region's)", lambda n: 0),
+    ReduceLater.op().default: ("reduce-scatter waited after the graph (reduce_later)", _grads_bytes),
+}
 
 
 def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
@@ -55,20 +77,34 @@ def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
     total_bytes = 0
     modules: set[str] = set()
     for n in gm.graph.nodes:
-        if not is_collective(n):
+        own = _OWN_COLLECTIVES.get(n.target) if n.op == "call_function" else None
+        if not is_collective(n) and own is None:
             continue
-        kind = collective_label(n)
-        if "compiled_fsdp" in str(n.target):
+        kind = own[0] if own is not None else collective_label(n)
+        if is_unshard(n) or is_reduce_grad(n):
             kind = f"unlowered {kind} marker"
         recomputed = n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
         backward_only = n.meta.get("partitioner_tag") == "must_be_in_backward"
         runs = 2 if recomputed and not backward_only else 1
         kinds[kind] = kinds.get(kind, 0) + runs
-        total_bytes += runs * collective_bytes(n)
+        total_bytes += runs * (own[1](n) if own is not None else collective_bytes(n))
         tag = chain_tag(n)
         if tag is not None:
             modules.add(bucket_name(tag, names))
     return {"kinds": kinds, "bytes": total_bytes, "buckets": sorted(modules)}
+
+
+def count_region_calls(rec: GraphRecord, gm: fx.GraphModule) -> None:
+    """Sets each region's ``calls``: how many times the root's joint graph
+    ``gm`` calls its forward, the regions in the order their subgraphs first
+    appear (Dynamo numbers them in the order it traced them)."""
+    calls: dict[str, int] = {}
+    for i in region_calls(gm.graph):
+        name = str(list(gm.graph.nodes)[i].args[1])
+        if "_bw_" not in name:  # (the joint graph calls each region's backward too)
+            calls[name] = calls.get(name, 0) + 1
+    for region, count in zip(rec.regions, calls.values()):
+        region.calls = count
 
 
 def _legend(names: dict[int, str]) -> str:
@@ -125,25 +161,39 @@ def _write_reports(rec: GraphRecord, names: dict[int, str]) -> None:
     rec.files["50_pass_reports.txt"] = "what each of our passes did (buckets, recompute tags), with summary()"
 
 
-def _index_line(rec: GraphRecord) -> str:
+def _collectives(rec: GraphRecord, per: str) -> str:
     st = rec.stats
     if st is None:
-        coll = "no compiled_fsdp collectives (no markers: the passes did not run)"
-    else:
-        kinds = ", ".join(f"{v} {k}" for k, v in st["kinds"].items()) or "none"
-        coll = (f"collectives per step: {sum(st['kinds'].values())} ({kinds}); "
-                f"{st['bytes'] / 1024:.1f} KiB of unsharded data; buckets: {', '.join(st['buckets']) or '-'}")
+        return "no compiled_fsdp collectives (no markers: the passes did not run)"
+    kinds = ", ".join(f"{v} {k}" for k, v in st["kinds"].items()) or "none"
+    return (f"collectives per {per}: {sum(st['kinds'].values())} ({kinds}); "
+            f"{st['bytes'] / 1024:.1f} KiB of unsharded data; buckets: {', '.join(st['buckets']) or '-'}")
+
+
+def _index_line(rec: GraphRecord) -> str:
     n_breaks = len(rec.graph_breaks)
     breaks = f"{n_breaks} graph break(s) (see 00_graph_breaks.txt)" if n_breaks else "0 graph breaks"
-    return f"- **graph {rec.compile_id}** `{rec.frame}` — {coll}; {breaks}"
+    regions = f"; {len(rec.regions)} compile region(s), below" if rec.regions else ""
+    return f"- **graph {rec.compile_id}** `{rec.frame}` — {_collectives(rec, 'step')}; {breaks}{regions}"
+
+
+def _region_line(rec: GraphRecord) -> str:
+    return (f"  - **{rec.compile_id}**: a compile region's body, called {rec.calls} time(s) a step by the graph "
+            f"above (once per identical block; [Note: Blocks as compile regions]) — {_collectives(rec, 'call')}")
 
 
 def _unit_lines(rec: GraphRecord, names: dict[int, str]) -> list[str]:
     """The units the lowering cut each application into ([Note: Units] in
-    passes/units.py); why each is what it is is in 50_pass_reports.txt."""
+    passes/units.py); why each is what it is is in 50_pass_reports.txt. A
+    region's units name the block it was traced for (``ENTRY_KEY``)."""
     joint = _joint_report(rec)
     units = joint.lowering.units if joint is not None and joint.lowering is not None else []
-    return [f"  - {names.get(u.module_key, u.module_key)} {u.describe()}" for u in units]
+    return [f"  - {'' if rec.calls else f'{names.get(u.module_key, u.module_key)} '}{u.describe()}" for u in units]
+
+
+def _file_lines(rec: GraphRecord, folder: str, indent: str) -> list[str]:
+    lines = [f"{indent}- `{folder}/{name}`: {rec.files[name]}" for name in sorted(rec.files)]
+    return lines + [f"{indent}- FAILED (dump only; training went on): {failure}" for failure in rec.failures]
 
 
 def write_index(rank_dir: str, rank: int, records: list[GraphRecord]) -> None:
@@ -159,10 +209,12 @@ def write_index(rank_dir: str, rank: int, records: list[GraphRecord]) -> None:
         lines.extend(_unit_lines(rec, names))
         if not rec.inductor_outputs and rec.dynamo_graphs:
             lines.append("  - (no Inductor output code: the backend was not Inductor)")
-        for name in sorted(rec.files):
-            lines.append(f"  - `{os.path.basename(rec.dir)}/{name}`: {rec.files[name]}")
-        for failure in rec.failures:
-            lines.append(f"  - FAILED (dump only; training went on): {failure}")
+        lines.extend(_file_lines(rec, os.path.basename(rec.dir), "  "))
+        for region in rec.regions:
+            _write_reports(region, names)
+            lines.append(_region_line(region))
+            lines.extend("  " + line for line in _unit_lines(region, names))
+            lines.extend(_file_lines(region, f"{os.path.basename(rec.dir)}/{os.path.basename(region.dir)}", "    "))
         lines.append("")
     with open(os.path.join(rank_dir, "index.md"), "w") as f:
         f.write("\n".join(lines))
@@ -193,6 +245,14 @@ how many collectives it runs; `rank<r>/graph_<frame>_<compile>/` holds:
   model, not measured), compute and communication on separate tracks; open it in
   https://ui.perfetto.dev
 - `50_pass_reports.txt`: what each pass did
+- `region_<k>/`: under `torch.compile(model)` each distinct block is a
+  compile region, traced and compiled once and called for every identical
+  block: its joint graph before and after our passes, its forward and
+  backward graphs after scheduling (Inductor), its own predicted timeline and
+  reports. The root's graph calls it (`invoke_subgraph`) and issues each
+  block's gather ahead of its call (`issue_ahead`); the root's timeline
+  prices a call only by the bytes it reads and writes, so the compute and
+  collectives inside a call are in the region's own timeline.
 
 `module_key` n is the n-th `fully_shard` call of the program; every file's
 header maps the keys to module names. A graph without markers (e.g. a model
