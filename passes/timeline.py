@@ -32,6 +32,8 @@ import dataclasses
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compiled_fsdp.core.marker import IssueAhead, ReduceLater, Regather
+
 from .cost_model import ALL_TO_ALLS, GATHERS, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
 from .graph import chain_tag, is_reduce_grad, is_unshard, tangent_dependents
 
@@ -94,11 +96,28 @@ class Timeline:
         return dataclasses.asdict(self)
 
 
+# [Note: Collectives inside an op]
+# Three of the project's ops run their collective inside them, opaque to the
+# graph: ``regather`` (a compile region's gather, or a handed-in module's
+# backward re-gather: the one issued ahead for its shards, else gathered and
+# waited there), ``issue_ahead`` (the next region's gather, issued and not
+# waited) and ``reduce_later`` (a region's reduce-scatter, waited after its
+# graph). The scheduler leaves them where they are; the dump's timeline
+# (``foreign``) draws each on the communication track, a ``regather`` as
+# gathered and waited at its node. At run time its gather was issued ahead
+# (by the root's graph before the region's call, or in backward by the
+# region before it), so the drawing shows at most what it exposes.
+# Tested by tests/test_debug_dump.py::test_dump_of_compile_regions.
+REGATHER, ISSUE_AHEAD, REDUCE_LATER = Regather.op().default, IssueAhead.op().default, ReduceLater.op().default
+IN_OP = (REGATHER, ISSUE_AHEAD, REDUCE_LATER)
+
+
 def is_collective(node: fx.Node) -> bool:
-    """A collective that moves data (not its wait): ours, a foreign one, or a leftover marker."""
+    """A collective that moves data (not its wait): ours, a foreign one, a
+    leftover marker, or an op running its own (the note above)."""
     if node.op != "call_function":
         return False
-    if is_unshard(node) or is_reduce_grad(node) or node.target in ISSUES:
+    if is_unshard(node) or is_reduce_grad(node) or node.target in ISSUES or node.target in IN_OP:
         return True
     ns = getattr(node.target, "namespace", None)
     return ns == "_c10d_functional" and "wait_tensor" not in str(node.target)
@@ -107,20 +126,27 @@ def is_collective(node: fx.Node) -> bool:
 def is_reduce(node: fx.Node) -> bool:
     """A reduce-scatter, a reduce marker, or our all-to-all reduce (gloo; see
     [Note: Reduce-scatter on gloo] in compiled_fsdp/core/comm.py)."""
-    return ("reduce_scatter" in str(node.target) or is_reduce_grad(node)
+    return ("reduce_scatter" in str(node.target) or is_reduce_grad(node) or node.target is REDUCE_LATER
             or (node.target in ALL_TO_ALLS and chain_tag(node) is not None))
 
 
 def collective_kind(node: fx.Node) -> str:
     """"all_gather", "reduce_scatter" (markers and our gloo all-to-all
     included) or, for a collective we do not know, the op's name."""
-    if "all_gather" in str(node.target) or is_unshard(node):
+    if "all_gather" in str(node.target) or is_unshard(node) or node.target in (REGATHER, ISSUE_AHEAD):
         return "all_gather"
     return "reduce_scatter" if is_reduce(node) else str(node.target)
 
 
 def collective_bytes(node: fx.Node) -> int:
     """Bytes of the full (unsharded) side: a gather's output, a reduce-scatter's input."""
+    if node.target is REDUCE_LATER:
+        return sum(tensor_bytes(g.meta.get("val")) for g in ReduceLater.bind(node.args, dict(node.kwargs)).grads)
+    if node.target is ISSUE_AHEAD:  # (it returns a token: its shards, whole, in the gather's dtype)
+        ahead = IssueAhead.bind(node.args, dict(node.kwargs))
+        vals = [s.meta.get("val") for s in ahead.shards]
+        size = ahead.param_dtype.itemsize if ahead.param_dtype is not None else None
+        return sum(v.numel() * (size or v.element_size()) for v in vals) * ahead.world_size
     if is_reduce(node):
         src = node.args[0]
         return tensor_bytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
@@ -207,16 +233,18 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         owned = n.target in ISSUES and info is not None
         if owned or (foreign and is_collective(n)):
             issue(n)
-            continue
-        if n.target is WAIT and isinstance(n.args[0], fx.Node) and n.args[0] in events:
-            ev = events[n.args[0]]
+            if n.target is not REGATHER:
+                continue
+        waited = n if n.target is REGATHER else n.args[0] if n.target is WAIT and n.args else None
+        if isinstance(waited, fx.Node) and waited in events:
+            ev = events[waited]
             ev.wait_s = t
             ev.exposed_s = max(0.0, ev.end_s - t)
             if joint and ev.exposed_s > 0:
                 tl.steps.append(Step(n.name, "compute", "wait", t, ev.exposed_s))
             t += ev.exposed_s
             tl.exposed_s += ev.exposed_s
-            if ev.kind == "all_gather" and n.args[0] not in unowned:
+            if ev.kind == "all_gather" and waited not in unowned:
                 current = (ev.module_key, ev.unit)
             continue
         dt = cost.compute_time(n)

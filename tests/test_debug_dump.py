@@ -175,3 +175,73 @@ def test_dump_without_depyf_says_what_to_install(tmp_path) -> None:
         text = open(os.path.join(gdir, "02_bytecode_decompiled.py")).read()
         assert "depyf is not installed" in text and "pip install depyf" in text, text
         assert "FAILED" not in open(os.path.join(root, f"rank{rank}", "index.md")).read()
+
+
+def _regions_rank(rank: int, world: int, root: str) -> None:
+    with dump_graphs(root):
+        _train("aot_eager")  # (compile regions: the default)
+
+
+def _comm_slices(path: str) -> list[str]:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    return [e["name"] for e in events if e["ph"] == "X" and e["tid"] == tracks["communication"]]
+
+
+def test_dump_of_compile_regions(tmp_path) -> None:
+    """[Note: A region's graphs in a dump]: the blocks' region gets a folder
+    of its own beside the root's graph (its joint graph before and after the
+    passes, its timeline with its gathers and reduce on the communication
+    track, its reports), and the index says how often the root calls it and
+    what it holds; the root's files stay the root's."""
+    root = str(tmp_path / "dump")
+    run_distributed(_regions_rank, 2, root, timeout=600)
+    for rank in range(2):
+        gdir = _graph_dir(root, rank)
+        rdir = os.path.join(gdir, "region_0")
+        assert sorted(d for d in os.listdir(gdir) if d.startswith("region_")) == ["region_0"]
+        for name in ["10_joint_before_passes.py", "11_joint_after_lowering.py", "12_joint_after_recompute.py",
+                     "40_timeline.json", "50_pass_reports.txt"]:
+            assert os.path.getsize(os.path.join(rdir, name)) > 0, name
+        # the root's joint graph calls the region; the region's is the block's own
+        assert "invoke_subgraph" in open(os.path.join(gdir, "12_joint_after_recompute.py")).read()
+        assert "invoke_subgraph" not in open(os.path.join(rdir, "12_joint_after_recompute.py")).read()
+        # [Note: Collectives inside an op]: the region's gather and reduce, the root's gathers issued ahead
+        region_comm, root_comm = _comm_slices(os.path.join(rdir, "40_timeline.json")), _comm_slices(
+            os.path.join(gdir, "40_timeline.json"))
+        assert any(s.startswith("all-gather (regather") for s in region_comm), region_comm
+        assert any(s.startswith("reduce-scatter waited after the graph") for s in region_comm), region_comm
+        assert sum(s == "all-gather issued ahead for the next region" for s in root_comm) == 2, root_comm
+        index = open(os.path.join(root, f"rank{rank}", "index.md")).read()
+        assert "0 graph breaks; 1 compile region(s), below" in index, index
+        assert "**0/0 region 0**: a compile region's body, called 2 time(s) a step" in index, index
+        assert "    - unit 0: layers.0," in index and "`graph_0_0/region_0/40_timeline.json`" in index, index
+        assert "2 all-gather (regather" in index and "1 reduce-scatter waited after the graph" in index, index
+
+
+def test_partitioned_region_graphs_find_their_region(tmp_path) -> None:
+    """A partitioned graph the scheduling pass shows goes to the root's record
+    where it calls regions, else to the first region without a graph of its
+    kind ([Note: A region's graphs in a dump])."""
+    from compiled_fsdp.tools.debug import _graph_of
+    from compiled_fsdp.tools.debug_render import GraphRecord
+
+    def graph(calls: bool) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        if calls:
+            g.call_function(torch.ops.higher_order.invoke_subgraph, (None, "partitioned_fw_subgraph_0_0", x))
+        g.output(x)
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    rec = GraphRecord("0/0", str(tmp_path))
+    first = _graph_of(rec, "before", "joint", graph(False), region=True)
+    second = _graph_of(rec, "before", "joint", graph(False), region=True)
+    assert rec.regions == [first, second] and first.region and first.dir.endswith("region_0")
+    assert _graph_of(rec, "lowering", "joint", graph(False), region=True) is second
+    assert _graph_of(rec, "schedule", "forward", graph(True), region=False) is rec
+    assert _graph_of(rec, "schedule", "forward", graph(False), region=False) is first
+    first.files["13_forward_after_schedule.py"] = "..."
+    assert _graph_of(rec, "schedule", "forward", graph(False), region=False) is second
+    assert _graph_of(rec, "schedule", "backward", graph(False), region=False) is first

@@ -248,10 +248,10 @@ class DumpSession:
         with self._lock:
             rec = self._graph(str(CompileContext.current_compile_id()))
             with self._guard(rec, f"graph {stage}"):
-                names = module_names()
                 # The scheduling pass sees a partitioned graph and says which.
                 kind = report.graph if stage == "schedule" else _graph_kind(gm)
                 rec = _graph_of(rec, stage, kind, gm, region)
+                names = module_names(rec.region)
                 rec.stages.append(stage)
                 idx = 10 + len(rec.stages) - 1
                 if stage == "before":
@@ -298,7 +298,8 @@ def _graph_of(rec: GraphRecord, stage: str, kind: str, gm: fx.GraphModule, regio
     if region:
         if stage == "before" or not rec.regions:
             k = len(rec.regions)
-            rec.regions.append(GraphRecord(f"{rec.compile_id} region {k}", os.path.join(rec.dir, f"region_{k}")))
+            rec.regions.append(GraphRecord(f"{rec.compile_id} region {k}", os.path.join(rec.dir, f"region_{k}"),
+                                           region=True))
         return rec.regions[-1]
     if stage != "schedule" or not rec.regions or region_calls(gm.graph):
         return rec

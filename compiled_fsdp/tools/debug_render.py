@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import pprint
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp.compile import install
 from compiled_fsdp.core import registry
-from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY, IssueAhead, ReduceLater, Regather
-from compiled_fsdp.passes.cost_model import tensor_bytes
+from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY
 from compiled_fsdp.passes.graph import chain_tag, is_reduce_grad, is_unshard, region_calls
 from compiled_fsdp.passes.timeline import collective_bytes, is_collective
 from compiled_fsdp.tools.debug_timeline import bucket_name, collective_label
@@ -38,37 +37,25 @@ class GraphRecord:
     dynamo_graphs: int = 0
     inductor_outputs: int = 0
     # The compile regions of this compile ([Note: A region's graphs in a dump]
-    # in debug.py), each a record of its own; a region's calls from the root's graph.
+    # in debug.py), each a record of its own (``region``), and how many times
+    # the root's graph calls it.
     regions: list["GraphRecord"] = dataclasses.field(default_factory=list)
+    region: bool = False
     calls: int = 0
 
 
-def module_names() -> dict[int, str]:
-    """module_key (the n-th ``fully_shard`` call) -> ``fqn (Class)``; the root is ``<root>``."""
+def module_names(region: bool = False) -> dict[int, str]:
+    """module_key (the n-th ``fully_shard`` call) -> ``fqn (Class)``; the root is
+    ``<root>``; ``region``: for a compile region's graph."""
     # See [Note: Blocks compiled on their own] in compile/entry.py.
-    out = {ENTRY_KEY: "the module this frame was compiled for (a block compiled on its own), or a compile "
-                      "region's block; every identical block runs this graph",
+    out = {ENTRY_KEY: "the region's block" if region else
+                      "the module this frame was compiled for (a block compiled on its own; every identical "
+                      "block runs this graph)",
            # See [Note: Gathers handed to the next block's graph] in compile/entry.py.
            NEXT_KEY: "the module after it (its gather handed over, its gradient reduced here)"}
     for g in registry.owners():
         out[g.key] = f"{g.label} ({g.name})"
     return out
-
-
-def _grads_bytes(n: fx.Node) -> int:
-    return sum(tensor_bytes(a.meta.get("val")) for a in ReduceLater.bind(n.args, dict(n.kwargs)).grads)
-
-
-# The ops that run a collective inside them (a compile region's: [Note:
-# Gathers issued ahead of compile regions] in compile/regions.py): how the
-# index names each, and its unsharded bytes (an issue-ahead's gather is the
-# bytes of the region's regather that takes it).
-_OWN_COLLECTIVES: dict[Any, tuple[str, Callable[[fx.Node], int]]] = {
-    Regather.op().default: ("all-gather (regather: the one issued ahead, else gathered here)",
-                            lambda n: tensor_bytes(n.meta.get("val"))),
-    IssueAhead.op().default: ("all-gather issued ahead for a region (its bytes are the region's)", lambda n: 0),
-    ReduceLater.op().default: ("reduce-scatter waited after the graph (reduce_later)", _grads_bytes),
-}
 
 
 def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
@@ -77,17 +64,16 @@ def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
     total_bytes = 0
     modules: set[str] = set()
     for n in gm.graph.nodes:
-        own = _OWN_COLLECTIVES.get(n.target) if n.op == "call_function" else None
-        if not is_collective(n) and own is None:
+        if not is_collective(n):
             continue
-        kind = own[0] if own is not None else collective_label(n)
+        kind = collective_label(n)
         if is_unshard(n) or is_reduce_grad(n):
             kind = f"unlowered {kind} marker"
         recomputed = n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
         backward_only = n.meta.get("partitioner_tag") == "must_be_in_backward"
         runs = 2 if recomputed and not backward_only else 1
         kinds[kind] = kinds.get(kind, 0) + runs
-        total_bytes += runs * (own[1](n) if own is not None else collective_bytes(n))
+        total_bytes += runs * collective_bytes(n)
         tag = chain_tag(n)
         if tag is not None:
             modules.add(bucket_name(tag, names))
@@ -123,7 +109,7 @@ def render_graph(what: str, rec: GraphRecord, rank: int, body: str) -> str:
         "#   bucketed _c10d_functional.all_gather_into_tensor / reduce_scatter_tensor (on gloo:\n"
         "#   compiled_fsdp.all_gather_by_work / all_to_all_single + sum) (+ wait_tensor) per unit (a layer:\n"
         "#   see the index).\n"
-        f"# module_key -> fully sharded module: {_legend(module_names())}\n\n"
+        f"# module_key -> fully sharded module: {_legend(module_names(rec.region))}\n\n"
         + body
     )
 
@@ -147,9 +133,10 @@ def _joint_report(rec: GraphRecord) -> Any:
     return None
 
 
-def _write_reports(rec: GraphRecord, names: dict[int, str]) -> None:
+def _write_reports(rec: GraphRecord) -> None:
     if not rec.pass_reports:
         return
+    names = module_names(rec.region)
     joint = _joint_report(rec)
     parts = [f"# What each compiled_fsdp pass did in graph {rec.compile_id}\n"]
     if joint is not None:
@@ -188,7 +175,7 @@ def _unit_lines(rec: GraphRecord, names: dict[int, str]) -> list[str]:
     region's units name the block it was traced for (``ENTRY_KEY``)."""
     joint = _joint_report(rec)
     units = joint.lowering.units if joint is not None and joint.lowering is not None else []
-    return [f"  - {'' if rec.calls else f'{names.get(u.module_key, u.module_key)} '}{u.describe()}" for u in units]
+    return [f"  - {'' if rec.region else f'{names.get(u.module_key, u.module_key)} '}{u.describe()}" for u in units]
 
 
 def _file_lines(rec: GraphRecord, folder: str, indent: str) -> list[str]:
@@ -204,16 +191,16 @@ def write_index(rank_dir: str, rank: int, records: list[GraphRecord]) -> None:
     for rec in sorted(records, key=lambda r: r.compile_id):
         if not rec.files and not rec.failures:
             continue
-        _write_reports(rec, names)
+        _write_reports(rec)
         lines.append(_index_line(rec))
         lines.extend(_unit_lines(rec, names))
         if not rec.inductor_outputs and rec.dynamo_graphs:
             lines.append("  - (no Inductor output code: the backend was not Inductor)")
         lines.extend(_file_lines(rec, os.path.basename(rec.dir), "  "))
         for region in rec.regions:
-            _write_reports(region, names)
+            _write_reports(region)
             lines.append(_region_line(region))
-            lines.extend("  " + line for line in _unit_lines(region, names))
+            lines.extend("  " + line for line in _unit_lines(region, module_names(True)))
             lines.extend(_file_lines(region, f"{os.path.basename(rec.dir)}/{os.path.basename(region.dir)}", "    "))
         lines.append("")
     with open(os.path.join(rank_dir, "index.md"), "w") as f:

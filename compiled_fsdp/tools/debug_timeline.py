@@ -19,7 +19,7 @@ import torch.fx as fx
 from compiled_fsdp.core.marker import ReduceGrad, Unshard
 from compiled_fsdp.passes.cost_model import CostModel
 from compiled_fsdp.passes.graph import ChainTag, chain_tag, is_reduce_grad, is_unshard
-from compiled_fsdp.passes.timeline import Step, collective_kind, simulate
+from compiled_fsdp.passes.timeline import ISSUE_AHEAD, REDUCE_LATER, REGATHER, Step, collective_kind, simulate
 
 __all__ = ["bucket_name", "chrome_trace", "collective_label", "timeline_slices"]
 
@@ -27,9 +27,19 @@ COMPUTE, COMM, PHASE = "compute", "communication", "phase"
 _TRACKS = {PHASE: 0, COMPUTE: 1, COMM: 2}
 
 
+# What the ops that run their collective inside them are ([Note: Collectives
+# inside an op] in passes/timeline.py), for the index and the trace.
+_IN_OP = {REGATHER: "all-gather (regather: the one issued ahead, else gathered here)",
+          ISSUE_AHEAD: "all-gather issued ahead for the next region",
+          REDUCE_LATER: "reduce-scatter waited after the graph (reduce_later)"}
+
+
 def collective_label(node: fx.Node) -> str:
-    """"all-gather", "reduce-scatter" (markers and our gloo all-to-all included)
-    or, for a collective we do not know, the op's name."""
+    """"all-gather", "reduce-scatter" (markers and our gloo all-to-all included),
+    what an op running its own collective is, or, for a collective we do not
+    know, the op's name."""
+    if node.target in _IN_OP:
+        return _IN_OP[node.target]
     kind = collective_kind(node)
     return {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}.get(kind, kind)
 
