@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compiled_fsdp.core import ops as _ops  # noqa: F401 (registers the ops named below)
 from compiled_fsdp.core.marker import IssueAhead, ReduceLater, Regather
 
 from .cost_model import ALL_TO_ALLS, GATHERS, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
@@ -144,9 +146,13 @@ def collective_bytes(node: fx.Node) -> int:
         return sum(tensor_bytes(g.meta.get("val")) for g in ReduceLater.bind(node.args, dict(node.kwargs)).grads)
     if node.target is ISSUE_AHEAD:  # (it returns a token: its shards, whole, in the gather's dtype)
         ahead = IssueAhead.bind(node.args, dict(node.kwargs))
-        vals = [s.meta.get("val") for s in ahead.shards]
-        size = ahead.param_dtype.itemsize if ahead.param_dtype is not None else None
-        return sum(v.numel() * (size or v.element_size()) for v in vals) * ahead.world_size
+        total = 0
+        for shard in ahead.shards:
+            val = shard.meta.get("val") if isinstance(shard, fx.Node) else None
+            if isinstance(val, torch.Tensor) and tensor_bytes(val):
+                size = ahead.param_dtype.itemsize if ahead.param_dtype is not None else val.element_size()
+                total += tensor_bytes(val) // val.element_size() * size
+        return total * ahead.world_size
     if is_reduce(node):
         src = node.args[0]
         return tensor_bytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
@@ -154,6 +160,9 @@ def collective_bytes(node: fx.Node) -> int:
 
 
 def _world_size(node: fx.Node) -> int:
+    if node.target in IN_OP:
+        marker = {REGATHER: Regather, ISSUE_AHEAD: IssueAhead, REDUCE_LATER: ReduceLater}[node.target]
+        return marker.bind(node.args, dict(node.kwargs)).world_size
     for a in node.args[1:]:
         if isinstance(a, int) and not isinstance(a, bool) and a > 1:
             return a
@@ -231,6 +240,9 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
                         t = max(t, events[c].end_s)
         info = chain_tag(n)
         owned = n.target in ISSUES and info is not None
+        if foreign and joint and n not in backward and n.meta.get("partitioner_tag") == "must_be_in_backward" \
+                and is_collective(n):
+            continue  # (a backward's collective placed in forward: the re-gather above draws it)
         if owned or (foreign and is_collective(n)):
             issue(n)
             if n.target is not REGATHER:

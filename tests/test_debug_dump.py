@@ -202,7 +202,8 @@ def test_dump_of_compile_regions(tmp_path) -> None:
         rdir = os.path.join(gdir, "region_0")
         assert sorted(d for d in os.listdir(gdir) if d.startswith("region_")) == ["region_0"]
         for name in ["10_joint_before_passes.py", "11_joint_after_lowering.py", "12_joint_after_recompute.py",
-                     "40_timeline.json", "50_pass_reports.txt"]:
+                     "13_forward_after_partition.py", "14_backward_after_partition.py", "40_timeline.json",
+                     "50_pass_reports.txt"]:
             assert os.path.getsize(os.path.join(rdir, name)) > 0, name
         # the root's joint graph calls the region; the region's is the block's own
         assert "invoke_subgraph" in open(os.path.join(gdir, "12_joint_after_recompute.py")).read()
@@ -212,7 +213,7 @@ def test_dump_of_compile_regions(tmp_path) -> None:
             os.path.join(gdir, "40_timeline.json"))
         assert any(s.startswith("all-gather (regather") for s in region_comm), region_comm
         assert any(s.startswith("reduce-scatter waited after the graph") for s in region_comm), region_comm
-        assert sum(s == "all-gather issued ahead for the next region" for s in root_comm) == 2, root_comm
+        assert sum(s.startswith("all-gather issued ahead for a region") for s in root_comm) == 2, root_comm
         index = open(os.path.join(root, f"rank{rank}", "index.md")).read()
         assert "0 graph breaks; 1 compile region(s), below" in index, index
         assert "**0/0 region 0**: a compile region's body, called 2 time(s) a step" in index, index
@@ -220,28 +221,64 @@ def test_dump_of_compile_regions(tmp_path) -> None:
         assert "2 all-gather (regather" in index and "1 reduce-scatter waited after the graph" in index, index
 
 
-def test_partitioned_region_graphs_find_their_region(tmp_path) -> None:
-    """A partitioned graph the scheduling pass shows goes to the root's record
-    where it calls regions, else to the first region without a graph of its
-    kind ([Note: A region's graphs in a dump])."""
+def test_graphs_of_compile_regions_find_their_region(tmp_path) -> None:
+    """[Note: A region's graphs in a dump], on hand-built graphs: a region's
+    joint graph opens its record and its partitioned graphs follow it; the
+    root's calls are counted by the forward graph the partitioner returned,
+    whatever the order the regions came in; a scheduled graph that calls no
+    region, in a compile with regions, is left out."""
     from compiled_fsdp.tools.debug import _graph_of
-    from compiled_fsdp.tools.debug_render import GraphRecord
+    from compiled_fsdp.tools.debug_render import GraphRecord, count_region_calls
 
-    def graph(calls: bool) -> torch.fx.GraphModule:
-        g = torch.fx.Graph()
+    def graph(**calls: int) -> torch.fx.GraphModule:
+        root, g = torch.nn.Module(), torch.fx.Graph()
         x = g.placeholder("x")
-        if calls:
-            g.call_function(torch.ops.higher_order.invoke_subgraph, (None, "partitioned_fw_subgraph_0_0", x))
+        for name, n in calls.items():
+            setattr(root, name, torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+            for _ in range(n):
+                body = g.get_attr(name)
+                g.call_function(torch.ops.higher_order.invoke_subgraph, (body, f"partitioned_{name}", x))
         g.output(x)
-        return torch.fx.GraphModule(torch.nn.Module(), g)
+        return torch.fx.GraphModule(root, g)
 
+    root = graph(fw_subgraph_1=1, fw_subgraph_0=3, bw_subgraph_0=3)  # (the embedding's called first)
     rec = GraphRecord("0/0", str(tmp_path))
-    first = _graph_of(rec, "before", "joint", graph(False), region=True)
-    second = _graph_of(rec, "before", "joint", graph(False), region=True)
-    assert rec.regions == [first, second] and first.region and first.dir.endswith("region_0")
-    assert _graph_of(rec, "lowering", "joint", graph(False), region=True) is second
-    assert _graph_of(rec, "schedule", "forward", graph(True), region=False) is rec
-    assert _graph_of(rec, "schedule", "forward", graph(False), region=False) is first
-    first.files["13_forward_after_schedule.py"] = "..."
-    assert _graph_of(rec, "schedule", "forward", graph(False), region=False) is second
-    assert _graph_of(rec, "schedule", "backward", graph(False), region=False) is first
+    blocks = _graph_of(rec, "before", "joint", graph(), region=True)  # (partitioned first)
+    assert _graph_of(rec, "lowering", "joint", graph(), region=True) is blocks
+    assert _graph_of(rec, "partition", "forward", root.fw_subgraph_0, region=True) is blocks
+    assert _graph_of(rec, "partition", "backward", root.bw_subgraph_0, region=True) is blocks
+    embed = _graph_of(rec, "before", "joint", graph(), region=True)
+    assert _graph_of(rec, "partition", "forward", root.fw_subgraph_1, region=True) is embed
+    assert rec.regions == [blocks, embed] and blocks.region and blocks.dir.endswith("region_0")
+    count_region_calls(rec, root)
+    assert (blocks.calls, embed.calls) == (3, 1)
+    assert _graph_of(rec, "schedule", "forward", root, region=False) is rec
+    assert _graph_of(rec, "schedule", "forward", graph(), region=False) is None
+    assert _graph_of(GraphRecord("0/1", str(tmp_path)), "schedule", "forward", graph(), region=False) is not None
+
+
+def test_a_backward_regather_drawn_once() -> None:
+    """[Note: Collectives inside an op]: a handed-in module's backward
+    ``regather`` sits in the joint graph's forward, tagged to run in backward
+    only; the dump's timeline draws it once, in backward where it runs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from compiled_fsdp.passes.cost_model import CostModel
+    from compiled_fsdp.passes.graph import META_KEY, ChainTag
+    from compiled_fsdp.passes.timeline import REGATHER, simulate
+
+    g = torch.fx.Graph()
+    shard, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
+    shard.meta["val"], tangent.meta["val"] = torch.empty(8), torch.empty(16)
+    again = g.call_function(REGATHER, ([shard], [16], "0", 2, -1, None), {"backward": True})
+    again.meta.update({"val": torch.empty(16), "recompute": CheckpointPolicy.MUST_RECOMPUTE,
+                       "partitioner_tag": "must_be_in_backward",
+                       META_KEY: ChainTag("gather_chain", -1, 0, ((-1, 0),), True)})
+    grad = g.call_function(torch.ops.aten.mul.Tensor, (tangent, again))
+    grad.meta["val"] = torch.empty(16)
+    g.output(grad)
+    tl = simulate(list(g.nodes), CostModel.for_graph(g), joint=True, foreign=True)
+    comm = [s for s in tl.steps if s.track == "communication"]
+    assert [(s.kind, s.regather) for s in comm] == [("all_gather", True)], tl.steps
+    (forward,) = [p for p in tl.phases if p[0] == "forward"] or [("forward", 0.0, 0.0)]
+    assert all(s.start_s >= forward[2] for s in comm), (tl.phases, comm)

@@ -177,6 +177,23 @@ def run_joint(gm: fx.GraphModule, region: bool = False) -> None:
         SESSION.reports.add_pipeline(report.pipeline)
 
 
+@dataclasses.dataclass(frozen=True)
+class Partitioned:
+    """What observers get for a compile region's partitioned graph (stage
+    ``"partition"``): which of the two it is."""
+
+    graph: str  # "forward" | "backward"
+
+
+def show_partitioned(forward: fx.GraphModule, backward: fx.GraphModule) -> None:
+    """A compile region's forward and backward graphs, as its partitioner
+    returns them, shown to the observers (a region's graphs hold no
+    collective the scheduling pass places, so it shows none of them)."""
+    if SESSION.reports.observers:
+        SESSION.reports.notify("partition", forward, Partitioned("forward"), region=True)
+        SESSION.reports.notify("partition", backward, Partitioned("backward"), region=True)
+
+
 _SYMBOLIC = ("compiled_fsdp: {n} parameter read(s) in this graph are left to one eager collective each, unbucketed: "
              "Dynamo made a size or setting the passes bucket by symbolic ({why}). torch.compile(dynamic=True) "
              "does this to a replicated module's parameters; compile with dynamic=None (automatic dynamic "

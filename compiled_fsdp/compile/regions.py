@@ -169,6 +169,7 @@ def _partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) ->
         if node.target is regather:
             node.update_kwarg("backward", True)
     backward.recompile()
+    install.show_partitioned(forward, backward)
     return forward, backward
 
 

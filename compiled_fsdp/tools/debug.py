@@ -248,15 +248,21 @@ class DumpSession:
         with self._lock:
             rec = self._graph(str(CompileContext.current_compile_id()))
             with self._guard(rec, f"graph {stage}"):
-                # The scheduling pass sees a partitioned graph and says which.
-                kind = report.graph if stage == "schedule" else _graph_kind(gm)
-                rec = _graph_of(rec, stage, kind, gm, region)
+                # The scheduling pass and a region's partitioner say which graph it is.
+                kind = report.graph if stage in ("schedule", "partition") else _graph_kind(gm)
+                found = _graph_of(rec, stage, kind, gm, region)
+                if found is None:
+                    return
+                rec = found
                 names = module_names(rec.region)
                 rec.stages.append(stage)
                 idx = 10 + len(rec.stages) - 1
                 if stage == "before":
                     fname = f"{idx}_joint_before_passes.py"
                     what = "the joint forward+backward graph AOTAutograd built, before our passes"
+                elif stage == "partition":
+                    fname = f"{idx}_{kind}_after_partition.py"
+                    what = f"the region's {kind} graph as its partitioner returned it (what runs in {kind})"
                 else:
                     fname, what = f"{idx}_{kind}_after_{stage}.py", f"the {kind} graph after our '{stage}' pass"
                     rec.pass_reports.append((f"{stage} ({kind})", report))
@@ -279,32 +285,37 @@ class DumpSession:
 # [Note: A region's graphs in a dump]
 # A whole-model compile with compile regions ([Note: Blocks as compile
 # regions] in compile/regions.py) compiles, in one compile id, the root's
-# graph and each region's body: a joint graph the region's partitioner runs
-# the passes on (``region`` True), then its forward and backward graphs,
-# which Inductor's post-grad pass schedules with the root's. Each region's
-# files go to ``region_<k>/`` of the root's folder (k: the order its joint
-# graph came in, the order Dynamo numbered the region's subgraphs), with its
-# own predicted timeline and reports, and the index lists the region's units
-# and how many times the root's graph calls it. A partitioned graph is told
-# apart by its structure: in a compile that has regions, the root's graphs
-# call them (``invoke_subgraph``) and a region's graphs call none; each goes
-# to the first region whose graph of that kind is not yet there.
-# Tested by tests/test_debug_dump.py::test_dump_of_compile_regions.
+# graph and each region's body. A region's partitioner shows the observers
+# its joint graph (``region`` True, before and after each pass), then its
+# forward and backward graphs as it returns them (stage ``"partition"``).
+# Each region's files go to ``region_<k>/`` of the root's folder (k: the
+# order the partitioner ran, which is torch's, not the model's), with its own
+# predicted timeline and reports. The root's joint graph names each region's
+# forward by its subgraph: the index says how many times the root calls it
+# (``count_region_calls``, by the forward graph object the partitioner
+# returned). Inductor's post-grad pass shows a region's graph only where it
+# holds a collective the scheduler places (rarely: a gradient also used
+# elsewhere); which region such a graph belongs to cannot be told from it, so
+# the dump leaves it out (a graph calling no region, in a compile that has
+# regions) rather than file it under the wrong one.
+# Tested by tests/test_debug_dump.py::test_dump_of_compile_regions and
+# test_graphs_of_compile_regions_find_their_region.
 
 
-def _graph_of(rec: GraphRecord, stage: str, kind: str, gm: fx.GraphModule, region: bool) -> GraphRecord:
+def _graph_of(rec: GraphRecord, stage: str, kind: str, gm: fx.GraphModule, region: bool) -> Optional[GraphRecord]:
     """The record a graph the passes ran on belongs to: ``rec`` (the
-    compile's) or one of its regions' (the note above)."""
+    compile's), one of its regions', or None (left out; the note above)."""
     if region:
         if stage == "before" or not rec.regions:
             k = len(rec.regions)
             rec.regions.append(GraphRecord(f"{rec.compile_id} region {k}", os.path.join(rec.dir, f"region_{k}"),
                                            region=True))
+        if stage == "partition" and kind == "forward":
+            rec.region_forwards[id(gm)] = rec.regions[-1]
         return rec.regions[-1]
-    if stage != "schedule" or not rec.regions or region_calls(gm.graph):
-        return rec
-    done = f"_{kind}_after_schedule.py"
-    return next((r for r in rec.regions if not any(f.endswith(done) for f in r.files)), rec.regions[-1])
+    if stage == "schedule" and rec.regions and not region_calls(gm.graph):
+        return None
+    return rec
 
 
 def _graph_kind(gm: fx.GraphModule) -> str:

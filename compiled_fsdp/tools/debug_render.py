@@ -42,6 +42,8 @@ class GraphRecord:
     regions: list["GraphRecord"] = dataclasses.field(default_factory=list)
     region: bool = False
     calls: int = 0
+    # id of each region's forward graph (as its partitioner returned it) -> its record
+    region_forwards: dict[int, "GraphRecord"] = dataclasses.field(default_factory=dict)
 
 
 def module_names(region: bool = False) -> dict[int, str]:
@@ -82,15 +84,22 @@ def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
 
 def count_region_calls(rec: GraphRecord, gm: fx.GraphModule) -> None:
     """Sets each region's ``calls``: how many times the root's joint graph
-    ``gm`` calls its forward, the regions in the order their subgraphs first
-    appear (Dynamo numbers them in the order it traced them)."""
-    calls: dict[str, int] = {}
+    ``gm`` calls its forward, each call's subgraph named by the identifier
+    its first call's graph module has in ``rec.region_forwards``."""
+    nodes = list(gm.graph.nodes)
+    region_of: dict[str, Optional[GraphRecord]] = {}
+    calls: dict[int, int] = {}
     for i in region_calls(gm.graph):
-        name = str(list(gm.graph.nodes)[i].args[1])
-        if "_bw_" not in name:  # (the joint graph calls each region's backward too)
-            calls[name] = calls.get(name, 0) + 1
-    for region, count in zip(rec.regions, calls.values()):
-        region.calls = count
+        call = nodes[i]
+        name = str(call.args[1])
+        if name not in region_of:
+            body = getattr(gm, str(getattr(call.args[0], "target", "")), None)
+            region_of[name] = rec.region_forwards.get(id(body))
+        region = region_of[name]
+        if region is not None:  # (a backward's call: its body is no region's forward)
+            calls[id(region)] = calls.get(id(region), 0) + 1
+    for region in rec.regions:
+        region.calls = calls.get(id(region), 0)
 
 
 def _legend(names: dict[int, str]) -> str:
@@ -235,8 +244,8 @@ how many collectives it runs; `rank<r>/graph_<frame>_<compile>/` holds:
 - `region_<k>/`: under `torch.compile(model)` each distinct block is a
   compile region, traced and compiled once and called for every identical
   block: its joint graph before and after our passes, its forward and
-  backward graphs after scheduling (Inductor), its own predicted timeline and
-  reports. The root's graph calls it (`invoke_subgraph`) and issues each
+  backward graphs as its partitioner returned them, its own predicted
+  timeline and reports. The root's graph calls it (`invoke_subgraph`) and issues each
   block's gather ahead of its call (`issue_ahead`); the root's timeline
   prices a call only by the bytes it reads and writes, so the compute and
   collectives inside a call are in the region's own timeline.

@@ -30,7 +30,7 @@ _TRACKS = {PHASE: 0, COMPUTE: 1, COMM: 2}
 # What the ops that run their collective inside them are ([Note: Collectives
 # inside an op] in passes/timeline.py), for the index and the trace.
 _IN_OP = {REGATHER: "all-gather (regather: the one issued ahead, else gathered here)",
-          ISSUE_AHEAD: "all-gather issued ahead for the next region",
+          ISSUE_AHEAD: "all-gather issued ahead for a region (its regather takes it)",
           REDUCE_LATER: "reduce-scatter waited after the graph (reduce_later)"}
 
 
