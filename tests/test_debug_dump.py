@@ -177,6 +177,23 @@ def test_dump_without_depyf_says_what_to_install(tmp_path) -> None:
         assert "FAILED" not in open(os.path.join(root, f"rank{rank}", "index.md")).read()
 
 
+def _two_kinds_rank(rank: int, world: int, root: str) -> None:
+    """The embedding sharded on its own too, as torchtitan does: a region of
+    another class, which torch partitions after the blocks' (in backward's
+    order) and the root calls first."""
+    build, make_batch, loss_fn = gpt_case(False)
+    model = build()
+    fully_shard(model.embed)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    step = torch.compile(model, backend="aot_eager")
+    with dump_graphs(root):
+        for i in range(2):
+            inputs = make_batch(i)
+            loss_fn(step(*inputs), *inputs).backward()
+
+
 def _regions_rank(rank: int, world: int, root: str) -> None:
     with dump_graphs(root):
         _train("aot_eager")  # (compile regions: the default)
@@ -219,6 +236,20 @@ def test_dump_of_compile_regions(tmp_path) -> None:
         assert "**0/0 region 0**: a compile region's body, called 2 time(s) a step" in index, index
         assert "    - unit 0: layers.0," in index and "`graph_0_0/region_0/40_timeline.json`" in index, index
         assert "2 all-gather (regather" in index and "1 reduce-scatter waited after the graph" in index, index
+
+
+def test_dump_of_two_kinds_of_region(tmp_path) -> None:
+    """Each region's calls are its own, whatever order torch partitions them in."""
+    root = str(tmp_path / "dump")
+    run_distributed(_two_kinds_rank, 2, root, timeout=600)
+    for rank in range(2):
+        index = open(os.path.join(root, f"rank{rank}", "index.md")).read()
+        regions = [line for line in index.splitlines() if "compile region's body" in line]
+        units = [line for line in index.splitlines() if line.startswith("    - unit 0:")]
+        assert len(regions) == 2 and len(units) == 2, index
+        calls = {u.split(":")[1].split(",")[0].strip(): r.split("called ")[1].split(" time")[0]
+                 for r, u in zip(regions, units)}
+        assert calls == {"layers.0": "2", "embed": "1"}, index
 
 
 def test_graphs_of_compile_regions_find_their_region(tmp_path) -> None:
