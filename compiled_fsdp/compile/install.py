@@ -71,7 +71,6 @@ order runs.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -90,6 +89,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from compiled_fsdp.compile.region_schema import memoize_region_schemas
 from compiled_fsdp.compile.region_tracing import RegionTracing
+from compiled_fsdp.compile.reports import Partitioned, Recording, Reports
 from compiled_fsdp.core import compat, registry
 
 __all__ = [
@@ -98,67 +98,7 @@ __all__ = [
     "remove_observer", "units_of",
 ]
 
-_MAX_REPORTS = 64
 _lock = threading.RLock()
-
-
-@dataclasses.dataclass
-class Recording:
-    """The reports of the passes that ran while ``recording()`` was open."""
-
-    joint: list = dataclasses.field(default_factory=list)  # passes.JointPassReport
-    schedule: list = dataclasses.field(default_factory=list)  # passes.ScheduleReport
-    # passes.PipelineReport of every graph the passes ran on, joint and
-    # partitioned alike: their seconds and node counts (benchmarks/depth.py)
-    pipelines: list = dataclasses.field(default_factory=list)
-
-
-class _Reports:
-    """What the passes reported (the one owner of these records)."""
-
-    def __init__(self) -> None:
-        self.joint: collections.deque = collections.deque(maxlen=_MAX_REPORTS)
-        self.schedule: collections.deque = collections.deque(maxlen=_MAX_REPORTS)
-        self.recordings: list[Recording] = []
-        # Observer(stage, graph_module, report, region=...): the debug dump's hook.
-        self.observers: list[Callable[..., None]] = []
-        # module_key -> {the parameters one graph read: that graph's unit lines},
-        # for ``explain()``. A graph break splits a root's parameters over several
-        # graphs; a recompile of a graph replaces its entry. Blocks compiled on
-        # their own share ``ENTRY_KEY``.
-        self.units: dict[int, dict[frozenset[int], tuple[str, ...]]] = {}
-
-    def add_joint(self, report: Any, units_for_explain: bool = True) -> None:
-        with _lock:
-            self.joint.append(report)
-            for r in self.recordings:
-                r.joint.append(report)
-            if not units_for_explain:
-                return
-            units = report.lowering.units if report.lowering is not None else []
-            for key in sorted({u.module_key for u in units}):
-                mine = [u for u in units if u.module_key == key]
-                params = frozenset(i for u in mine for i in u.param_indices)
-                self.units.setdefault(key, {})[params] = tuple(u.describe() for u in mine)
-
-    def add_pipeline(self, report: Any) -> None:
-        with _lock:
-            for r in self.recordings:
-                r.pipelines.append(report)
-
-    def add_schedule(self, report: Any) -> None:
-        with _lock:
-            self.schedule.append(report)
-            for r in self.recordings:
-                r.schedule.append(report)
-
-    def notify(self, stage: str, gm: fx.GraphModule, report: Any, region: bool = False) -> None:
-        """Shows a graph to the observers; ``region``: a compile region's
-        joint graph (regions.py's partitioner ran the passes on it)."""
-        for fn in list(self.observers):
-            fn(stage, gm, report, region=region)
-
-
 
 
 def run_joint(gm: fx.GraphModule, region: bool = False) -> None:
@@ -175,14 +115,6 @@ def run_joint(gm: fx.GraphModule, region: bool = False) -> None:
     if report.has_markers:
         SESSION.reports.add_joint(report, units_for_explain=not region)
         SESSION.reports.add_pipeline(report.pipeline)
-
-
-@dataclasses.dataclass(frozen=True)
-class Partitioned:
-    """What observers get for a compile region's partitioned graph (stage
-    ``"partition"``): which of the two it is."""
-
-    graph: str  # "forward" | "backward"
 
 
 def show_partitioned(forward: fx.GraphModule, backward: fx.GraphModule) -> None:
@@ -319,7 +251,7 @@ class CompileSession:
     forgets every record; windows open for a compile under way stay."""
 
     def __init__(self) -> None:
-        self.reports = _Reports()
+        self.reports = Reports(_lock)
         self.window = _Window()
         # group key (or a block's entry split key) -> param index -> ids of
         # the Dynamo frames whose graphs read it.
