@@ -111,7 +111,8 @@ class Timeline:
 # region before it), so the drawing shows at most what it exposes.
 # Tested by tests/test_debug_dump.py::test_dump_of_compile_regions.
 REGATHER, ISSUE_AHEAD, REDUCE_LATER = Regather.op().default, IssueAhead.op().default, ReduceLater.op().default
-IN_OP = (REGATHER, ISSUE_AHEAD, REDUCE_LATER)
+_IN_OP_MARKERS = {REGATHER: Regather, ISSUE_AHEAD: IssueAhead, REDUCE_LATER: ReduceLater}
+IN_OP = tuple(_IN_OP_MARKERS)
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -160,9 +161,8 @@ def collective_bytes(node: fx.Node) -> int:
 
 
 def _world_size(node: fx.Node) -> int:
-    if node.target in IN_OP:
-        marker = {REGATHER: Regather, ISSUE_AHEAD: IssueAhead, REDUCE_LATER: ReduceLater}[node.target]
-        return marker.bind(node.args, dict(node.kwargs)).world_size
+    if node.target in _IN_OP_MARKERS:
+        return _IN_OP_MARKERS[node.target].bind(node.args, dict(node.kwargs)).world_size
     for a in node.args[1:]:
         if isinstance(a, int) and not isinstance(a, bool) and a > 1:
             return a

@@ -119,8 +119,8 @@ def run_joint(gm: fx.GraphModule, region: bool = False) -> None:
 
 def show_partitioned(forward: fx.GraphModule, backward: fx.GraphModule) -> None:
     """A compile region's forward and backward graphs, as its partitioner
-    returns them, shown to the observers (a region's graphs hold no
-    collective the scheduling pass places, so it shows none of them)."""
+    returns them, shown to the observers (the scheduling pass shows only
+    graphs holding a collective it places, which a region's rarely do)."""
     if SESSION.reports.observers:
         SESSION.reports.notify("partition", forward, Partitioned("forward"), region=True)
         SESSION.reports.notify("partition", backward, Partitioned("backward"), region=True)
@@ -441,9 +441,10 @@ def recording() -> Iterator[Recording]:
 
 def add_observer(fn: Callable[..., None]) -> None:
     """Call ``fn(stage, gm, report, region=...)`` around every joint pass (see
-    ``run_joint_passes``; ``region``: a compile region's joint graph) and after
-    the lowering and scheduling in the post-grad pass (``region`` False: a
-    region's partitioned graphs there are told apart by the observer)."""
+    ``run_joint_passes``), with a compile region's forward and backward graphs
+    as its partitioner returns them (stage ``"partition"``), and after the
+    lowering and scheduling in the post-grad pass. ``region``: a region's
+    graph; False in the post-grad pass, which cannot tell."""
     with _lock:
         SESSION.reports.observers.append(fn)
 

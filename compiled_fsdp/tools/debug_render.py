@@ -181,7 +181,8 @@ def _region_line(rec: GraphRecord) -> str:
 def _unit_lines(rec: GraphRecord, names: dict[int, str]) -> list[str]:
     """The units the lowering cut each application into ([Note: Units] in
     passes/units.py); why each is what it is is in 50_pass_reports.txt. A
-    region's units name the block it was traced for (``ENTRY_KEY``)."""
+    region's units name the block it was traced for (``ENTRY_KEY``), not
+    ``names``' legend."""
     joint = _joint_report(rec)
     units = joint.lowering.units if joint is not None and joint.lowering is not None else []
     return [f"  - {'' if rec.region else f'{names.get(u.module_key, u.module_key)} '}{u.describe()}" for u in units]
@@ -209,7 +210,7 @@ def write_index(rank_dir: str, rank: int, records: list[GraphRecord]) -> None:
         for region in rec.regions:
             _write_reports(region)
             lines.append(_region_line(region))
-            lines.extend("  " + line for line in _unit_lines(region, module_names(True)))
+            lines.extend("  " + line for line in _unit_lines(region, names))
             lines.extend(_file_lines(region, f"{os.path.basename(rec.dir)}/{os.path.basename(region.dir)}", "    "))
         lines.append("")
     with open(os.path.join(rank_dir, "index.md"), "w") as f:
