@@ -37,7 +37,9 @@ communication step), exposed communication (measured: on CUDA from a
 profiler trace, the time a collective's spin kernel runs while no other
 kernel does; on the CPU the time the waiting thread stood still), and for
 ``ours`` the schedule's predicted exposed communication (the passes'
-timeline model over the compiled forward and backward graphs), and the
+timeline model over the compiled forward and backward graphs; for
+``ours_regions`` with each region's call expanded as it runs:
+``passes.timeline.predict_with_regions``), and the
 optimizer's step with ``zero_grad`` (host time: all of it on the CPU).
 """
 from __future__ import annotations
@@ -230,6 +232,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _predicted(timelines: list[Any]) -> dict[str, Any]:
+    """The timeline model's step (passes/timeline.py): exposed and busy
+    communication, and its collectives (kind, bytes) in issue order, as the
+    network's ``last_step`` lists them."""
+    comms = [c for tl in timelines for c in sorted(tl.comms, key=lambda c: c.issue_s)]
+    return {"predicted_exposed_s": sum(tl.exposed_s for tl in timelines),
+            "predicted_comm_s": sum(tl.comm_s for tl in timelines),
+            "predicted_collectives": [[c.kind, c.bytes] for c in comms]}
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from compiled_fsdp.compile.install import recording
     from compiled_fsdp.tools.emulated import init_emulated_network
@@ -310,8 +322,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         res.update(trace_exposed(lambda: step(0), device))
     reports = [r for r in rec.schedule if r.graph in ("forward", "backward")]
     if args.kind == "ours" and reports:  # one forward and one backward graph per step
-        res["predicted_exposed_s"] = sum(r.after.exposed_s for r in reports)
-        res["predicted_comm_s"] = sum(r.after.comm_s for r in reports)
+        res.update(_predicted([r.after for r in reports]))
+    last = {graph: timeline for graph, timeline in rec.region_steps}  # (the step's: the last compiled)
+    if args.kind == "ours_regions" and set(last) == {"forward", "backward"}:
+        res.update(_predicted([last["forward"], last["backward"]]))
     res["tokens_per_s"] = args.batch * cfg.seq / res["step_s"]
     res["mfu"] = res["tokens_per_s"] * model.flops_per_token() / args.peak_flops if device.type == "cuda" else None
     dist.destroy_process_group()

@@ -24,6 +24,7 @@ buffer (the gather's output, the reduce-scatter's input).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -236,10 +237,10 @@ class Links:
 # Tested by tests/test_emulated.py::test_group_semantics_and_clock.
 
 
-def _declared_links(graph: fx.Graph) -> "Links | None":
-    """The ``links`` the process group of the graph's first collective
-    declares, if any (the same on every rank: a property of the group)."""
-    for n in graph.nodes:
+def _declared_links(nodes: Iterable[fx.Node]) -> "Links | None":
+    """The ``links`` the process group of the first collective declares, if
+    any (the same on every rank: a property of the group)."""
+    for n in nodes:
         if _collective_kind(n) is not None:
             links = getattr(_group(collective_group(n)), "links", None)
             return links if isinstance(links, Links) else None
@@ -270,10 +271,16 @@ class CostModel:
         and the whole graph was priced as the CPU's), else CPU/gloo; the
         links its process group declares, if it does (the emulated network).
         Depends only on the graph, so it is the same on every rank."""
+        return CostModel.for_nodes(list(graph.nodes))
+
+    @staticmethod
+    def for_nodes(nodes: list[fx.Node]) -> "CostModel":
+        """``for_graph`` of the graph these nodes make (an order with its
+        bodies expanded: passes/timeline.py's ``expand_regions``)."""
         on_gpu = any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
-                     for n in graph.nodes for t in tree_leaves(n.meta.get("val")))
+                     for n in nodes for t in tree_leaves(n.meta.get("val")))
         model = CostModel.nccl() if on_gpu else CostModel()
-        links = _declared_links(graph)
+        links = _declared_links(nodes)
         return model if links is None else model.with_links(links)
 
     def compute_time(self, node: fx.Node) -> float:

@@ -110,6 +110,18 @@ class Timeline:
 # (by the root's graph before the region's call, or in backward by the
 # region before it), so the drawing shows at most what it exposes.
 # Tested by tests/test_debug_dump.py::test_dump_of_compile_regions.
+#
+# With the regions' calls expanded (``expand_regions``, ``simulate(...,
+# regions=...)``), they run as at run time instead ([Note: Gathers issued
+# ahead of compile regions] in compiled_fsdp/compile/regions.py): an
+# ``issue_ahead``'s gather is taken by the ``regather`` of the same shards;
+# a backward ``regather`` takes the gather issued for it (the first one's
+# when the graph begins: the root's compiled backward begins) and then
+# issues the next backward ``regather``'s; a ``reduce_later`` first waits
+# the earlier ones, and the graph's end waits the last ([Note: A region's
+# reduce-scatter waited outside its graph] in compiled_fsdp/core/registry.py).
+# The simplification: under HSDP a region's reduce is priced as its
+# reduce-scatter alone. Tested by tests/test_emulated.py::test_benchmark_cpu_path.
 REGATHER, ISSUE_AHEAD, REDUCE_LATER = Regather.op().default, IssueAhead.op().default, ReduceLater.op().default
 _IN_OP_MARKERS = {REGATHER: Regather, ISSUE_AHEAD: IssueAhead, REDUCE_LATER: ReduceLater}
 IN_OP = tuple(_IN_OP_MARKERS)
@@ -180,12 +192,62 @@ def _comm_s(node: fx.Node, cost: CostModel) -> float:
     return seconds
 
 
-def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, foreign: bool = False) -> Timeline:
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+def _body(owner: fx.GraphModule, n: fx.Node) -> fx.GraphModule | None:
+    """The graph a node runs as its body: a compile region's call
+    (``invoke_subgraph(body, identifier, *operands)``) or a node the pin
+    pass wrapped (Inductor's ``control_deps(deps, body, *operands)``: [Note:
+    Inductor reorders for peak memory] in pin.py)."""
+    if n.op != "call_function":
+        return None
+    if n.target is INVOKE_SUBGRAPH:
+        attr = n.args[0]
+    elif isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.name() == "control_deps":
+        attr = n.args[1]
+    else:
+        return None
+    body = getattr(owner, str(attr.target), None) if isinstance(attr, fx.Node) and attr.op == "get_attr" else None
+    return body if isinstance(body, fx.GraphModule) else None
+
+
+def expand_regions(owner: fx.GraphModule, order: list[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
+    """``order`` (nodes of ``owner``'s graph) with each node that runs a body
+    graph (``_body``: a compile region's call, a pinned node) replaced by a
+    copy of the body's nodes, one copy per call, so that each call's nodes
+    are distinct; and the source of each copy's input (the call's operand
+    it stands for) and of a pinned node (its op's copy). The copies live in
+    graphs of their own: the owner's graph is left as it is."""
+    out: list[fx.Node] = []
+    sources: dict[fx.Node, fx.Node] = {}
+    for n in order:
+        body = _body(owner, n)
+        if body is None:
+            out.append(n)
+            continue
+        copy = fx.Graph()
+        result = copy.graph_copy(body.graph, {})
+        inputs = copy.find_nodes(op="placeholder")
+        sources.update((p, a) for p, a in zip(inputs, n.args[2:]) if isinstance(a, fx.Node))
+        if n.target is not INVOKE_SUBGRAPH and isinstance(result, fx.Node):
+            sources[n] = result
+        inner, more = expand_regions(body, [c for c in copy.nodes if c.op not in ("placeholder", "output")])
+        out += inner
+        sources.update(more)
+    return out, sources
+
+
+def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, foreign: bool = False,
+             regions: dict[fx.Node, fx.Node] | None = None) -> Timeline:
     """Predicts the timeline of running ``order`` (see [Note: Timeline model]).
     ``foreign``: every collective is communication (else only the passes'
     own, the rest cost as compute); ``joint``: ``order`` is a joint graph's
     nodes, with forward and backward phases and the re-gathers, and the
-    timeline lists its ``steps`` (the dump's trace)."""
+    timeline lists its ``steps`` (the dump's trace); ``regions``: ``order``
+    has its regions' calls expanded (``expand_regions``: the sources of the
+    copies' inputs), and the ops that collect inside run as at run time
+    ([Note: Collectives inside an op])."""
     tl = Timeline()
     t, queue_end = 0.0, 0.0
     events: dict[fx.Node, CommEvent] = {}
@@ -222,8 +284,34 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             tl.steps.append(Step(n.name, "communication", kind, start, dur, regather, events[n].bytes))
         tl.comm_s += dur
 
+    def wait(waited: fx.Node, at: fx.Node) -> None:
+        nonlocal t, current
+        ev = events[waited]
+        ev.wait_s = t
+        ev.exposed_s = max(0.0, ev.end_s - t)
+        if joint and ev.exposed_s > 0:
+            tl.steps.append(Step(at.name, "compute", "wait", t, ev.exposed_s))
+        t += ev.exposed_s
+        tl.exposed_s += ev.exposed_s
+        if ev.kind == "all_gather" and waited not in unowned:
+            current = (ev.module_key, ev.unit)
+
+    chain = _RunTimeChain(order, regions) if regions is not None else None
+    for n in chain.issued_first if chain is not None else ():
+        issue(n)
     for n in order:
         if n.op != "call_function":
+            continue
+        if chain is not None and n.target in IN_OP:  # ([Note: Collectives inside an op])
+            for w in chain.waited_before(n):
+                wait(w, n)
+            taken = chain.taken(n)
+            if taken is None:
+                issue(n)
+            if n.target is REGATHER:
+                wait(taken or n, n)
+            for then in chain.issued_after(n):
+                issue(then)
             continue
         if joint and n in backward:
             if phase == "forward":
@@ -248,16 +336,10 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             if n.target is not REGATHER:
                 continue
         waited = n if n.target is REGATHER else n.args[0] if n.target is WAIT and n.args else None
+        while regions is not None and waited in regions:  # (a pinned collective: its op's copy)
+            waited = regions[waited]
         if isinstance(waited, fx.Node) and waited in events:
-            ev = events[waited]
-            ev.wait_s = t
-            ev.exposed_s = max(0.0, ev.end_s - t)
-            if joint and ev.exposed_s > 0:
-                tl.steps.append(Step(n.name, "compute", "wait", t, ev.exposed_s))
-            t += ev.exposed_s
-            tl.exposed_s += ev.exposed_s
-            if ev.kind == "all_gather" and waited not in unowned:
-                current = (ev.module_key, ev.unit)
+            wait(waited, n)
             continue
         dt = cost.compute_time(n)
         if dt <= 0.0:
@@ -271,6 +353,8 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         span.compute_s += dt
         t += dt
         tl.compute_s += dt
+    for w in chain.waited_before(None) if chain is not None and order else ():
+        wait(w, order[-1])  # (the backward's end waits the last reduces)
     tl.makespan_s = max(t, queue_end)
     if joint:
         tl.phases.append((phase, phase_start, tl.makespan_s))
@@ -287,6 +371,64 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         span.exposed_s += ev.exposed_s
     tl.modules = [spans[k] for k in sorted(spans)]
     return tl
+
+
+def predict_with_regions(gm: fx.GraphModule, order: list[fx.Node] | None = None) -> Timeline:
+    """The timeline of a graph that calls compile regions, each call run as
+    its body and each pinned node as its op (``expand_regions``), the
+    collectives inside ops as at run time ([Note: Collectives inside an
+    op]), every collective communication: what the run of ``order``
+    (default: the graph's) exposes."""
+    nodes = order if order is not None else [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    expanded, sources = expand_regions(gm, nodes)
+    return simulate(expanded, CostModel.for_nodes(expanded), foreign=True, regions=sources)
+
+
+class _RunTimeChain:
+    """What the ops that collect inside take, wait and issue in an order
+    with its regions' calls expanded ([Note: Collectives inside an op]): the
+    gathers pending for a ``regather``, keyed by the sources of their shards
+    (a backward one by the node itself), and the reduces in flight."""
+
+    def __init__(self, order: list[fx.Node], sources: dict[fx.Node, fx.Node]) -> None:
+        self.sources = sources
+        back = [n for n in order if n.target is REGATHER and Regather.bind(n.args, dict(n.kwargs)).backward]
+        self.next = dict(zip(back, back[1:]))
+        self.issued_first = back[:1]  # (when the root's compiled backward begins)
+        self.pending: dict[object, fx.Node] = {n: n for n in back[:1]}
+        self.reduces: list[fx.Node] = []
+
+    def _key(self, n: fx.Node) -> object:
+        marker = _IN_OP_MARKERS[n.target].bind(n.args, dict(n.kwargs))
+        if n.target is REGATHER and marker.backward:
+            return n
+        keys = []
+        for s in marker.shards:
+            while s in self.sources:
+                s = self.sources[s]
+            keys.append(s)
+        return tuple(keys)
+
+    def waited_before(self, n: fx.Node | None) -> list[fx.Node]:
+        """The reduces a ``reduce_later`` (or, None, the end) waits first."""
+        if n is not None and n.target is not REDUCE_LATER:
+            return []
+        done, self.reduces = self.reduces, [n] if n is not None else []
+        return done
+
+    def taken(self, n: fx.Node) -> fx.Node | None:
+        """The node whose gather a ``regather`` takes (None: it gathers)."""
+        if n.target is ISSUE_AHEAD:
+            self.pending[self._key(n)] = n
+        return self.pending.pop(self._key(n), None) if n.target is REGATHER else None
+
+    def issued_after(self, n: fx.Node) -> list[fx.Node]:
+        """A backward ``regather`` issues the next one's gather."""
+        then = self.next.get(n) if n.target is REGATHER else None
+        if then is None:
+            return []
+        self.pending[then] = then
+        return [then]
 
 
 def estimate_peak(order: list[fx.Node], graph: fx.Graph) -> int:

@@ -193,27 +193,33 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     compiled and eager and FSDP2 eager run; ours and FSDP2 eager send the same
     bytes in the same number of collectives; exposed time is within the step's
     communication; the schedule's prediction prices exactly the collectives the
-    run issued. (Not the floor: ~45 s of CI for an unsharded ``torch.compile``;
-    the GPU check's quick test runs its floor.)"""
+    run issued, in the order it issued them, also with compile regions (each
+    region's call expanded, its gathers issued ahead and taken, its reduces
+    waited later: [Note: Collectives inside an op] in passes/timeline.py).
+    (Not the floor: ~45 s of CI for an unsharded ``torch.compile``; the GPU
+    check's quick test runs its floor.)"""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import emulated
 
     results = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "8", "--links", "match",
-                             "--kinds", "ours", "ours_eager", "fsdp2_eager", "--warmup", "1",
+                             "--kinds", "ours", "ours_regions", "ours_eager", "fsdp2_eager", "--warmup", "1",
                              "--steps", "2", "--out", str(tmp_path)])
     by_kind = {r["kind"]: r for r in results}
     assert not [r for r in results if "error" in r], [r["error"] for r in results if "error" in r]
-    assert set(by_kind) == {"ours", "ours_eager", "fsdp2_eager"}
+    assert set(by_kind) == {"ours", "ours_regions", "ours_eager", "fsdp2_eager"}
     assert by_kind["ours_eager"]["collectives"] == by_kind["fsdp2_eager"]["collectives"]
     assert abs(by_kind["ours_eager"]["comm_s"] - by_kind["fsdp2_eager"]["comm_s"]) < 1e-9
-    for kind in ("ours", "ours_eager", "fsdp2_eager"):
+    for kind in ("ours", "ours_regions", "ours_eager", "fsdp2_eager"):
         r = by_kind[kind]
         assert 0 < r["comm_s"] and 0 <= r["exposed_s"] <= r["comm_s"] + 1e-6, r
-    assert abs(by_kind["ours"]["predicted_comm_s"] - by_kind["ours"]["comm_s"]) < 1e-9
+    for kind in ("ours", "ours_regions"):
+        r = by_kind[kind]
+        assert abs(r["predicted_comm_s"] - r["comm_s"]) < 1e-9, (kind, r["predicted_comm_s"], r["comm_s"])
+        assert r["predicted_collectives"] == [[c["kind"], c["bytes"]] for c in r["last_step"]], kind
     assert all(r["priced_flops_per_s"] > 0 for r in results)  # (measured by each worker)
     with open(tmp_path / "emulated.json") as f:
         table = json.load(f)["table"].splitlines()
-    assert len(table) == 1 + 3 and "x bound" in table[0]
+    assert len(table) == 1 + 4 and "x bound" in table[0]
 
 
 def test_benchmark_levers_hsdp_bf16_reduce(tmp_path) -> None:

@@ -162,6 +162,20 @@ def _source_files() -> tuple[str, ...]:
     return (os.path.abspath(__file__), os.path.join(here, "regions.py"), *files)
 
 
+def _record_region_step(gm: fx.GraphModule, report: Any) -> None:
+    """For an open ``recording()``: a graph that calls compile regions,
+    predicted with the calls expanded, in its scheduled order (before the
+    pin pass wraps nodes)."""
+    from compiled_fsdp.passes.graph import is_tangent, region_calls
+    from compiled_fsdp.passes.timeline import predict_with_regions
+
+    if not region_calls(gm.graph):
+        return
+    graph = report.graph if report.graph != "none" else \
+        "backward" if any(is_tangent(n) for n in gm.graph.nodes) else "forward"
+    SESSION.reports.add_region_step(graph, predict_with_regions(gm))
+
+
 class _SchedulePass(CustomGraphPass):
     """Post-grad pass: schedules the partitioned graphs (see [Note: Scheduling
     under Inductor]); its uuid puts our passes' source and the overlap config
@@ -175,6 +189,8 @@ class _SchedulePass(CustomGraphPass):
             return
 
         def observe(stage: str, gm: fx.GraphModule, report: Any) -> None:
+            if stage == "schedule" and SESSION.reports.recordings:
+                _record_region_step(gm, report)
             shown = stage == "lowering" or (stage == "schedule" and report.graph != "none")
             if shown and SESSION.reports.observers:
                 SESSION.reports.notify(stage, gm, report)

@@ -26,6 +26,10 @@ class Recording:
     # passes.PipelineReport of every graph the passes ran on, joint and
     # partitioned alike: their seconds and node counts (benchmarks/depth.py)
     pipelines: list = dataclasses.field(default_factory=list)
+    # ("forward" | "backward", passes.Timeline) of each scheduled graph that
+    # calls compile regions, the calls expanded: the step's prediction
+    # (passes.timeline.predict_with_regions; benchmarks/emulated.py)
+    region_steps: list = dataclasses.field(default_factory=list)
 
 
 class Reports:
@@ -62,6 +66,11 @@ class Reports:
         with self.lock:
             for r in self.recordings:
                 r.pipelines.append(report)
+
+    def add_region_step(self, graph: str, timeline: Any) -> None:
+        with self.lock:
+            for r in self.recordings:
+                r.region_steps.append((graph, timeline))
 
     def add_schedule(self, report: Any) -> None:
         with self.lock:
