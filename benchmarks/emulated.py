@@ -102,14 +102,18 @@ def _topology(link: str, args: argparse.Namespace):
 def _compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
     """The compute the passes price with on the CPU ([Note: Compute declared
     by the network] in passes/cost_model.py): measured here at the model's
-    feed-forward shape, or ``--compute-gflops``; None on CUDA and with 0."""
+    feed-forward and attention shapes, or ``--compute-gflops`` (and
+    ``--attention-gflops``, else attention at the matmuls' rate); None on
+    CUDA and with 0."""
     from compiled_fsdp.tools.emulated import cpu_compute_at, measured_cpu_compute
 
     if args.device != "cpu" or args.compute_gflops == 0:
         return None
     if args.compute_gflops is None:
-        return measured_cpu_compute(args.batch * cfg.seq, cfg.dim, cfg.ffn)
-    return cpu_compute_at(args.compute_gflops * 1e9)
+        heads = (args.batch, cfg.n_heads, cfg.n_kv_heads, cfg.seq, cfg.dim // cfg.n_heads)
+        return measured_cpu_compute(args.batch * cfg.seq, cfg.dim, cfg.ffn, attention=heads)
+    attention = args.attention_gflops * 1e9 if args.attention_gflops else None
+    return cpu_compute_at(args.compute_gflops * 1e9, attention)
 
 
 # --- one configuration (the worker) ------------------------------------------
@@ -308,6 +312,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "minor_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps,
         "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
         "priced_flops_per_s": compute.flops_per_s if compute is not None else None,
+        "priced_attention_flops_per_s": compute.attention_flops_per_s if compute is not None else None,
         "collectives": s["collectives"], "topology": dataclasses.asdict(net.topology),
         "compile_s": compile_s, "unique_graphs": frames_compiled,
         # The last step's collectives as the network ran them (ms from the step's start):
@@ -394,6 +399,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
         cmd += ["--match-gbps", str(args.match_gbps)]
     if args.compute_gflops is not None:
         cmd += ["--compute-gflops", str(args.compute_gflops)]
+    if args.attention_gflops is not None:
+        cmd += ["--attention-gflops", str(args.attention_gflops)]
     if args.network_gbps is not None:
         cmd += ["--network-gbps", str(args.network_gbps)]
     cmd += ["--node-ratio", str(args.node_ratio)] + (["--hsdp"] if args.hsdp else []) \
@@ -446,6 +453,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--compute-gflops", type=float, default=None,
                    help="CPU: the matmul GFLOP/s the passes price compute with (default: measured by each "
                         "worker at its start; 0: the cost model's constants)")
+    p.add_argument("--attention-gflops", type=float, default=None,
+                   help="CPU, with --compute-gflops: fused attention's GFLOP/s (default: the matmuls'; "
+                        "measured with the matmul's when neither is given)")
     p.add_argument("--node-ratio", type=float, default=1.0,
                    help="match links: the link within a node this many times the match link's GB/s "
                         "(NVLink against the network: about 8)")

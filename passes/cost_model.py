@@ -81,6 +81,9 @@ class ComputeConstants:
     flops_per_s: float
     bytes_per_s: float
     host_bytes_per_s: float  # a copy between the host and the device ([Note: Host copies])
+    # Fused attention's rate (its FLOPs as torch's flop counter counts them),
+    # where it was measured ([Note: Attention's own rate]); None: the matmuls'.
+    attention_flops_per_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +240,28 @@ class Links:
 # Tested by tests/test_emulated.py::test_group_semantics_and_clock.
 
 
+# [Note: Attention's own rate]
+# Fused attention does its FLOPs slower than a matmul: on this project's CPU
+# (one thread, the emulated benchmark's Llama, 2026-12-02) 4.4 ms forward
+# and 9.4 ms backward a block where the matmuls' rate priced 2.8 and 7.0 ms,
+# 32 ms of a 0.64 s step. At the matched link each block's compute is
+# within a few percent of its gather's time, so the timeline then waited
+# where the run did not, and over-predicted the exposed communication by
+# 24-28% (RESULTS, forty-fourth session). A network that measured its
+# compute declares attention's rate too (``measured_cpu_compute``), and
+# ``compute_time`` prices the attention ops with it; the constants keep
+# the matmuls' rate. Tested by tests/test_emulated.py::test_attention_priced_at_its_own_rate.
+_ATTENTION = frozenset(
+    getattr(torch.ops.aten, name) for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+        "_flash_attention_forward", "_flash_attention_backward",
+        "_efficient_attention_forward", "_efficient_attention_backward")
+    if hasattr(torch.ops.aten, name))
+
+
 def _declared_links(nodes: Iterable[fx.Node]) -> "Links | None":
     """The ``links`` the process group of the first collective declares, if
     any (the same on every rank: a property of the group)."""
@@ -297,7 +322,8 @@ class CostModel:
             )
             try:
                 flops = flop_registry[packet](*args, out_val=node.meta.get("val"), **kwargs)
-                return float(flops) / self.compute.flops_per_s
+                rate = self.compute.attention_flops_per_s if packet in _ATTENTION else None
+                return float(flops) / (rate or self.compute.flops_per_s)
             except Exception:  # noqa: BLE001 - unexpected signature: fall back to bytes
                 pass
         if name in _NO_COST_OPS:

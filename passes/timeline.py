@@ -296,6 +296,21 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         if ev.kind == "all_gather" and waited not in unowned:
             current = (ev.module_key, ev.unit)
 
+    def compute(n: fx.Node) -> None:
+        nonlocal t
+        dt = cost.compute_time(n)
+        if dt <= 0.0:
+            return
+        if joint:
+            tl.steps.append(Step(n.name, "compute", "compute", t, dt))
+        span = spans.get(current)
+        if span is None:
+            span = spans[current] = ModuleSpan(*current, t, t, 0.0, None, None, 0.0)
+        span.compute_end_s = t + dt
+        span.compute_s += dt
+        t += dt
+        tl.compute_s += dt
+
     chain = _RunTimeChain(order, regions) if regions is not None else None
     for n in chain.issued_first if chain is not None else ():
         issue(n)
@@ -312,6 +327,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
                 wait(taken or n, n)
             for then in chain.issued_after(n):
                 issue(then)
+            compute(n)  # (the op's own copies: a pack, the copy-out)
             continue
         if joint and n in backward:
             if phase == "forward":
@@ -341,18 +357,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         if isinstance(waited, fx.Node) and waited in events:
             wait(waited, n)
             continue
-        dt = cost.compute_time(n)
-        if dt <= 0.0:
-            continue
-        if joint:
-            tl.steps.append(Step(n.name, "compute", "compute", t, dt))
-        span = spans.get(current)
-        if span is None:
-            span = spans[current] = ModuleSpan(*current, t, t, 0.0, None, None, 0.0)
-        span.compute_end_s = t + dt
-        span.compute_s += dt
-        t += dt
-        tl.compute_s += dt
+        compute(n)
     for w in chain.waited_before(None) if chain is not None and order else ():
         wait(w, order[-1])  # (the backward's end waits the last reduces)
     tl.makespan_s = max(t, queue_end)

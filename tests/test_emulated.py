@@ -260,3 +260,44 @@ def test_benchmark_node_ratio_needs_a_matched_link(tmp_path, capsys) -> None:
         assert exc.value.code == 2
         assert "--node-ratio sets a matched link's speed" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # (no worker ran)
+
+
+def test_attention_priced_at_its_own_rate() -> None:
+    """[Note: Attention's own rate]: a declared attention rate prices the
+    fused attention ops of a traced graph, forward and backward, and
+    nothing else; the CPU measurement gives one wherever torch's flop
+    counter counts the op the CPU runs."""
+    import dataclasses
+
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    from compiled_fsdp.passes.cost_model import _ATTENTION, CPU_COMPUTE, CostModel
+    from compiled_fsdp.tools.emulated import measured_cpu_compute
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> list:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) @ w
+        return torch.autograd.grad(out.sum(), (q, k, v, w))
+
+    args = [torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3)] + [torch.randn(16, 16, requires_grad=True)]
+    gm = make_fx(step)(*args)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    attention = [n for n in nodes if getattr(n.target, "overloadpacket", None) in _ATTENTION]
+    assert len(attention) == 2, [str(n.target) for n in nodes]  # (forward and backward)
+    plain = CostModel()
+    half = dataclasses.replace(plain, compute=dataclasses.replace(
+        CPU_COMPUTE, attention_flops_per_s=CPU_COMPUTE.flops_per_s / 2))
+    for n in nodes:
+        before, after = plain.compute_time(n), half.compute_time(n)
+        if n in attention and n.target.overloadpacket in flop_registry:  # (priced by its FLOPs where
+            assert before > 0 and abs(after - 2 * before) < 1e-15, n.target  # the counter knows the op)
+        elif n not in attention:
+            assert after == before, n.target
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step(*args)
+    counted = counter.get_flop_counts().get("Global", {})
+    rate = measured_cpu_compute(256, 64, 64, reps=3, attention=(2, 4, 4, 64, 16)).attention_flops_per_s
+    known = any(packet in _ATTENTION for packet in counted)
+    assert (rate is not None and rate > 0) if known else rate is None, (rate, list(counted))
