@@ -238,12 +238,12 @@ def _sync(device: torch.device) -> None:
 
 def _predicted(timelines: list[Any]) -> dict[str, Any]:
     """The timeline model's step (passes/timeline.py): exposed and busy
-    communication, and its collectives (kind, bytes) in issue order, as the
-    network's ``last_step`` lists them."""
+    communication, and its collectives (kind, bytes, exposed ms) in issue
+    order, as the network's ``last_step`` lists them."""
     comms = [c for tl in timelines for c in sorted(tl.comms, key=lambda c: c.issue_s)]
     return {"predicted_exposed_s": sum(tl.exposed_s for tl in timelines),
             "predicted_comm_s": sum(tl.comm_s for tl in timelines),
-            "predicted_collectives": [[c.kind, c.bytes] for c in comms]}
+            "predicted_collectives": [[c.kind, c.bytes, round(1e3 * c.exposed_s, 1)] for c in comms]}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
