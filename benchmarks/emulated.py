@@ -455,7 +455,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                         "worker at its start; 0: the cost model's constants)")
     p.add_argument("--attention-gflops", type=float, default=None,
                    help="CPU, with --compute-gflops: fused attention's GFLOP/s (default: the matmuls'; "
-                        "measured with the matmul's when neither is given)")
+                        "measured with the matmul's when neither is given; used where torch's flop counter "
+                        "has a formula for the CPU's attention op: 2.15, not 2.11 or 2.13)")
     p.add_argument("--node-ratio", type=float, default=1.0,
                    help="match links: the link within a node this many times the match link's GB/s "
                         "(NVLink against the network: about 8)")
@@ -488,6 +489,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         with open(args.result, "w") as f:
             json.dump(res, f)
         return [res]
+    if args.attention_gflops is not None and args.compute_gflops is None:
+        p.error("--attention-gflops fixes attention's rate beside a fixed matmul rate: give --compute-gflops "
+                "too (without either, each worker measures both)")
     links = args.links or (["nccl"] if args.device == "cuda" else ["match", "match/4"])
     if args.node_ratio != 1 and not all(link.startswith("match") for link in links):
         p.error("--node-ratio sets a matched link's speed within a node; the nccl link has its own "

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from compiled_fsdp.core import comm, gated
+from compiled_fsdp.core.marker import IssueAhead, ReduceLater, Regather
 
 c10d = torch.ops._c10d_functional
 
@@ -246,8 +247,9 @@ class Links:
 # and 9.4 ms backward a block where the matmuls' rate priced 2.8 and 7.0 ms,
 # 32 ms of a 0.64 s step. At the matched link each block's compute is
 # within a few percent of its gather's time, so the timeline then waited
-# where the run did not, and over-predicted the exposed communication by
-# 24-28% (RESULTS, forty-fourth session). A network that measured its
+# where the run did not: it over-predicted the exposed communication of a
+# step with compile regions by 24-28% there (one graph's by 19-45%; RESULTS,
+# forty-fourth session). A network that measured its
 # compute declares attention's rate too (``measured_cpu_compute``), and
 # ``compute_time`` prices the attention ops with it; the constants keep
 # the matmuls' rate. Tested by tests/test_emulated.py::test_attention_priced_at_its_own_rate.
@@ -262,13 +264,23 @@ _ATTENTION = frozenset(
     if hasattr(torch.ops.aten, name))
 
 
+# The ops that run a collective inside them ([Note: Collectives inside an
+# op] in passes/timeline.py), by name: a group of their own.
+_IN_OP_GROUPED = {m.qualname(): m for m in (Regather, IssueAhead, ReduceLater)}
+
+
 def _declared_links(nodes: Iterable[fx.Node]) -> "Links | None":
     """The ``links`` the process group of the first collective declares, if
-    any (the same on every rank: a property of the group)."""
+    any (the same on every rank: a property of the group); a collective
+    inside one of the project's ops counts (a root whose own parameters are
+    all read in regions has no other)."""
     for n in nodes:
-        if _collective_kind(n) is not None:
-            links = getattr(_group(collective_group(n)), "links", None)
-            return links if isinstance(links, Links) else None
+        in_op = _IN_OP_GROUPED.get(n.target.name()) if isinstance(n.target, torch._ops.OpOverload) else None
+        if _collective_kind(n) is None and in_op is None:
+            continue
+        name = collective_group(n) if in_op is None else in_op.bind(n.args, dict(n.kwargs)).group_name
+        links = getattr(_group(name), "links", None)
+        return links if isinstance(links, Links) else None
     return None
 
 

@@ -28,6 +28,7 @@ the graph's start, ``dataclasses.asdict`` gives plain dicts.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -120,8 +121,11 @@ class Timeline:
 # issues the next backward ``regather``'s; a ``reduce_later`` first waits
 # the earlier ones, and the graph's end waits the last ([Note: A region's
 # reduce-scatter waited outside its graph] in compiled_fsdp/core/registry.py).
-# The simplification: under HSDP a region's reduce is priced as its
-# reduce-scatter alone. Tested by tests/test_emulated.py::test_benchmark_cpu_path.
+# The simplifications: under HSDP a region's reduce is priced as its
+# reduce-scatter alone (the replicas' all-reduce is left out); a nested
+# region's own graph is predicted too, before the graph that calls it.
+# Tested by tests/test_emulated.py::test_benchmark_cpu_path and
+# test_a_region_takes_the_gather_issued_ahead.
 REGATHER, ISSUE_AHEAD, REDUCE_LATER = Regather.op().default, IssueAhead.op().default, ReduceLater.op().default
 _IN_OP_MARKERS = {REGATHER: Regather, ISSUE_AHEAD: IssueAhead, REDUCE_LATER: ReduceLater}
 IN_OP = tuple(_IN_OP_MARKERS)
@@ -208,7 +212,12 @@ def _body(owner: fx.GraphModule, n: fx.Node) -> fx.GraphModule | None:
         attr = n.args[1]
     else:
         return None
-    body = getattr(owner, str(attr.target), None) if isinstance(attr, fx.Node) and attr.op == "get_attr" else None
+    if not (isinstance(attr, fx.Node) and attr.op == "get_attr"):
+        return None
+    try:
+        body = operator.attrgetter(str(attr.target))(owner)
+    except AttributeError:
+        return None
     return body if isinstance(body, fx.GraphModule) else None
 
 
@@ -247,7 +256,9 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
     timeline lists its ``steps`` (the dump's trace); ``regions``: ``order``
     has its regions' calls expanded (``expand_regions``: the sources of the
     copies' inputs), and the ops that collect inside run as at run time
-    ([Note: Collectives inside an op])."""
+    ([Note: Collectives inside an op]); not with ``joint``."""
+    if joint and regions is not None:
+        raise ValueError("simulate: an order with its regions expanded is a partitioned graph's, not a joint one")
     tl = Timeline()
     t, queue_end = 0.0, 0.0
     events: dict[fx.Node, CommEvent] = {}
@@ -296,9 +307,8 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         if ev.kind == "all_gather" and waited not in unowned:
             current = (ev.module_key, ev.unit)
 
-    def compute(n: fx.Node) -> None:
+    def spend(n: fx.Node, dt: float) -> None:
         nonlocal t
-        dt = cost.compute_time(n)
         if dt <= 0.0:
             return
         if joint:
@@ -311,6 +321,9 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         t += dt
         tl.compute_s += dt
 
+    def compute(n: fx.Node) -> None:
+        spend(n, cost.compute_time(n))
+
     chain = _RunTimeChain(order, regions) if regions is not None else None
     for n in chain.issued_first if chain is not None else ():
         issue(n)
@@ -320,14 +333,17 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         if chain is not None and n.target in IN_OP:  # ([Note: Collectives inside an op])
             for w in chain.waited_before(n):
                 wait(w, n)
+            if chain.skipped(n):
+                continue
             taken = chain.taken(n)
             if taken is None:
+                spend(n, _packed_bytes(n) / cost.compute.bytes_per_s)
                 issue(n)
             if n.target is REGATHER:
                 wait(taken or n, n)
             for then in chain.issued_after(n):
+                spend(n, _packed_bytes(then) / cost.compute.bytes_per_s)
                 issue(then)
-            compute(n)  # (the op's own copies: a pack, the copy-out)
             continue
         if joint and n in backward:
             if phase == "forward":
@@ -378,41 +394,60 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
     return tl
 
 
-def predict_with_regions(gm: fx.GraphModule, order: list[fx.Node] | None = None) -> Timeline:
+def predict_with_regions(gm: fx.GraphModule) -> Timeline:
     """The timeline of a graph that calls compile regions, each call run as
     its body and each pinned node as its op (``expand_regions``), the
     collectives inside ops as at run time ([Note: Collectives inside an
-    op]), every collective communication: what the run of ``order``
-    (default: the graph's) exposes."""
-    nodes = order if order is not None else [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    expanded, sources = expand_regions(gm, nodes)
+    op]), every collective communication: what the graph's run exposes."""
+    expanded, sources = expand_regions(gm, [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")])
     return simulate(expanded, CostModel.for_nodes(expanded), foreign=True, regions=sources)
 
 
 class _RunTimeChain:
     """What the ops that collect inside take, wait and issue in an order
-    with its regions' calls expanded ([Note: Collectives inside an op]): the
-    gathers pending for a ``regather``, keyed by the sources of their shards
-    (a backward one by the node itself), and the reduces in flight."""
+    with its regions' calls expanded ([Note: Collectives inside an op]).
+
+    The run time keys a pending gather by its shards' storage (a whole
+    group's bucket): here, by the nodes the shards come from, through the
+    copies' inputs and through views (a shard on a dim other than 0 is read
+    through ``to_canonical``). An ``issue_ahead`` issues only for shards some
+    forward ``regather`` reads whole (a region whose reads were cut into
+    several units takes none, and the run time issues none), and the
+    backward's chain runs through the region calls that re-gather once
+    (their whole bucket), the others gathering where they stand."""
 
     def __init__(self, order: list[fx.Node], sources: dict[fx.Node, fx.Node]) -> None:
         self.sources = sources
-        back = [n for n in order if n.target is REGATHER and Regather.bind(n.args, dict(n.kwargs)).backward]
+        regathers = [n for n in order if n.target is REGATHER]
+        backward = [n for n in regathers if Regather.bind(n.args, dict(n.kwargs)).backward]
+        per_call: dict[fx.Graph, int] = {}
+        for n in backward:
+            per_call[n.graph] = per_call.get(n.graph, 0) + 1
+        back = [n for n in backward if per_call[n.graph] == 1]
+        self.read_whole = {self._key(n) for n in regathers if n not in backward}
         self.next = dict(zip(back, back[1:]))
         self.issued_first = back[:1]  # (when the root's compiled backward begins)
         self.pending: dict[object, fx.Node] = {n: n for n in back[:1]}
         self.reduces: list[fx.Node] = []
+        self.chained = set(back)
+
+    def _source(self, x: object) -> object:
+        while True:
+            if x in self.sources:
+                x = self.sources[x]
+            elif isinstance(x, fx.Node) and x.op == "call_function" and getattr(x.target, "is_view", False):
+                x = x.args[0]
+            else:
+                return x
 
     def _key(self, n: fx.Node) -> object:
-        marker = _IN_OP_MARKERS[n.target].bind(n.args, dict(n.kwargs))
-        if n.target is REGATHER and marker.backward:
+        if n.target is REGATHER and Regather.bind(n.args, dict(n.kwargs)).backward:
             return n
-        keys = []
-        for s in marker.shards:
-            while s in self.sources:
-                s = self.sources[s]
-            keys.append(s)
-        return tuple(keys)
+        return tuple(self._source(s) for s in _IN_OP_MARKERS[n.target].bind(n.args, dict(n.kwargs)).shards)
+
+    def skipped(self, n: fx.Node) -> bool:
+        """An ``issue_ahead`` no ``regather`` would take: it issues nothing."""
+        return n.target is ISSUE_AHEAD and self._key(n) not in self.read_whole
 
     def waited_before(self, n: fx.Node | None) -> list[fx.Node]:
         """The reduces a ``reduce_later`` (or, None, the end) waits first."""
@@ -428,12 +463,20 @@ class _RunTimeChain:
         return self.pending.pop(self._key(n), None) if n.target is REGATHER else None
 
     def issued_after(self, n: fx.Node) -> list[fx.Node]:
-        """A backward ``regather`` issues the next one's gather."""
-        then = self.next.get(n) if n.target is REGATHER else None
+        """A backward ``regather`` of the chain issues the next one's gather."""
+        then = self.next.get(n) if n in self.chained else None
         if then is None:
             return []
         self.pending[then] = then
         return [then]
+
+
+def _packed_bytes(n: fx.Node) -> int:
+    """What an op that collects inside copies before its collective: the
+    shards it packs (a gather's), or the gradients (a ``reduce_later``'s);
+    each byte read and written once."""
+    full = collective_bytes(n)
+    return 2 * (full if n.target is REDUCE_LATER else full // max(_world_size(n), 1))
 
 
 def estimate_peak(order: list[fx.Node], graph: fx.Graph) -> int:

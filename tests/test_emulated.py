@@ -302,3 +302,64 @@ def test_attention_priced_at_its_own_rate() -> None:
     rate = measured_cpu_compute(256, 64, 64, reps=3, attention=(2, 4, 4, 64, 16)).attention_flops_per_s
     known = any(packet in _ATTENTION for packet in counted)
     assert (rate is not None and rate > 0) if known else rate is None, (rate, list(counted))
+
+
+def _region_step(split: bool) -> list[tuple[int, float]]:
+    """A hand-made outer graph: ``issue_ahead`` on a block's shards (read
+    through ``permute``, as a shard on dim 1 is through ``to_canonical``),
+    then the block's region call, whose body re-gathers them (whole, or one
+    ``regather`` per parameter: reads cut into units). The predicted
+    gathers, (bytes, exposed)."""
+    import torch
+
+    from compiled_fsdp.passes.cost_model import CostModel
+    from compiled_fsdp.passes.timeline import INVOKE_SUBGRAPH, ISSUE_AHEAD, REGATHER, expand_regions, simulate
+
+    def regather(g: torch.fx.Graph, shards: list, n: int) -> torch.fx.Node:
+        node = g.call_function(REGATHER, (shards, [2 * 8] * n, "0", 2, 1, None))
+        node.meta["val"] = torch.empty(16 * n)
+        return node
+
+    def canonical(g: torch.fx.Graph, shard: torch.fx.Node) -> torch.fx.Node:
+        node = g.call_function(torch.ops.aten.permute.default, (shard, [1, 0]))
+        node.meta["val"] = torch.empty(4, 2)
+        return node
+
+    body = torch.fx.Graph()
+    token, *shards, _ = (body.placeholder(name) for name in ("token", "w1", "w2", "x"))
+    for s in shards:
+        s.meta["val"] = torch.empty(2, 4)
+    views = [canonical(body, s) for s in shards]
+    gathered = [regather(body, [v], 1) for v in views] if split else [regather(body, views, 2)]
+    body.output(tuple(gathered))
+    outer = torch.fx.GraphModule({}, torch.fx.Graph())
+    outer.region = torch.fx.GraphModule({}, body)
+    g = outer.graph
+    w1, w2 = (g.placeholder(name) for name in ("w1", "w2"))
+    for s in (w1, w2):
+        s.meta["val"] = torch.empty(2, 4)
+    ahead = g.call_function(ISSUE_AHEAD, ([canonical(g, w1), canonical(g, w2)], [], [16, 16], "0", 2, 1, None))
+    ahead.meta["val"] = torch.empty(0)
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(512, 512)
+    mm = g.call_function(torch.ops.aten.mm.default, (x, x))  # (3 ms at the CPU constants: the gather hides)
+    mm.meta["val"] = torch.empty(512, 512)
+    call = g.call_function(INVOKE_SUBGRAPH, (g.get_attr("region"), "region", ahead, w1, w2, mm))
+    g.output(call)
+    users = {n: dict(n.users) for n in g.nodes}
+    order, sources = expand_regions(outer, [n for n in g.nodes if n.op not in ("placeholder", "output")])
+    assert {n: dict(n.users) for n in g.nodes} == users  # (the outer graph as it was)
+    tl = simulate(order, CostModel(), foreign=True, regions=sources)
+    return [(c.bytes, c.exposed_s) for c in tl.comms]
+
+
+def test_a_region_takes_the_gather_issued_ahead() -> None:
+    """[Note: Collectives inside an op]: with a region's call expanded, its
+    ``regather`` takes the gather the outer graph issued ahead for the same
+    shards, matched through the copy's inputs and through views; where the
+    region re-gathers its parameters one by one, the run time issues nothing
+    ahead (it keys a whole bucket), and neither does the prediction."""
+    whole = _region_step(split=False)
+    assert whole == [(2 * 16 * 4, 0.0)], whole  # (the one issued ahead, taken: hidden by the matmul)
+    split = _region_step(split=True)
+    assert [b for b, _ in split] == [16 * 4, 16 * 4], split  # (each gathered where it stands)

@@ -164,8 +164,10 @@ def _source_files() -> tuple[str, ...]:
 
 def _record_region_step(gm: fx.GraphModule, report: Any) -> None:
     """For an open ``recording()``: a graph that calls compile regions,
-    predicted with the calls expanded, in its scheduled order (before the
-    pin pass wraps nodes)."""
+    predicted with the calls expanded, in its scheduled order (the observers
+    see it pinned: ``predict_with_regions`` runs each pinned node as its
+    op). A prediction never fails a compile: a graph it cannot read is
+    left out, with a warning."""
     from compiled_fsdp.passes.graph import is_tangent, region_calls
     from compiled_fsdp.passes.timeline import predict_with_regions
 
@@ -173,7 +175,13 @@ def _record_region_step(gm: fx.GraphModule, report: Any) -> None:
         return
     graph = report.graph if report.graph != "none" else \
         "backward" if any(is_tangent(n) for n in gm.graph.nodes) else "forward"
-    SESSION.reports.add_region_step(graph, predict_with_regions(gm))
+    try:
+        timeline = predict_with_regions(gm)
+    except Exception as e:  # noqa: BLE001 (a diagnostic: the training goes on)
+        warnings.warn(f"compiled_fsdp: the {graph} graph's predicted step with its compile regions failed "
+                      f"({type(e).__name__}: {e}); it is left out of the recording", stacklevel=2)
+        return
+    SESSION.reports.add_region_step(graph, timeline)
 
 
 class _SchedulePass(CustomGraphPass):

@@ -27,7 +27,8 @@ class Recording:
     # partitioned alike: their seconds and node counts (benchmarks/depth.py)
     pipelines: list = dataclasses.field(default_factory=list)
     # ("forward" | "backward", passes.Timeline) of each scheduled graph that
-    # calls compile regions, the calls expanded: the step's prediction
+    # calls compile regions, the calls expanded, in compile order (a nested
+    # region's graph before its caller's): the step's prediction
     # (passes.timeline.predict_with_regions; benchmarks/emulated.py)
     region_steps: list = dataclasses.field(default_factory=list)
 

@@ -149,7 +149,7 @@ def _attention_rate(shape: tuple[int, int, int, int, int], reps: int) -> float |
 
     def run() -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
-        out.backward(torch.ones_like(out))
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     counter = FlopCounterMode(display=False)
     with counter:
