@@ -39,7 +39,7 @@ kernel does; on the CPU the time the waiting thread stood still), and for
 ``ours`` the schedule's predicted exposed communication (the passes'
 timeline model over the compiled forward and backward graphs; for
 ``ours_regions`` with each region's call expanded as it runs:
-``passes.timeline.predict_with_regions``), and the
+``passes.region_step.predict_with_regions``), and the
 optimizer's step with ``zero_grad`` (host time: all of it on the CPU).
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ the graph's start, ``dataclasses.asdict`` gives plain dicts.
 from __future__ import annotations
 
 import dataclasses
-import operator
+from typing import Protocol
 
 import torch
 import torch.fx as fx
@@ -111,24 +111,11 @@ class Timeline:
 # (by the root's graph before the region's call, or in backward by the
 # region before it), so the drawing shows at most what it exposes.
 # Tested by tests/test_debug_dump.py::test_dump_of_compile_regions.
-#
-# With the regions' calls expanded (``expand_regions``, ``simulate(...,
-# regions=...)``), they run as at run time instead ([Note: Gathers issued
-# ahead of compile regions] in compiled_fsdp/compile/regions.py): an
-# ``issue_ahead``'s gather is taken by the ``regather`` of the same shards;
-# a backward ``regather`` takes the gather issued for it (the first one's
-# when the graph begins: the root's compiled backward begins) and then
-# issues the next backward ``regather``'s; a ``reduce_later`` first waits
-# the earlier ones, and the graph's end waits the last ([Note: A region's
-# reduce-scatter waited outside its graph] in compiled_fsdp/core/registry.py).
-# The simplifications: under HSDP a region's reduce is priced as its
-# reduce-scatter alone (the replicas' all-reduce is left out); a nested
-# region's own graph is predicted too, before the graph that calls it.
-# Tested by tests/test_emulated.py::test_benchmark_cpu_path and
-# test_a_region_takes_the_gather_issued_ahead.
+# ``simulate(..., chain=...)`` runs them as at run time instead ([Note: A
+# step with compile regions predicted] in passes/region_step.py).
 REGATHER, ISSUE_AHEAD, REDUCE_LATER = Regather.op().default, IssueAhead.op().default, ReduceLater.op().default
-_IN_OP_MARKERS = {REGATHER: Regather, ISSUE_AHEAD: IssueAhead, REDUCE_LATER: ReduceLater}
-IN_OP = tuple(_IN_OP_MARKERS)
+IN_OP_MARKERS = {REGATHER: Regather, ISSUE_AHEAD: IssueAhead, REDUCE_LATER: ReduceLater}
+IN_OP = tuple(IN_OP_MARKERS)
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -176,9 +163,9 @@ def collective_bytes(node: fx.Node) -> int:
     return tensor_bytes(node.meta.get("val"))
 
 
-def _world_size(node: fx.Node) -> int:
-    if node.target in _IN_OP_MARKERS:
-        return _IN_OP_MARKERS[node.target].bind(node.args, dict(node.kwargs)).world_size
+def collective_world_size(node: fx.Node) -> int:
+    if node.target in IN_OP_MARKERS:
+        return IN_OP_MARKERS[node.target].bind(node.args, dict(node.kwargs)).world_size
     for a in node.args[1:]:
         if isinstance(a, int) and not isinstance(a, bool) and a > 1:
             return a
@@ -192,72 +179,38 @@ def _comm_s(node: fx.Node, cost: CostModel) -> float:
     seconds = cost.collective_time(node)
     if not seconds:
         kind = "reduce_scatter" if is_reduce(node) else "all_gather"
-        seconds = cost.comm_time(kind, collective_bytes(node), _world_size(node))
+        seconds = cost.comm_time(kind, collective_bytes(node), collective_world_size(node))
     return seconds
 
 
-INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+class Chain(Protocol):
+    """What the ops that collect inside take, wait and issue in an order
+    with its regions' calls expanded (passes/region_step.py's ``RunTimeChain``)."""
 
+    sources: dict[fx.Node, fx.Node]  # a copy's input -> the node it stands for; a pinned node -> its op's copy
+    issued_first: list[fx.Node]  # the gathers issued when the graph begins
+    reduces: list  # the region reduces in flight: a ``reduce_later`` or ("all_reduce", it)
 
-def _body(owner: fx.GraphModule, n: fx.Node) -> fx.GraphModule | None:
-    """The graph a node runs as its body: a compile region's call
-    (``invoke_subgraph(body, identifier, *operands)``) or a node the pin
-    pass wrapped (Inductor's ``control_deps(deps, body, *operands)``: [Note:
-    Inductor reorders for peak memory] in pin.py)."""
-    if n.op != "call_function":
-        return None
-    if n.target is INVOKE_SUBGRAPH:
-        attr = n.args[0]
-    elif isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.name() == "control_deps":
-        attr = n.args[1]
-    else:
-        return None
-    if not (isinstance(attr, fx.Node) and attr.op == "get_attr"):
-        return None
-    try:
-        body = operator.attrgetter(str(attr.target))(owner)
-    except AttributeError:
-        return None
-    return body if isinstance(body, fx.GraphModule) else None
+    def skipped(self, n: fx.Node) -> bool: ...
 
+    def taken(self, n: fx.Node) -> fx.Node | None: ...
 
-def expand_regions(owner: fx.GraphModule, order: list[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
-    """``order`` (nodes of ``owner``'s graph) with each node that runs a body
-    graph (``_body``: a compile region's call, a pinned node) replaced by a
-    copy of the body's nodes, one copy per call, so that each call's nodes
-    are distinct; and the source of each copy's input (the call's operand
-    it stands for) and of a pinned node (its op's copy). The copies live in
-    graphs of their own: the owner's graph is left as it is."""
-    out: list[fx.Node] = []
-    sources: dict[fx.Node, fx.Node] = {}
-    for n in order:
-        body = _body(owner, n)
-        if body is None:
-            out.append(n)
-            continue
-        copy = fx.Graph()
-        result = copy.graph_copy(body.graph, {})
-        inputs = copy.find_nodes(op="placeholder")
-        sources.update((p, a) for p, a in zip(inputs, n.args[2:]) if isinstance(a, fx.Node))
-        if n.target is not INVOKE_SUBGRAPH and isinstance(result, fx.Node):
-            sources[n] = result
-        inner, more = expand_regions(body, [c for c in copy.nodes if c.op not in ("placeholder", "output")])
-        out += inner
-        sources.update(more)
-    return out, sources
+    def issued_after(self, n: fx.Node) -> list[fx.Node]: ...
+
+    def packed_bytes(self, n: fx.Node) -> int: ...
 
 
 def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, foreign: bool = False,
-             regions: dict[fx.Node, fx.Node] | None = None) -> Timeline:
+             chain: Chain | None = None) -> Timeline:
     """Predicts the timeline of running ``order`` (see [Note: Timeline model]).
     ``foreign``: every collective is communication (else only the passes'
     own, the rest cost as compute); ``joint``: ``order`` is a joint graph's
     nodes, with forward and backward phases and the re-gathers, and the
-    timeline lists its ``steps`` (the dump's trace); ``regions``: ``order``
-    has its regions' calls expanded (``expand_regions``: the sources of the
-    copies' inputs), and the ops that collect inside run as at run time
-    ([Note: Collectives inside an op]); not with ``joint``."""
-    if joint and regions is not None:
+    timeline lists its ``steps`` (the dump's trace); ``chain``: ``order``
+    has its regions' calls expanded, and the ops that collect inside run as
+    at run time ([Note: A step with compile regions predicted] in
+    passes/region_step.py); not with ``joint``."""
+    if joint and chain is not None:
         raise ValueError("simulate: an order with its regions expanded is a partitioned graph's, not a joint one")
     tl = Timeline()
     t, queue_end = 0.0, 0.0
@@ -324,25 +277,48 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
     def compute(n: fx.Node) -> None:
         spend(n, cost.compute_time(n))
 
-    chain = _RunTimeChain(order, regions) if regions is not None else None
+    def advance_reduces(at: fx.Node) -> None:
+        """Each region reduce in flight one stage on, in issue order, as the
+        run time's next ``reduce_later`` does: its reduce-scatter waited and,
+        under HSDP, the replicas' all-reduce of its rows issued; that
+        all-reduce waited."""
+        nonlocal queue_end
+        later = []
+        for key in chain.reduces:
+            wait(key, at)
+            marker = ReduceLater.bind(key.args, dict(key.kwargs)) if isinstance(key, fx.Node) else None
+            if marker is None or marker.replicas <= 1:
+                continue
+            rows = collective_bytes(key) // max(marker.world_size, 1)
+            dur = cost.comm_time("all_reduce", rows, marker.replicas, across_nodes=True)
+            start = max(t, queue_end)
+            queue_end = start + dur
+            events[("all_reduce", key)] = CommEvent("all_reduce", -1, 0, rows, t, start, queue_end, -1.0, 0.0)
+            unowned.add(("all_reduce", key))
+            tl.comm_s += dur
+            later.append(("all_reduce", key))
+        chain.reduces = later
+
     for n in chain.issued_first if chain is not None else ():
         issue(n)
     for n in order:
         if n.op != "call_function":
             continue
         if chain is not None and n.target in IN_OP:  # ([Note: Collectives inside an op])
-            for w in chain.waited_before(n):
-                wait(w, n)
+            if n.target is REDUCE_LATER:
+                advance_reduces(n)
             if chain.skipped(n):
                 continue
             taken = chain.taken(n)
             if taken is None:
-                spend(n, _packed_bytes(n) / cost.compute.bytes_per_s)
+                spend(n, chain.packed_bytes(n) / cost.compute.bytes_per_s)
                 issue(n)
             if n.target is REGATHER:
                 wait(taken or n, n)
+            if n.target is REDUCE_LATER:
+                chain.reduces.append(n)
             for then in chain.issued_after(n):
-                spend(n, _packed_bytes(then) / cost.compute.bytes_per_s)
+                spend(n, chain.packed_bytes(then) / cost.compute.bytes_per_s)
                 issue(then)
             continue
         if joint and n in backward:
@@ -368,14 +344,14 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             if n.target is not REGATHER:
                 continue
         waited = n if n.target is REGATHER else n.args[0] if n.target is WAIT and n.args else None
-        while regions is not None and waited in regions:  # (a pinned collective: its op's copy)
-            waited = regions[waited]
+        while chain is not None and waited in chain.sources:  # (a pinned collective: its op's copy)
+            waited = chain.sources[waited]
         if isinstance(waited, fx.Node) and waited in events:
             wait(waited, n)
             continue
         compute(n)
-    for w in chain.waited_before(None) if chain is not None and order else ():
-        wait(w, order[-1])  # (the backward's end waits the last reduces)
+    while chain is not None and chain.reduces:  # (the backward's end waits the last reduces)
+        advance_reduces(order[-1])
     tl.makespan_s = max(t, queue_end)
     if joint:
         tl.phases.append((phase, phase_start, tl.makespan_s))
@@ -392,91 +368,6 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         span.exposed_s += ev.exposed_s
     tl.modules = [spans[k] for k in sorted(spans)]
     return tl
-
-
-def predict_with_regions(gm: fx.GraphModule) -> Timeline:
-    """The timeline of a graph that calls compile regions, each call run as
-    its body and each pinned node as its op (``expand_regions``), the
-    collectives inside ops as at run time ([Note: Collectives inside an
-    op]), every collective communication: what the graph's run exposes."""
-    expanded, sources = expand_regions(gm, [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")])
-    return simulate(expanded, CostModel.for_nodes(expanded), foreign=True, regions=sources)
-
-
-class _RunTimeChain:
-    """What the ops that collect inside take, wait and issue in an order
-    with its regions' calls expanded ([Note: Collectives inside an op]).
-
-    The run time keys a pending gather by its shards' storage (a whole
-    group's bucket): here, by the nodes the shards come from, through the
-    copies' inputs and through views (a shard on a dim other than 0 is read
-    through ``to_canonical``). An ``issue_ahead`` issues only for shards some
-    forward ``regather`` reads whole (a region whose reads were cut into
-    several units takes none, and the run time issues none), and the
-    backward's chain runs through the region calls that re-gather once
-    (their whole bucket), the others gathering where they stand."""
-
-    def __init__(self, order: list[fx.Node], sources: dict[fx.Node, fx.Node]) -> None:
-        self.sources = sources
-        regathers = [n for n in order if n.target is REGATHER]
-        backward = [n for n in regathers if Regather.bind(n.args, dict(n.kwargs)).backward]
-        per_call: dict[fx.Graph, int] = {}
-        for n in backward:
-            per_call[n.graph] = per_call.get(n.graph, 0) + 1
-        back = [n for n in backward if per_call[n.graph] == 1]
-        self.read_whole = {self._key(n) for n in regathers if n not in backward}
-        self.next = dict(zip(back, back[1:]))
-        self.issued_first = back[:1]  # (when the root's compiled backward begins)
-        self.pending: dict[object, fx.Node] = {n: n for n in back[:1]}
-        self.reduces: list[fx.Node] = []
-        self.chained = set(back)
-
-    def _source(self, x: object) -> object:
-        while True:
-            if x in self.sources:
-                x = self.sources[x]
-            elif isinstance(x, fx.Node) and x.op == "call_function" and getattr(x.target, "is_view", False):
-                x = x.args[0]
-            else:
-                return x
-
-    def _key(self, n: fx.Node) -> object:
-        if n.target is REGATHER and Regather.bind(n.args, dict(n.kwargs)).backward:
-            return n
-        return tuple(self._source(s) for s in _IN_OP_MARKERS[n.target].bind(n.args, dict(n.kwargs)).shards)
-
-    def skipped(self, n: fx.Node) -> bool:
-        """An ``issue_ahead`` no ``regather`` would take: it issues nothing."""
-        return n.target is ISSUE_AHEAD and self._key(n) not in self.read_whole
-
-    def waited_before(self, n: fx.Node | None) -> list[fx.Node]:
-        """The reduces a ``reduce_later`` (or, None, the end) waits first."""
-        if n is not None and n.target is not REDUCE_LATER:
-            return []
-        done, self.reduces = self.reduces, [n] if n is not None else []
-        return done
-
-    def taken(self, n: fx.Node) -> fx.Node | None:
-        """The node whose gather a ``regather`` takes (None: it gathers)."""
-        if n.target is ISSUE_AHEAD:
-            self.pending[self._key(n)] = n
-        return self.pending.pop(self._key(n), None) if n.target is REGATHER else None
-
-    def issued_after(self, n: fx.Node) -> list[fx.Node]:
-        """A backward ``regather`` of the chain issues the next one's gather."""
-        then = self.next.get(n) if n in self.chained else None
-        if then is None:
-            return []
-        self.pending[then] = then
-        return [then]
-
-
-def _packed_bytes(n: fx.Node) -> int:
-    """What an op that collects inside copies before its collective: the
-    shards it packs (a gather's), or the gradients (a ``reduce_later``'s);
-    each byte read and written once."""
-    full = collective_bytes(n)
-    return 2 * (full if n.target is REDUCE_LATER else full // max(_world_size(n), 1))
 
 
 def estimate_peak(order: list[fx.Node], graph: fx.Graph) -> int:

@@ -313,7 +313,8 @@ def _region_step(split: bool) -> list[tuple[int, float]]:
     import torch
 
     from compiled_fsdp.passes.cost_model import CostModel
-    from compiled_fsdp.passes.timeline import INVOKE_SUBGRAPH, ISSUE_AHEAD, REGATHER, expand_regions, simulate
+    from compiled_fsdp.passes.region_step import INVOKE_SUBGRAPH, RunTimeChain, expand_regions
+    from compiled_fsdp.passes.timeline import ISSUE_AHEAD, REGATHER, simulate
 
     def regather(g: torch.fx.Graph, shards: list, n: int) -> torch.fx.Node:
         node = g.call_function(REGATHER, (shards, [2 * 8] * n, "0", 2, 1, None))
@@ -349,7 +350,7 @@ def _region_step(split: bool) -> list[tuple[int, float]]:
     users = {n: dict(n.users) for n in g.nodes}
     order, sources = expand_regions(outer, [n for n in g.nodes if n.op not in ("placeholder", "output")])
     assert {n: dict(n.users) for n in g.nodes} == users  # (the outer graph as it was)
-    tl = simulate(order, CostModel(), foreign=True, regions=sources)
+    tl = simulate(order, CostModel(), foreign=True, chain=RunTimeChain(order, sources))
     return [(c.bytes, c.exposed_s) for c in tl.comms]
 
 
@@ -363,3 +364,29 @@ def test_a_region_takes_the_gather_issued_ahead() -> None:
     assert whole == [(2 * 16 * 4, 0.0)], whole  # (the one issued ahead, taken: hidden by the matmul)
     split = _region_step(split=True)
     assert [b for b, _ in split] == [16 * 4, 16 * 4], split  # (each gathered where it stands)
+
+
+def test_region_reduces_staged_under_hsdp() -> None:
+    """[Note: A step with compile regions predicted]: a region's
+    ``reduce_later`` under HSDP is a reduce-scatter, then, at the next
+    ``reduce_later`` (or the backward's end), the replicas' all-reduce of its
+    rows, waited one stage later: the order the run time issues them in."""
+    import torch
+
+    from compiled_fsdp.passes.cost_model import CostModel
+    from compiled_fsdp.passes.region_step import RunTimeChain
+    from compiled_fsdp.passes.timeline import REDUCE_LATER, simulate
+
+    g = torch.fx.Graph()
+    order = []
+    for i in range(2):
+        grad = g.placeholder(f"grad_{i}")
+        grad.meta["val"] = torch.empty(64)
+        later = g.call_function(REDUCE_LATER, ([grad], [], [64], [1], [16], "0", 4), {"replicas": 2,
+                                                                                   "replicate_group_name": "1"})
+        later.meta["val"] = torch.empty(0)
+        order.append(later)
+    tl = simulate(order, CostModel(), foreign=True, chain=RunTimeChain(order, {}))
+    kinds = [(c.kind, c.bytes) for c in sorted(tl.comms, key=lambda c: c.issue_s)]
+    assert kinds == [("reduce_scatter", 256), ("all_reduce", 64), ("reduce_scatter", 256), ("all_reduce", 64)], kinds
+    assert all(c.wait_s >= 0 for c in tl.comms)  # (every stage waited, the last ones at the end)

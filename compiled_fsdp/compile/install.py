@@ -169,7 +169,7 @@ def _record_region_step(gm: fx.GraphModule, report: Any) -> None:
     op). A prediction never fails a compile: a graph it cannot read is
     left out, with a warning."""
     from compiled_fsdp.passes.graph import is_tangent, region_calls
-    from compiled_fsdp.passes.timeline import predict_with_regions
+    from compiled_fsdp.passes.region_step import predict_with_regions
 
     if not region_calls(gm.graph):
         return

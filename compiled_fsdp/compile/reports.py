@@ -29,7 +29,7 @@ class Recording:
     # ("forward" | "backward", passes.Timeline) of each scheduled graph that
     # calls compile regions, the calls expanded, in compile order (a nested
     # region's graph before its caller's): the step's prediction
-    # (passes.timeline.predict_with_regions; benchmarks/emulated.py)
+    # (passes.region_step.predict_with_regions; benchmarks/emulated.py)
     region_steps: list = dataclasses.field(default_factory=list)
 
 

@@ -1,0 +1,175 @@
+"""A step with compile regions, predicted: each region's call and each
+pinned node run as their bodies, the collectives inside ops as at run time.
+
+[Note: A step with compile regions predicted]
+With the regions' calls expanded (``expand_regions``) and a ``RunTimeChain``,
+``simulate`` runs the ops that collect inside ([Note: Collectives inside an
+op] in passes/timeline.py) as at run time ([Note: Gathers issued
+ahead of compile regions] in compiled_fsdp/compile/regions.py): an
+``issue_ahead``'s gather is taken by the ``regather`` of the same shards;
+a backward ``regather`` takes the gather issued for it (the first one's
+when the graph begins: the root's compiled backward begins) and then
+issues the next backward ``regather``'s; a ``reduce_later`` first moves
+the earlier ones a stage on, and the graph's end waits the last ([Note: A region's
+reduce-scatter waited outside its graph] in compiled_fsdp/core/registry.py).
+Under HSDP the next ``reduce_later`` waits the reduce-scatter and issues
+the replicas' all-reduce of its rows, and the one after it waits that. A
+nested region's own graph is predicted too, before the graph that calls it.
+Tested by tests/test_emulated.py::test_benchmark_cpu_path,
+test_a_region_takes_the_gather_issued_ahead and
+test_region_reduces_staged_under_hsdp.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from compiled_fsdp.core.marker import Regather
+
+from .cost_model import CostModel
+from .timeline import (
+    IN_OP_MARKERS,
+    ISSUE_AHEAD,
+    REDUCE_LATER,
+    REGATHER,
+    Timeline,
+    collective_bytes,
+    collective_world_size,
+    simulate,
+)
+
+__all__ = ["RunTimeChain", "expand_regions", "predict_with_regions"]
+
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+def _body(owner: fx.GraphModule, n: fx.Node) -> fx.GraphModule | None:
+    """The graph a node runs as its body: a compile region's call
+    (``invoke_subgraph(body, identifier, *operands)``) or a node the pin
+    pass wrapped (Inductor's ``control_deps(deps, body, *operands)``: [Note:
+    Inductor reorders for peak memory] in pin.py)."""
+    if n.op != "call_function":
+        return None
+    if n.target is INVOKE_SUBGRAPH:
+        attr = n.args[0]
+    elif isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.name() == "control_deps":
+        attr = n.args[1]
+    else:
+        return None
+    if not (isinstance(attr, fx.Node) and attr.op == "get_attr"):
+        return None
+    try:
+        body = operator.attrgetter(str(attr.target))(owner)
+    except AttributeError:
+        return None
+    return body if isinstance(body, fx.GraphModule) else None
+
+
+def expand_regions(owner: fx.GraphModule, order: list[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
+    """``order`` (nodes of ``owner``'s graph) with each node that runs a body
+    graph (``_body``: a compile region's call, a pinned node) replaced by a
+    copy of the body's nodes, one copy per call, so that each call's nodes
+    are distinct; and the source of each copy's input (the call's operand
+    it stands for) and of a pinned node (its op's copy). The copies live in
+    graphs of their own: the owner's graph is left as it is."""
+    out: list[fx.Node] = []
+    sources: dict[fx.Node, fx.Node] = {}
+    for n in order:
+        body = _body(owner, n)
+        if body is None:
+            out.append(n)
+            continue
+        copy = fx.Graph()
+        result = copy.graph_copy(body.graph, {})
+        inputs = copy.find_nodes(op="placeholder")
+        sources.update((p, a) for p, a in zip(inputs, n.args[2:]) if isinstance(a, fx.Node))
+        if n.target is not INVOKE_SUBGRAPH and isinstance(result, fx.Node):
+            sources[n] = result
+        inner, more = expand_regions(body, [c for c in copy.nodes if c.op not in ("placeholder", "output")])
+        out += inner
+        sources.update(more)
+    return out, sources
+
+
+def predict_with_regions(gm: fx.GraphModule) -> Timeline:
+    """The timeline of a graph that calls compile regions, each call run as
+    its body and each pinned node as its op (``expand_regions``), the
+    collectives inside ops as at run time ([Note: Collectives inside an
+    op]), every collective communication: what the graph's run exposes."""
+    expanded, sources = expand_regions(gm, [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")])
+    chain = RunTimeChain(expanded, sources)
+    return simulate(expanded, CostModel.for_nodes(expanded), foreign=True, chain=chain)
+
+
+class RunTimeChain:
+    """What the ops that collect inside take, wait and issue in an order
+    with its regions' calls expanded (the note above; ``timeline.Chain``).
+
+    The run time keys a pending gather by its shards' storage (a whole
+    group's bucket): here, by the nodes the shards come from, through the
+    copies' inputs and through views (a shard on a dim other than 0 is read
+    through ``to_canonical``). An ``issue_ahead`` issues only for shards some
+    forward ``regather`` reads whole (a region whose reads were cut into
+    several units takes none, and the run time issues none), and the
+    backward's chain runs through the region calls that re-gather once
+    (their whole bucket), the others gathering where they stand."""
+
+    def __init__(self, order: list[fx.Node], sources: dict[fx.Node, fx.Node]) -> None:
+        self.sources = sources
+        regathers = [n for n in order if n.target is REGATHER]
+        backward = [n for n in regathers if Regather.bind(n.args, dict(n.kwargs)).backward]
+        per_call: dict[fx.Graph, int] = {}
+        for n in backward:
+            per_call[n.graph] = per_call.get(n.graph, 0) + 1
+        back = [n for n in backward if per_call[n.graph] == 1]
+        self.read_whole = {self._key(n) for n in regathers if n not in backward}
+        self.next = dict(zip(back, back[1:]))
+        self.issued_first = back[:1]  # (when the root's compiled backward begins)
+        self.pending: dict[object, fx.Node] = {n: n for n in back[:1]}
+        # The region reduces in flight: a ``reduce_later`` (its reduce-scatter)
+        # or ("all_reduce", it) (HSDP's second stage).
+        self.reduces: list = []
+        self.chained = set(back)
+
+    def _source(self, x: object) -> object:
+        while True:
+            if x in self.sources:
+                x = self.sources[x]
+            elif isinstance(x, fx.Node) and x.op == "call_function" and getattr(x.target, "is_view", False):
+                x = x.args[0]
+            else:
+                return x
+
+    def _key(self, n: fx.Node) -> object:
+        if n.target is REGATHER and Regather.bind(n.args, dict(n.kwargs)).backward:
+            return n
+        return tuple(self._source(s) for s in IN_OP_MARKERS[n.target].bind(n.args, dict(n.kwargs)).shards)
+
+    def skipped(self, n: fx.Node) -> bool:
+        """An ``issue_ahead`` no ``regather`` would take: it issues nothing."""
+        return n.target is ISSUE_AHEAD and self._key(n) not in self.read_whole
+
+    def taken(self, n: fx.Node) -> fx.Node | None:
+        """The node whose gather a ``regather`` takes (None: it gathers)."""
+        if n.target is ISSUE_AHEAD:
+            self.pending[self._key(n)] = n
+        return self.pending.pop(self._key(n), None) if n.target is REGATHER else None
+
+    def issued_after(self, n: fx.Node) -> list[fx.Node]:
+        """A backward ``regather`` of the chain issues the next one's gather."""
+        then = self.next.get(n) if n in self.chained else None
+        if then is None:
+            return []
+        self.pending[then] = then
+        return [then]
+
+    def packed_bytes(self, n: fx.Node) -> int:
+        """What an op that collects inside copies before its collective: the
+        shards it packs (a gather's), or the gradients (a ``reduce_later``'s);
+        each byte read and written once."""
+        full = collective_bytes(n)
+        return 2 * (full if n.target is REDUCE_LATER else full // max(collective_world_size(n), 1))
