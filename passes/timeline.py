@@ -37,13 +37,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 from compiled_fsdp.core import ops as _ops  # noqa: F401 (registers the ops named below)
 from compiled_fsdp.core.marker import IssueAhead, ReduceLater, Regather
 
-from .cost_model import ALL_TO_ALLS, GATHERS, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
+from .cost_model import ALL_REDUCES, ALL_TO_ALLS, GATHERS, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
 from .graph import chain_tag, is_reduce_grad, is_unshard, tangent_dependents
 
 
 @dataclasses.dataclass
 class CommEvent:
-    kind: str  # "all_gather" | "reduce_scatter"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | a foreign collective's op
     module_key: int
     unit: int  # see passes/units.py
     bytes: int
@@ -235,8 +235,9 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         kind = collective_kind(n)
         if n.target in ISSUES and info is not None:
             buf = n if n.target in GATHERS else n.args[0]
-            events[n] = CommEvent(
-                kind="all_gather" if n.target in GATHERS else "reduce_scatter",
+            events[n] = CommEvent(  # (HSDP's all-reduce of a bucket's rows is one of ours)
+                kind="all_gather" if n.target in GATHERS else "all_reduce" if n.target in ALL_REDUCES
+                else "reduce_scatter",
                 module_key=info.module_key, unit=info.unit, bytes=node_bytes(buf),
                 issue_s=t, start_s=start, end_s=queue_end, wait_s=-1.0, exposed_s=0.0,
             )

@@ -228,16 +228,22 @@ def test_benchmark_levers_hsdp_bf16_reduce(tmp_path) -> None:
     8`` at W = 16 (two nodes): ours eager and FSDP2 eager send the same
     collectives, each reduce-scatter followed by the replicas' all-reduce,
     and every reduce-scatter carries a bucket's bytes in bf16 (half of the
-    same bucket's fp32 gather)."""
+    same bucket's fp32 gather); with compile regions, the prediction's
+    collectives are the network's, in order, each region's all-reduce issued
+    by the next ``reduce_later`` ([Note: A step with compile regions
+    predicted] in passes/region_step.py)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import emulated
 
     results = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "16", "--links", "match",
                              "--match-gbps", "0.05", "--node-ratio", "8", "--hsdp", "--reduce-dtype", "bfloat16",
-                             "--kinds", "ours_eager", "fsdp2_eager", "--warmup", "1", "--steps", "2",
+                             "--kinds", "ours_eager", "fsdp2_eager", "ours_regions", "--warmup", "1", "--steps", "2",
                              "--out", str(tmp_path)])
     assert not [r for r in results if "error" in r], [r["error"] for r in results if "error" in r]
-    ours, fsdp2 = results
+    ours, fsdp2, regions = results
+    assert [c[:2] for c in regions["predicted_collectives"]] == [[c["kind"], c["bytes"]] for c in regions["last_step"]]
+    assert abs(regions["predicted_comm_s"] - regions["comm_s"]) < 1e-9
+    results = [ours, fsdp2]
     assert ours["variant"] == "hsdp+rs-bf16+nvl8x", ours["variant"]
     assert ours["collectives"] == fsdp2["collectives"], (ours["collectives"], fsdp2["collectives"])
     assert ours["collectives"]["all_reduce"] == ours["collectives"]["reduce_scatter"] > 0, ours["collectives"]
