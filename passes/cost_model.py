@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from compiled_fsdp.core import comm, gated
+from compiled_fsdp.core import comm, compat, gated
 from compiled_fsdp.core.marker import IssueAhead, ReduceLater, Regather
 
 c10d = torch.ops._c10d_functional
@@ -253,15 +253,13 @@ class Links:
 # compute declares attention's rate too (``measured_cpu_compute``), and
 # ``compute_time`` prices the attention ops with it; the constants keep
 # the matmuls' rate. Tested by tests/test_emulated.py::test_attention_priced_at_its_own_rate.
-_ATTENTION = frozenset(
-    getattr(torch.ops.aten, name) for name in (
+_ATTENTION = compat.attention_ops((
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
         "_flash_attention_forward", "_flash_attention_backward",
-        "_efficient_attention_forward", "_efficient_attention_backward")
-    if hasattr(torch.ops.aten, name))
+        "_efficient_attention_forward", "_efficient_attention_backward"))
 
 
 # The ops that run a collective inside them ([Note: Collectives inside an
@@ -313,7 +311,7 @@ class CostModel:
     @staticmethod
     def for_nodes(nodes: list[fx.Node]) -> "CostModel":
         """``for_graph`` of the graph these nodes make (an order with its
-        bodies expanded: passes/timeline.py's ``expand_regions``)."""
+        bodies expanded: passes/region_step.py's ``expand_regions``)."""
         on_gpu = any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
                      for n in nodes for t in tree_leaves(n.meta.get("val")))
         model = CostModel.nccl() if on_gpu else CostModel()

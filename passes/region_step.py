@@ -16,8 +16,8 @@ Under HSDP the next ``reduce_later`` waits the reduce-scatter and issues
 the replicas' all-reduce of its rows, and the one after it waits that. A
 nested region's own graph is predicted too, before the graph that calls it.
 Tested by tests/test_emulated.py::test_benchmark_cpu_path,
-test_a_region_takes_the_gather_issued_ahead and
-test_region_reduces_staged_under_hsdp.
+test_a_region_takes_the_gather_issued_ahead,
+test_region_reduces_staged_under_hsdp and test_benchmark_levers_hsdp_bf16_reduce.
 """
 
 from __future__ import annotations

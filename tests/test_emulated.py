@@ -195,7 +195,8 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     communication; the schedule's prediction prices exactly the collectives the
     run issued, in the order it issued them, also with compile regions (each
     region's call expanded, its gathers issued ahead and taken, its reduces
-    waited later: [Note: Collectives inside an op] in passes/timeline.py).
+    waited later: [Note: A step with compile regions predicted] in
+    passes/region_step.py).
     (Not the floor: ~45 s of CI for an unsharded ``torch.compile``; the GPU
     check's quick test runs its floor.)"""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -361,7 +362,7 @@ def _region_step(split: bool) -> list[tuple[int, float]]:
 
 
 def test_a_region_takes_the_gather_issued_ahead() -> None:
-    """[Note: Collectives inside an op]: with a region's call expanded, its
+    """[Note: A step with compile regions predicted]: with a region's call expanded, its
     ``regather`` takes the gather the outer graph issued ahead for the same
     shards, matched through the copy's inputs and through views; where the
     region re-gathers its parameters one by one, the run time issues nothing
@@ -396,3 +397,5 @@ def test_region_reduces_staged_under_hsdp() -> None:
     kinds = [(c.kind, c.bytes) for c in sorted(tl.comms, key=lambda c: c.issue_s)]
     assert kinds == [("reduce_scatter", 256), ("all_reduce", 64), ("reduce_scatter", 256), ("all_reduce", 64)], kinds
     assert all(c.wait_s >= 0 for c in tl.comms)  # (every stage waited, the last ones at the end)
+    rs1, ar1, rs2, _ = sorted(tl.comms, key=lambda c: c.issue_s)
+    assert rs2.issue_s < ar1.end_s, (rs2, ar1)  # (the all-reduce waited a stage later, not where it was issued)

@@ -595,3 +595,9 @@ def grads_in_reduce_dtype() -> bool:
     2.15) and, without ``reduce_dtype``, reduces in the parameter's own dtype;
     before, it rounded the gradient to ``param_dtype`` and reduced in that."""
     return hasattr(torch.autograd.function.FunctionCtx, "set_output_grad_dtype")
+
+
+def attention_ops(names: tuple[str, ...]) -> frozenset:
+    """The ``aten`` op packets of these names that this torch has (the fused
+    attention ops: [Note: Attention's own rate] in passes/cost_model.py)."""
+    return frozenset(getattr(torch.ops.aten, name) for name in names if hasattr(torch.ops.aten, name))
