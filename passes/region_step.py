@@ -22,6 +22,7 @@ test_region_reduces_staged_under_hsdp and test_benchmark_levers_hsdp_bf16_reduce
 
 from __future__ import annotations
 
+import collections
 import operator
 
 import torch
@@ -98,8 +99,8 @@ def expand_regions(owner: fx.GraphModule, order: list[fx.Node]) -> tuple[list[fx
 def predict_with_regions(gm: fx.GraphModule) -> Timeline:
     """The timeline of a graph that calls compile regions, each call run as
     its body and each pinned node as its op (``expand_regions``), the
-    collectives inside ops as at run time ([Note: Collectives inside an
-    op]), every collective communication: what the graph's run exposes."""
+    collectives inside ops as at run time (the note above), every
+    collective communication: what the graph's run exposes."""
     expanded, sources = expand_regions(gm, [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")])
     chain = RunTimeChain(expanded, sources)
     return simulate(expanded, CostModel.for_nodes(expanded), foreign=True, chain=chain)
@@ -122,18 +123,12 @@ class RunTimeChain:
         self.sources = sources
         regathers = [n for n in order if n.target is REGATHER]
         backward = [n for n in regathers if Regather.bind(n.args, dict(n.kwargs)).backward]
-        per_call: dict[fx.Graph, int] = {}
-        for n in backward:
-            per_call[n.graph] = per_call.get(n.graph, 0) + 1
+        per_call = collections.Counter(n.graph for n in backward)
         back = [n for n in backward if per_call[n.graph] == 1]
         self.read_whole = {self._key(n) for n in regathers if n not in backward}
         self.next = dict(zip(back, back[1:]))
         self.issued_first = back[:1]  # (when the root's compiled backward begins)
         self.pending: dict[object, fx.Node] = {n: n for n in back[:1]}
-        # The region reduces in flight: a ``reduce_later`` (its reduce-scatter)
-        # or ("all_reduce", it) (HSDP's second stage).
-        self.reduces: list = []
-        self.chained = set(back)
 
     def _source(self, x: object) -> object:
         while True:
@@ -161,7 +156,7 @@ class RunTimeChain:
 
     def issued_after(self, n: fx.Node) -> list[fx.Node]:
         """A backward ``regather`` of the chain issues the next one's gather."""
-        then = self.next.get(n) if n in self.chained else None
+        then = self.next.get(n)
         if then is None:
             return []
         self.pending[then] = then

@@ -189,7 +189,6 @@ class Chain(Protocol):
 
     sources: dict[fx.Node, fx.Node]  # a copy's input -> the node it stands for; a pinned node -> its op's copy
     issued_first: list[fx.Node]  # the gathers issued when the graph begins
-    reduces: list  # the region reduces in flight: a ``reduce_later`` or ("all_reduce", it)
 
     def skipped(self, n: fx.Node) -> bool: ...
 
@@ -224,14 +223,20 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
 
     earlier: list[CommEvent] = []  # a chain's forward gather, when it is issued again
 
-    def issue(n: fx.Node, regather: bool = False) -> None:
+    def enqueue(dur: float) -> float:
+        """A collective of ``dur`` seconds issued now: when it starts."""
         nonlocal queue_end
+        start = max(t, queue_end)
+        queue_end = start + dur
+        tl.comm_s += dur
+        return start
+
+    def issue(n: fx.Node, regather: bool = False) -> None:
         if n in events:
             earlier.append(events.pop(n))
         info = chain_tag(n)
         dur = cost.collective_time(n) if not foreign else _comm_s(n, cost)
-        start = max(t, queue_end)
-        queue_end = start + dur
+        start = enqueue(dur)
         kind = collective_kind(n)
         if n.target in ISSUES and info is not None:
             buf = n if n.target in GATHERS else n.args[0]
@@ -247,7 +252,6 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
                                   issue_s=t, start_s=start, end_s=queue_end, wait_s=-1.0, exposed_s=0.0)
         if joint:
             tl.steps.append(Step(n.name, "communication", kind, start, dur, regather, events[n].bytes))
-        tl.comm_s += dur
 
     def wait(waited: fx.Node, at: fx.Node) -> None:
         nonlocal t, current
@@ -283,22 +287,24 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         run time's next ``reduce_later`` does: its reduce-scatter waited and,
         under HSDP, the replicas' all-reduce of its rows issued; that
         all-reduce waited."""
-        nonlocal queue_end
+        nonlocal reduces
         later = []
-        for key in chain.reduces:
+        for key in reduces:
             wait(key, at)
             marker = ReduceLater.bind(key.args, dict(key.kwargs)) if isinstance(key, fx.Node) else None
             if marker is None or marker.replicas <= 1:
                 continue
             rows = collective_bytes(key) // max(marker.world_size, 1)
             dur = cost.comm_time("all_reduce", rows, marker.replicas, across_nodes=True)
-            start = max(t, queue_end)
-            queue_end = start + dur
+            start = enqueue(dur)
             events[("all_reduce", key)] = CommEvent("all_reduce", -1, 0, rows, t, start, queue_end, -1.0, 0.0)
             unowned.add(("all_reduce", key))
-            tl.comm_s += dur
             later.append(("all_reduce", key))
-        chain.reduces = later
+        reduces = later
+
+    # The region reduces in flight (``chain`` only): a ``reduce_later`` (its
+    # reduce-scatter) or ("all_reduce", it) (HSDP's second stage).
+    reduces: list = []
 
     for n in chain.issued_first if chain is not None else ():
         issue(n)
@@ -317,7 +323,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             if n.target is REGATHER:
                 wait(taken or n, n)
             if n.target is REDUCE_LATER:
-                chain.reduces.append(n)
+                reduces.append(n)
             for then in chain.issued_after(n):
                 spend(n, chain.packed_bytes(then) / cost.compute.bytes_per_s)
                 issue(then)
@@ -351,7 +357,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             wait(waited, n)
             continue
         compute(n)
-    while chain is not None and chain.reduces:  # (the backward's end waits the last reduces)
+    while reduces:  # (the backward's end waits the last reduces)
         advance_reduces(order[-1])
     tl.makespan_s = max(t, queue_end)
     if joint:
