@@ -44,7 +44,7 @@ RS = c10d.reduce_scatter_tensor.default
 A2A = c10d.all_to_all_single.default
 # HSDP: the reduced shard summed over the replicas (see [Note: HSDP] in
 # compiled_fsdp/runtime/api.py); priced as a ring's reduce-scatter plus
-# all-gather over the replicate group, which spans nodes.
+# all-gather over the replicate group, across nodes where its ranks are (``CostModel.spans_nodes``).
 AR = c10d.all_reduce.default
 # The same four, skipped at run time when their last argument says so: a
 # handoff's ([Note: A stand-in for the last block's next] in compiled_fsdp/core/gated.py).
@@ -351,9 +351,21 @@ class CostModel:
 
     def link(self, kind: str, world_size: int, across_nodes: bool = False) -> CommConstants:
         """The constants of a ring over ``world_size`` ranks: its slowest link
-        (``across_nodes``: a group known to span nodes, HSDP's replicas)."""
+        (``across_nodes``: a group known to span nodes: ``spans_nodes``)."""
         spans_nodes = self.inter_node is not None and (across_nodes or world_size > self.ranks_per_node)
         return (self.inter_node if spans_nodes else self.comm)[kind]
+
+    def spans_nodes(self, group_name: str | None) -> bool:
+        """Whether the named group's ranks lie on more than one node, nodes
+        holding ``ranks_per_node`` consecutive global ranks (HSDP's replicas:
+        across nodes when the shard group fills a node, else partly within
+        one); True for a name that is not a live group. The same on every
+        rank of a regular mesh."""
+        group = _group(group_name) if group_name else None
+        if group is None:
+            return True
+        ranks = torch.distributed.get_process_group_ranks(group)
+        return len({r // self.ranks_per_node for r in ranks}) > 1
 
     def comm_time(self, kind: str, unsharded_bytes: int, world_size: int, across_nodes: bool = False) -> float:
         if kind == "all_reduce":
@@ -369,7 +381,8 @@ class CostModel:
         if kind is None:
             return 0.0
         if kind == "all_reduce":
-            return self.comm_time(kind, node_bytes(node.args[0]), _group_size(collective_group(node)), True)
+            group = collective_group(node)
+            return self.comm_time(kind, node_bytes(node.args[0]), _group_size(group), self.spans_nodes(group))
         buf = node if kind == "all_gather" else node.args[0]
         return self.comm_time(kind, node_bytes(buf), collective_world(node))
 

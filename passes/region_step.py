@@ -13,11 +13,17 @@ issues the next backward ``regather``'s; a ``reduce_later`` first moves
 the earlier ones a stage on, and the graph's end waits the last ([Note: A region's
 reduce-scatter waited outside its graph] in compiled_fsdp/core/registry.py).
 Under HSDP the next ``reduce_later`` waits the reduce-scatter and issues
-the replicas' all-reduce of its rows, and the one after it waits that. A
-nested region's own graph is predicted too, before the graph that calls it.
-Tested by tests/test_emulated.py::test_benchmark_cpu_path,
+the replicas' all-reduce of its rows, and the one after it waits that
+(on the inter-node link only where the replicas' ranks span nodes:
+``CostModel.spans_nodes``). Each collective moves its bucket padded to
+whole shards, as the run time packs it; over a shard group of one rank
+(``replicate``) it moves nothing and is not issued. A nested region's own
+graph is predicted too, before the graph that calls it. Tested by
+tests/test_emulated.py::test_benchmark_cpu_path,
 test_a_region_takes_the_gather_issued_ahead,
-test_region_reduces_staged_under_hsdp and test_benchmark_levers_hsdp_bf16_reduce.
+test_region_reduces_staged_under_hsdp,
+test_region_reduce_bytes_padded_and_one_rank_sends_none and
+test_benchmark_levers_hsdp_bf16_reduce.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compiled_fsdp.core import ops as _ops  # noqa: F401 (registers the ops named below)
+from compiled_fsdp.core.layout import bucket_width, split_specs
 from compiled_fsdp.core.marker import IssueAhead, ReduceLater, Regather
 
 from .cost_model import ALL_REDUCES, ALL_TO_ALLS, GATHERS, ISSUES, WAIT, CostModel, node_bytes, tensor_bytes
@@ -76,7 +77,7 @@ class Step:
 
     node: str  # the node's name in its graph
     track: str  # "compute" | "communication"
-    kind: str  # "compute" | "wait" | "all_gather" | "reduce_scatter" | a foreign collective's op
+    kind: str  # "compute" | "wait" | "all_gather" | "reduce_scatter" | "all_reduce" | a foreign collective's op
     start_s: float
     dur_s: float
     regather: bool = False  # a gather chain issued again in backward (reshard after forward)
@@ -138,29 +139,37 @@ def is_reduce(node: fx.Node) -> bool:
 
 def collective_kind(node: fx.Node) -> str:
     """"all_gather", "reduce_scatter" (markers and our gloo all-to-all
-    included) or, for a collective we do not know, the op's name."""
+    included), "all_reduce" or, for a collective we do not know, the op's name."""
     if "all_gather" in str(node.target) or is_unshard(node) or node.target in (REGATHER, ISSUE_AHEAD):
         return "all_gather"
+    if node.target in ALL_REDUCES:
+        return "all_reduce"
     return "reduce_scatter" if is_reduce(node) else str(node.target)
 
 
 def collective_bytes(node: fx.Node) -> int:
     """Bytes of the full (unsharded) side: a gather's output, a reduce-scatter's input."""
-    if node.target is REDUCE_LATER:
-        return sum(tensor_bytes(g.meta.get("val")) for g in ReduceLater.bind(node.args, dict(node.kwargs)).grads)
-    if node.target is ISSUE_AHEAD:  # (it returns a token: its shards, whole, in the gather's dtype)
-        ahead = IssueAhead.bind(node.args, dict(node.kwargs))
-        total = 0
-        for shard in ahead.shards:
-            val = shard.meta.get("val") if isinstance(shard, fx.Node) else None
-            if isinstance(val, torch.Tensor) and tensor_bytes(val):
-                size = ahead.param_dtype.itemsize if ahead.param_dtype is not None else val.element_size()
-                total += tensor_bytes(val) // val.element_size() * size
-        return total * ahead.world_size
+    if node.target in IN_OP_MARKERS:
+        return _in_op_bytes(node)
     if is_reduce(node):
         src = node.args[0]
         return tensor_bytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
     return tensor_bytes(node.meta.get("val"))
+
+
+def _in_op_bytes(node: fx.Node) -> int:
+    """What the collective inside one of the in-op ops moves: its bucket,
+    each parameter padded to whole shards ([Note: Bucket layout] in
+    compiled_fsdp/core/layout.py), in the gather's dtype (a ``reduce_later``:
+    the gradients'); 0 where a tensor has no traced value."""
+    m = IN_OP_MARKERS[node.target].bind(node.args, dict(node.kwargs))
+    later = node.target is REDUCE_LATER
+    vals = [t.meta.get("val") if isinstance(t, fx.Node) else t for t in (m.grads if later else m.shards)]
+    if not vals or not all(isinstance(v, torch.Tensor) for v in vals):
+        return 0
+    specs = split_specs(m.full_shapes, m.ndims if later else [v.dim() for v in vals], m.world_size)
+    dtype = vals[0].dtype if later else m.param_dtype or vals[0].dtype
+    return m.world_size * bucket_width(specs) * dtype.itemsize
 
 
 def collective_world_size(node: fx.Node) -> int:
@@ -232,6 +241,8 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         return start
 
     def issue(n: fx.Node, regather: bool = False) -> None:
+        if n.target in IN_OP and collective_world_size(n) <= 1:
+            return  # (one rank: the op copies and communicates nothing)
         if n in events:
             earlier.append(events.pop(n))
         info = chain_tag(n)
@@ -241,9 +252,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         if n.target in ISSUES and info is not None:
             buf = n if n.target in GATHERS else n.args[0]
             events[n] = CommEvent(  # (HSDP's all-reduce of a bucket's rows is one of ours)
-                kind="all_gather" if n.target in GATHERS else "all_reduce" if n.target in ALL_REDUCES
-                else "reduce_scatter",
-                module_key=info.module_key, unit=info.unit, bytes=node_bytes(buf),
+                kind=kind, module_key=info.module_key, unit=info.unit, bytes=node_bytes(buf),
                 issue_s=t, start_s=start, end_s=queue_end, wait_s=-1.0, exposed_s=0.0,
             )
         else:
@@ -255,7 +264,9 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
 
     def wait(waited: fx.Node, at: fx.Node) -> None:
         nonlocal t, current
-        ev = events[waited]
+        ev = events.get(waited)
+        if ev is None:  # (an in-op collective over one rank: none issued)
+            return
         ev.wait_s = t
         ev.exposed_s = max(0.0, ev.end_s - t)
         if joint and ev.exposed_s > 0:
@@ -295,7 +306,8 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             if marker is None or marker.replicas <= 1:
                 continue
             rows = collective_bytes(key) // max(marker.world_size, 1)
-            dur = cost.comm_time("all_reduce", rows, marker.replicas, across_nodes=True)
+            dur = cost.comm_time("all_reduce", rows, marker.replicas,
+                                 across_nodes=cost.spans_nodes(marker.replicate_group_name))
             start = enqueue(dur)
             events[("all_reduce", key)] = CommEvent("all_reduce", -1, 0, rows, t, start, queue_end, -1.0, 0.0)
             unowned.add(("all_reduce", key))

@@ -83,6 +83,8 @@ out["sub_sizes"] = [r.group_size for r in recs]
 out["sub_priced"] = [abs(recs[0].duration_s - price("all_reduce", 4000, 8, False)) < 1e-12,
                      abs(recs[1].duration_s - price("all_reduce", 4000, world // 8, True)) < 1e-12]
 out["node_vs_network"] = recs[0].duration_s < price("all_reduce", 4000, 8, True)
+# the passes tell a group within a node from one across nodes by its ranks, as the network does
+out["spans_nodes"] = [model.spans_nodes(shard.group_name), model.spans_nodes(rep.group_name), model.spans_nodes(None)]
 
 # functional collectives, compiled: one record per collective, the passes price with the group's links
 net.reset()
@@ -156,6 +158,7 @@ def test_group_semantics_and_clock(world: int) -> None:
     assert res["summary"]["collectives"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
     assert res["late_wait"] == 0
     assert res["sub_sizes"] == [8, world // 8] and res["sub_priced"] == [True, True] and res["node_vs_network"]
+    assert res["spans_nodes"] == [False, world > 8, True], res["spans_nodes"]
     assert res["functional_shape"] == [8 * world] and res["functional_kinds"] == ["all_gather"]
     assert res["for_graph_links"] and res["for_graph_price"]
     assert res["declared_compute"] == [True, True, True], res["declared_compute"]
@@ -324,7 +327,7 @@ def _region_step(split: bool) -> list[tuple[int, float]]:
     from compiled_fsdp.passes.timeline import ISSUE_AHEAD, REGATHER, simulate
 
     def regather(g: torch.fx.Graph, shards: list, n: int) -> torch.fx.Node:
-        node = g.call_function(REGATHER, (shards, [2 * 8] * n, "0", 2, 1, None))
+        node = g.call_function(REGATHER, (shards, [8, 2] * n, "0", 2, 1, None))
         node.meta["val"] = torch.empty(16 * n)
         return node
 
@@ -346,7 +349,7 @@ def _region_step(split: bool) -> list[tuple[int, float]]:
     w1, w2 = (g.placeholder(name) for name in ("w1", "w2"))
     for s in (w1, w2):
         s.meta["val"] = torch.empty(2, 4)
-    ahead = g.call_function(ISSUE_AHEAD, ([canonical(g, w1), canonical(g, w2)], [], [16, 16], "0", 2, 1, None))
+    ahead = g.call_function(ISSUE_AHEAD, ([canonical(g, w1), canonical(g, w2)], [], [8, 2, 8, 2], "0", 2, 1, None))
     ahead.meta["val"] = torch.empty(0)
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(512, 512)
@@ -399,3 +402,29 @@ def test_region_reduces_staged_under_hsdp() -> None:
     assert all(c.wait_s >= 0 for c in tl.comms)  # (every stage waited, the last ones at the end)
     rs1, ar1, rs2, _ = sorted(tl.comms, key=lambda c: c.issue_s)
     assert rs2.issue_s < ar1.end_s, (rs2, ar1)  # (the all-reduce waited a stage later, not where it was issued)
+
+
+def test_region_reduce_bytes_padded_and_one_rank_sends_none() -> None:
+    """[Note: A step with compile regions predicted]: a ``reduce_later``'s
+    reduce-scatter moves its bucket padded to whole shards, as the run time
+    packs it (10 rows over 4 ranks: 12); over a shard group of one rank
+    (``replicate``) it sends nothing, and only the replicas' all-reduce of
+    the rows is left."""
+    import torch
+
+    from compiled_fsdp.passes.cost_model import CostModel
+    from compiled_fsdp.passes.region_step import RunTimeChain
+    from compiled_fsdp.passes.timeline import REDUCE_LATER, simulate
+
+    def step(world: int) -> list[tuple[str, int]]:
+        g = torch.fx.Graph()
+        grad = g.placeholder("grad")
+        grad.meta["val"] = torch.empty(10, 3)
+        later = g.call_function(REDUCE_LATER, ([grad], [], [10, 3], [2], [-(-10 // world)], "0", world),
+                                {"replicas": 2, "replicate_group_name": "1"})
+        later.meta["val"] = torch.empty(0)
+        tl = simulate([later], CostModel(), foreign=True, chain=RunTimeChain([later], {}))
+        return [(c.kind, c.bytes) for c in sorted(tl.comms, key=lambda c: c.issue_s)]
+
+    assert step(4) == [("reduce_scatter", 4 * 3 * 3 * 4), ("all_reduce", 3 * 3 * 4)], step(4)
+    assert step(1) == [("all_reduce", 10 * 3 * 4)], step(1)

@@ -41,7 +41,7 @@ def collective_label(node: fx.Node) -> str:
     if node.target in _IN_OP:
         return _IN_OP[node.target]
     kind = collective_kind(node)
-    return {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}.get(kind, kind)
+    return {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce"}.get(kind, kind)
 
 
 def bucket_name(tag: ChainTag, module_names: dict[int, str]) -> str:
