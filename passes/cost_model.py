@@ -356,16 +356,22 @@ class CostModel:
         return (self.inter_node if spans_nodes else self.comm)[kind]
 
     def spans_nodes(self, group_name: str | None) -> bool:
-        """Whether the named group's ranks lie on more than one node, nodes
-        holding ``ranks_per_node`` consecutive global ranks (HSDP's replicas:
-        across nodes when the shard group fills a node, else partly within
-        one); True for a name that is not a live group. The same on every
-        rank of a regular mesh."""
+        """Whether the named group's ring crosses nodes, nodes holding
+        ``ranks_per_node`` consecutive global ranks. Decided from the group's
+        size and stride, not its place, so that every rank decides the same:
+        a group of ranks ``r0 + k * stride`` (a mesh dimension's) stays in a
+        node on every rank only when ``size * stride`` divides a node (HSDP's
+        replicas of shard groups smaller than a node). True for a group of
+        another pattern or a name that is not a live group; False for one rank."""
         group = _group(group_name) if group_name else None
         if group is None:
             return True
         ranks = torch.distributed.get_process_group_ranks(group)
-        return len({r // self.ranks_per_node for r in ranks}) > 1
+        if len(ranks) <= 1:
+            return False
+        stride = ranks[1] - ranks[0]
+        regular = stride > 0 and ranks == list(range(ranks[0], ranks[0] + len(ranks) * stride, stride))
+        return not (regular and self.ranks_per_node % (len(ranks) * stride) == 0)
 
     def comm_time(self, kind: str, unsharded_bytes: int, world_size: int, across_nodes: bool = False) -> float:
         if kind == "all_reduce":

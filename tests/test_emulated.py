@@ -84,7 +84,9 @@ out["sub_priced"] = [abs(recs[0].duration_s - price("all_reduce", 4000, 8, False
                      abs(recs[1].duration_s - price("all_reduce", 4000, world // 8, True)) < 1e-12]
 out["node_vs_network"] = recs[0].duration_s < price("all_reduce", 4000, 8, True)
 # the passes tell a group within a node from one across nodes by its ranks, as the network does
-out["spans_nodes"] = [model.spans_nodes(shard.group_name), model.spans_nodes(rep.group_name), model.spans_nodes(None)]
+# (a replica group of shard groups of 4: within a node at W = 8, across at 64; decided by its size and stride)
+quarter = init_device_mesh("cpu", (world // 4, 4), mesh_dim_names=("replicate", "shard")).get_group("replicate")
+out["spans_nodes"] = [model.spans_nodes(g.group_name) for g in (shard, rep, quarter)] + [model.spans_nodes(None)]
 
 # functional collectives, compiled: one record per collective, the passes price with the group's links
 net.reset()
@@ -158,7 +160,7 @@ def test_group_semantics_and_clock(world: int) -> None:
     assert res["summary"]["collectives"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
     assert res["late_wait"] == 0
     assert res["sub_sizes"] == [8, world // 8] and res["sub_priced"] == [True, True] and res["node_vs_network"]
-    assert res["spans_nodes"] == [False, world > 8, True], res["spans_nodes"]
+    assert res["spans_nodes"] == [False, world > 8, world > 8, True], res["spans_nodes"]
     assert res["functional_shape"] == [8 * world] and res["functional_kinds"] == ["all_gather"]
     assert res["for_graph_links"] and res["for_graph_price"]
     assert res["declared_compute"] == [True, True, True], res["declared_compute"]
