@@ -31,7 +31,9 @@ across the nodes, sharded within one, for ours and FSDP2) and
 ``--reduce-dtype bfloat16`` (gradients reduced in bf16).
 
 Per configuration: step (median), first step, tokens/s per GPU, MFU (GPU),
-peak memory, the communication-only step (the queue's busy time: every
+peak memory (on the CPU the step's peak of tensor memory above what existed
+before it, ``step MiB``: [Note: Measuring memory on CPU] in
+benchmarks/workloads.py), the communication-only step (the queue's busy time: every
 collective of a step, one after another), the lower bound max(floor step,
 communication step), exposed communication (measured: on CUDA from a
 profiler trace, the time a collective's spin kernel runs while no other
@@ -65,6 +67,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import llama  # noqa: E402
 from emulated_report import table, trace_exposed  # noqa: E402
+from workloads import tensor_peak_mb  # noqa: E402
 
 KINDS = ("floor", "ours", "ours_regions", "ours_blocks", "ours_eager", "fsdp2_eager", "fsdp2_blocks", "graph_trainer")
 MODELS = {  # --model: the GPU job (Llama-3.1-8B dimensions), the CPU's, the tests'
@@ -325,6 +328,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     if device.type == "cuda":
         res.update(trace_exposed(lambda: step(0), device))
+    else:  # (one step more, profiled: after the records above were read)
+        res["step_peak_mib"] = tensor_peak_mb(lambda: step(args.warmup + args.steps))
     reports = [r for r in rec.schedule if r.graph in ("forward", "backward")]
     if args.kind == "ours" and reports:  # one forward and one backward graph per step
         res.update(_predicted([r.after for r in reports]))

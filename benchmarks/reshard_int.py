@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.paired import add_paired_args, paired_run, paired_summary, report, timed_step  # noqa: E402
-from benchmarks.workloads import _tensor_peak_mb  # noqa: E402
+from benchmarks.workloads import tensor_peak_mb  # noqa: E402
 from compiled_fsdp.tools.launch import run_distributed  # noqa: E402
 from examples.gpt import batch, bench, loss_fn  # noqa: E402
 
@@ -67,7 +67,7 @@ def _rank(rank: int, world: int, size: int, kinds: list[str], layers: int, dim: 
         return step
 
     fns, out = paired_run(make, kinds, warmup, steps)
-    return {**out, "peak_mb": {k: _tensor_peak_mb(fns[k]) for k in kinds}, "block_shard_numel": numel["block"]}
+    return {**out, "peak_mb": {k: tensor_peak_mb(fns[k]) for k in kinds}, "block_shard_numel": numel["block"]}
 
 
 def main() -> None:

@@ -243,8 +243,9 @@ def _schedule_summary() -> list[dict]:
     ]
 
 
-def _tensor_peak_mb(step: Callable[[], float]) -> float:
-    """See [Note: Measuring memory on CPU]."""
+def tensor_peak_mb(step: Callable[[], Any]) -> float:
+    """MiB: the peak of tensor memory above what existed before ``step``
+    (one call of it, profiled). See [Note: Measuring memory on CPU]."""
     import json
     import tempfile
 
@@ -271,7 +272,7 @@ def train_rank(rank: int, world: int, kind: str, warmup: int, steps: int, n_laye
     out = {
         "step_s": statistics.median(times), "times_s": times, "first_step_s": first[0],
         "rss_peak_mb": mem.peak / 2**20, "step_peak_mb": (mem.peak - before) / 2**20,
-        "tensor_peak_mb": _tensor_peak_mb(step),
+        "tensor_peak_mb": tensor_peak_mb(step),
     }
     if kind.startswith("ours_compiled"):
         out["schedule"] = _schedule_summary()

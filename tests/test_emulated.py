@@ -197,7 +197,8 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     """``benchmarks/emulated.py`` on the CPU with a tiny Llama at W = 8: ours
     compiled and eager and FSDP2 eager run; ours and FSDP2 eager send the same
     bytes in the same number of collectives; exposed time is within the step's
-    communication; the schedule's prediction prices exactly the collectives the
+    communication, and the step's tensor peak (``step MiB``) holds its
+    largest gathered bucket; the schedule's prediction prices exactly the collectives the
     run issued, in the order it issued them, also with compile regions (each
     region's call expanded, its gathers issued ahead and taken, its reduces
     waited later: [Note: A step with compile regions predicted] in
@@ -218,6 +219,9 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     for kind in ("ours", "ours_regions", "ours_eager", "fsdp2_eager"):
         r = by_kind[kind]
         assert 0 < r["comm_s"] and 0 <= r["exposed_s"] <= r["comm_s"] + 1e-6, r
+        # (the step's tensor peak holds at least its largest gathered bucket)
+        gathered = max(c["bytes"] for c in r["last_step"] if c["kind"] == "all_gather") / 2**20
+        assert r["step_peak_mib"] >= gathered, (kind, r["step_peak_mib"], gathered)
     for kind in ("ours", "ours_regions"):
         r = by_kind[kind]
         assert abs(r["predicted_comm_s"] - r["comm_s"]) < 1e-9, (kind, r["predicted_comm_s"], r["comm_s"])
