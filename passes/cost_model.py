@@ -357,17 +357,22 @@ class CostModel:
 
     def spans_nodes(self, group_name: str | None) -> bool:
         """Whether the named group's ring crosses nodes, nodes holding
-        ``ranks_per_node`` consecutive global ranks. Decided from the group's
-        size and stride, not its place, so that every rank decides the same:
+        ``ranks_per_node`` consecutive global ranks. Decided from the world's
+        size and the group's size and stride, not its place, so that every
+        rank decides the same: none crosses in a world that fits in a node;
         a group of ranks ``r0 + k * stride`` (a mesh dimension's) stays in a
-        node on every rank only when ``size * stride`` divides a node (HSDP's
+        node on every rank when ``size * stride`` divides a node (HSDP's
         replicas of shard groups smaller than a node). True for a group of
-        another pattern or a name that is not a live group; False for one rank."""
+        another pattern or a name that is not a live group with known
+        ranks; False for one rank."""
         group = _group(group_name) if group_name else None
-        if group is None:
+        try:
+            ranks = torch.distributed.get_process_group_ranks(group) if group is not None else None
+        except (KeyError, RuntimeError, ValueError):  # (a group registered by name only)
+            ranks = None
+        if ranks is None:
             return True
-        ranks = torch.distributed.get_process_group_ranks(group)
-        if len(ranks) <= 1:
+        if len(ranks) <= 1 or torch.distributed.get_world_size() <= self.ranks_per_node:
             return False
         stride = ranks[1] - ranks[0]
         regular = stride > 0 and ranks == list(range(ranks[0], ranks[0] + len(ranks) * stride, stride))

@@ -172,6 +172,13 @@ def _in_op_bytes(node: fx.Node) -> int:
     return m.world_size * bucket_width(specs) * dtype.itemsize
 
 
+def communicates(node: fx.Node) -> bool:
+    """False for an op that collects inside over a group of one rank: it
+    copies and issues nothing (core/ops.py's ``issue_gather`` and
+    ``reduce_later``)."""
+    return node.target not in IN_OP or collective_world_size(node) > 1
+
+
 def collective_world_size(node: fx.Node) -> int:
     if node.target in IN_OP_MARKERS:
         return IN_OP_MARKERS[node.target].bind(node.args, dict(node.kwargs)).world_size
@@ -241,8 +248,8 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         return start
 
     def issue(n: fx.Node, regather: bool = False) -> None:
-        if n.target in IN_OP and collective_world_size(n) <= 1:
-            return  # (one rank: the op copies and communicates nothing)
+        if not communicates(n):
+            return
         if n in events:
             earlier.append(events.pop(n))
         info = chain_tag(n)
@@ -352,7 +359,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
                     c = next((c for c in order if is_collective(c) and chain_tag(c) == tag), None)
                     if c is not None:
                         issue(c, regather=True)
-                        t = max(t, events[c].end_s)
+                        t = max(t, events[c].end_s) if c in events else t  # (none over one rank)
         info = chain_tag(n)
         owned = n.target in ISSUES and info is not None
         if foreign and joint and n not in backward and n.meta.get("partitioner_tag") == "must_be_in_backward" \

@@ -291,25 +291,34 @@ def test_graphs_of_compile_regions_find_their_region(tmp_path) -> None:
 def test_a_backward_regather_drawn_once() -> None:
     """[Note: Collectives inside an op]: a handed-in module's backward
     ``regather`` sits in the joint graph's forward, tagged to run in backward
-    only; the dump's timeline draws it once, in backward where it runs."""
+    only; the dump's timeline draws it once, in backward where it runs, and
+    none over a shard group of one rank."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     from compiled_fsdp.passes.cost_model import CostModel
     from compiled_fsdp.passes.graph import META_KEY, ChainTag
     from compiled_fsdp.passes.timeline import REGATHER, simulate
 
-    g = torch.fx.Graph()
-    shard, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
-    shard.meta["val"], tangent.meta["val"] = torch.empty(8), torch.empty(16)
-    again = g.call_function(REGATHER, ([shard], [16], "0", 2, -1, None), {"backward": True})
-    again.meta.update({"val": torch.empty(16), "recompute": CheckpointPolicy.MUST_RECOMPUTE,
-                       "partitioner_tag": "must_be_in_backward",
-                       META_KEY: ChainTag("gather_chain", -1, 0, ((-1, 0),), True)})
-    grad = g.call_function(torch.ops.aten.mul.Tensor, (tangent, again))
-    grad.meta["val"] = torch.empty(16)
-    g.output(grad)
+    def joint(world: int) -> torch.fx.Graph:
+        g = torch.fx.Graph()
+        shard, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
+        shard.meta["val"], tangent.meta["val"] = torch.empty(16 // world), torch.empty(16)
+        again = g.call_function(REGATHER, ([shard], [16], "0", world, -1, None), {"backward": True})
+        again.meta.update({"val": torch.empty(16), "recompute": CheckpointPolicy.MUST_RECOMPUTE,
+                           "partitioner_tag": "must_be_in_backward",
+                           META_KEY: ChainTag("gather_chain", -1, 0, ((-1, 0),), True)})
+        grad = g.call_function(torch.ops.aten.mul.Tensor, (tangent, again))
+        grad.meta["val"] = torch.empty(16)
+        g.output(grad)
+        return g
+
+    g = joint(2)
     tl = simulate(list(g.nodes), CostModel.for_graph(g), joint=True, foreign=True)
     comm = [s for s in tl.steps if s.track == "communication"]
     assert [(s.kind, s.regather) for s in comm] == [("all_gather", True)], tl.steps
     (forward,) = [p for p in tl.phases if p[0] == "forward"] or [("forward", 0.0, 0.0)]
     assert all(s.start_s >= forward[2] for s in comm), (tl.phases, comm)
+    # over a shard group of one rank it gathers nothing: none drawn (and the re-gather's wait finds none)
+    g = joint(1)
+    tl = simulate(list(g.nodes), CostModel.for_graph(g), joint=True, foreign=True)
+    assert not [s for s in tl.steps if s.track == "communication"], tl.steps

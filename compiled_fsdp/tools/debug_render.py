@@ -14,7 +14,7 @@ from compiled_fsdp.compile import install
 from compiled_fsdp.core import registry
 from compiled_fsdp.core.marker import ENTRY_KEY, NEXT_KEY
 from compiled_fsdp.passes.graph import chain_tag, is_reduce_grad, is_unshard, region_calls
-from compiled_fsdp.passes.timeline import collective_bytes, is_collective
+from compiled_fsdp.passes.timeline import collective_bytes, communicates, is_collective
 from compiled_fsdp.tools.debug_timeline import bucket_name, collective_label
 
 __all__ = ["GraphRecord", "count_region_calls", "graph_stats", "module_names", "render_graph", "write_index",
@@ -66,7 +66,7 @@ def graph_stats(gm: fx.GraphModule, names: dict[int, str]) -> dict[str, Any]:
     total_bytes = 0
     modules: set[str] = set()
     for n in gm.graph.nodes:
-        if not is_collective(n):
+        if not is_collective(n) or not communicates(n):
             continue
         kind = collective_label(n)
         if is_unshard(n) or is_reduce_grad(n):
