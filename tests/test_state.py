@@ -91,7 +91,7 @@ def test_a_deleted_model_leaves_nothing_behind(regions: bool) -> None:
             # A region's reduce-scatter waited outside its graph])
             assert (r["during"]["receivers"] > 0) == regions, r["during"]
             assert r["after"] == before, (how, r["after"], before)
-    # (The FSDP<Module> classes are held weakly (RUNTIME.subclasses) but not
+    # (The FSDP<Module> classes are held weakly (RUNTIME.generated) but not
     # counted: Dynamo stores each compiled function in the traced code's module
     # globals, past torch._dynamo.reset(), and with it the classes its guards name.)
 

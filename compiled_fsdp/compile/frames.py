@@ -180,7 +180,7 @@ def _check_new_graph(traced: Optional[install.TracedAttempt]) -> None:
     its rank's checker runs in its own thread.)"""
     set_compiling(False)
     seq = traced.markers if traced is not None else []
-    if not seq:
+    if not seq or compat.caching_precompile_on():  # ([Note: Agreeing on collectives]: GRAPH)
         return
     groups = [registry.owner_of(key) for key, _ in seq]
     first = groups[0]

@@ -231,6 +231,19 @@ def aot_cache_takes_to_local() -> bool:
 _PENDING = "_CompilationCallbackHandler__pending_callbacks_counter"
 
 
+def has_caching_precompile() -> bool:
+    """Whether Dynamo can save its traces and load them in another process
+    (``torch._dynamo.config.caching_precompile``, saved by
+    ``torch.compiler.save_cache_artifacts()``): [Note: Generated classes by
+    reference] in runtime/generated.py."""
+    return hasattr(torch._dynamo.config, "caching_precompile")
+
+
+def caching_precompile_on() -> bool:
+    """Whether Dynamo's traces are saved and loaded now (``has_caching_precompile``)."""
+    return bool(getattr(torch._dynamo.config, "caching_precompile", False))
+
+
 def end_callback_raised() -> None:
     """Called by a compile-end callback that is about to raise: undoes the
     pending-compile count that Dynamo's handler would have decremented after

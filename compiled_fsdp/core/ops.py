@@ -66,7 +66,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from compiled_fsdp.core import comm, compat, registry
+# (copy_out, gated: the other ops the passes emit, defined with these: a
+# trace saved by torch's caching precompile calls them once it loads, before
+# any pass runs: [Note: Generated classes by reference] in runtime/generated.py)
+from compiled_fsdp.core import comm, compat, copy_out, gated, registry  # noqa: F401
 from compiled_fsdp.core.layout import (
     EAGER,
     ShardSpec,

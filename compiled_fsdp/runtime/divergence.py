@@ -18,6 +18,12 @@ these points:
   issued with the collective, awaited before its result is used);
 - ``GRAPH``: Dynamo finished compiling a frame that reads sharded parameters
   whose marker sequence no earlier graph had (so before its first run).
+  Not while torch's caching precompile is on: a graph loaded from a saved
+  trace is never traced, and a rank whose guards differ from the saved
+  ones' (it holds other rows) traces while the others load, so only it
+  would check (its graph's collectives are the others': [Note:
+  Rank-independent graphs]). Tested by
+  tests/test_precompile.py::test_a_second_job_loads_its_traces.
 
 A check is a tiny all-gather of a fixed-size message (kind, step, a code of
 what is compared, a readable description). The checks themselves pair in

@@ -13,6 +13,7 @@ step changes the shards. Tested by tests/test_no_sync.py.
 """
 from __future__ import annotations
 
+import copyreg
 import functools
 import warnings
 from typing import Any, Iterable, Optional
@@ -47,6 +48,11 @@ class GradientReductionHandle:
         return None
 
 
+def _unconstructed(cls: type) -> Any:
+    """An instance of ``cls`` whose state unpickling sets."""
+    return super(FSDPModule, cls).__new__(cls)
+
+
 class FSDPModule:
     """Mixed into the class of every module ``fully_shard`` was applied to, so
     ``isinstance(m, compiled_fsdp.FSDPModule)`` tells which they are. The
@@ -61,6 +67,15 @@ class FSDPModule:
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled (torch's caching precompile saves the modules its guards
+        # read: [Note: Generated classes by reference] in generated.py), it
+        # is rebuilt as it was, not made anew as ``__new__`` above makes it.
+        rv = super().__reduce_ex__(protocol)
+        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__:
+            return (_unconstructed, *rv[1:])
+        return rv
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise AssertionError(

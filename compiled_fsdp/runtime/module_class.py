@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from compiled_fsdp.core import compat
+from compiled_fsdp.runtime import generated
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.registry import RUNTIME
 
@@ -93,11 +94,10 @@ def install_class(
     # wrapped one, as ``checkpoint_wrapper``, would answer with the wrapped
     # module's base class and become an embedding: tests/test_chunked_loss.py)
     base = getattr(type(module), "_fsdp_base_class", type(module))
-    key = (base, frozenset(params), mixins)
-    cls = RUNTIME.subclasses.get(key)
+    key = ("fsdp", base, tuple(sorted(params)), mixins)
+    cls = RUNTIME.generated.get(key)
     if cls is None:
         attrs: dict[str, Any] = {n: _make_property(n) for n in sorted(params)}
         attrs["_fsdp_base_class"] = base
-        cls = type(f"FSDP{base.__name__}", (*mixins, base), attrs)
-        RUNTIME.subclasses[key] = cls
+        cls = generated.make(f"FSDP{base.__name__}", (*mixins, base), attrs, key)
     module.__class__ = cls

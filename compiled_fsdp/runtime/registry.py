@@ -20,14 +20,17 @@ modules sharded over it, and what the hooks must find from a module alone:
   FSDPParam (weakly; not a weak reference to the shard, which would stop
   ``to_empty()`` from swapping it), to tell our DTensors from a user's
   (tensor parallelism).
-- ``subclasses``: the ``FSDP<Module>`` classes made by ``fully_shard``
-  ([Note: Parameter property] in module_class.py), reused across modules.
+- ``generated``: the classes ``fully_shard`` made, by what each was made
+  of (the ``FSDP<Module>`` classes, reused across modules: [Note: Parameter
+  property] in module_class.py; compile regions'), and ``metaclasses``:
+  the metaclass made for each metaclass they derive from ([Note: Generated
+  classes by reference] in generated.py).
 - ``path``: the compile layer's seam ([Note: The compiled path] in
   extension.py), set when the compile layer loads.
 
 The per-group entries are weak (a model nobody references is freed with its
 groups), the checkers are pruned when their group is destroyed, and the
-subclasses live while a module of theirs does. ``reset()`` forgets every
+generated classes live while a module of theirs does. ``reset()`` forgets every
 cache (keys and abandoned groups apart: the markers of a live model name
 its keys, so a counter restarts only with a new world group). The module state itself is
 torch's map (``compat.module_state``), not kept here: see state.py.
@@ -71,7 +74,8 @@ class RuntimeRegistry:
         self.abandoned: list[dist.ProcessGroup] = []
         self.managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.shards: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        self.subclasses: weakref.WeakValueDictionary[tuple, type] = weakref.WeakValueDictionary()
+        self.generated: weakref.WeakValueDictionary[tuple, type] = weakref.WeakValueDictionary()
+        self.metaclasses: dict[type, type] = {}
         self.path: Any = None  # (extension.CompiledPath; None: the eager-only default)
 
     def checker(self, ranks: tuple[int, ...]) -> Any:
@@ -90,7 +94,7 @@ class RuntimeRegistry:
         self.alone_groups.clear()
         self.post_forward_groups.clear()
         self.checkers.clear()
-        self.subclasses.clear()
+        self.generated.clear()
 
 
 RUNTIME = RuntimeRegistry()
