@@ -2,7 +2,7 @@
 and 80 blocks, side by side, and where each compile went.
 
     python benchmarks/depth.py [--depths 8 32 80] [--dim 512] [--kinds KIND ...]
-        [--caches cold|warm] [--steps 3] [--rounds 1] [--out DIR]
+        [--caches cold|warm|precompile] [--steps 3] [--rounds 1] [--out DIR]
 
 The benchmark GPT (``examples.gpt:bench``, d=``--dim``, batch 4x256 per rank)
 with ``--depths`` blocks on 2 gloo ranks, 1 thread each, every configuration
@@ -30,7 +30,11 @@ in fresh processes:
 and an empty kernel cache directory (what a user waits for after changing the
 model). ``--caches warm``: torch's caches on, each configuration run twice on
 one fresh cache directory, the second run reported (a job started again
-unchanged; its ``cache`` counts the hits).
+unchanged; its ``cache`` counts the hits). ``--caches precompile``: as warm,
+with torch's caching precompile on (``torch._dynamo.config.caching_precompile``):
+the first run also saves Dynamo's traces (``torch.compiler.save_cache_artifacts()``)
+and the second loads them where it can instead of tracing (``phases_s``'
+``dynamo_trace`` 0 on a rank that loaded).
 
 Reported per configuration and depth: ``first_step_s`` (compile and one
 step), ``step_s`` (median of the next ``--steps``), ``compile_s``, their
@@ -68,9 +72,10 @@ KINDS = ["compute_compiled", "compute_compiled_regions", "fsdp2_compiled", "fsdp
 def measure(kind: str, depth: int, args: argparse.Namespace) -> dict:
     """One cell: the first step with cold caches, or the second run of a warm pair."""
     with tempfile.TemporaryDirectory(prefix="depth_cache_") as cache:
-        warm = args.caches == "warm"
+        warm, precompile = args.caches != "cold", args.caches == "precompile"
         for _ in range(2 if warm else 1):
-            per_rank = run_distributed(compile_rank, 2, kind, args.steps, depth, args.dim, warm, cache, timeout=3600)
+            per_rank = run_distributed(compile_rank, 2, kind, args.steps, depth, args.dim, warm, cache, precompile,
+                                       timeout=3600)
     first = max(r["first_step_s"] for r in per_rank)
     step = max(r["step_s"] for r in per_rank)
     return {"first_step_s": first, "step_s": step, "compile_s": first - step} | {
@@ -81,7 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depths", nargs="*", type=int, default=[8, 32, 80])
     ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--caches", choices=("cold", "warm"), default="cold")
+    ap.add_argument("--caches", choices=("cold", "warm", "precompile"), default="cold")
     ap.add_argument("--kinds", nargs="*", default=KINDS)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1,

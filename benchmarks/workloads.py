@@ -98,14 +98,16 @@ def _own_code(model: torch.nn.Module, tag: str) -> torch.nn.Module:
 
 
 def _build(kind: str, n_layers: int = 8, tag: str = "", dim: int = 512,
-           caches: bool = False) -> tuple[torch.nn.Module, torch.nn.Module]:
+           caches: bool = False, own_code: bool = True) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Returns (model whose parameters the optimizer steps, callable to run).
     A ``_bf16`` kind gathers and computes in bf16 and reduces in fp32 (both
     FSDPs' ``MixedPrecisionPolicy``); its compute floor runs a bf16 model. A
     ``_blocks`` kind compiles each block on its own (``block.compile()``, the
     root eager: torchtitan's pattern; see [Note: Blocks compiled on their own]);
-    ``_blocks_nohandoff`` without the gathers handed from block to block."""
-    model = _own_code(bench(n_layers, dim), tag or kind)
+    ``_blocks_nohandoff`` without the gathers handed from block to block.
+    ``own_code`` False: the model's classes as they are (one configuration
+    a process; a saved trace names its code by its class)."""
+    model = _own_code(bench(n_layers, dim), tag or kind) if own_code else bench(n_layers, dim)
     if kind.endswith("_float8"):  # the blocks' linears in torchao's float8, gathered as float8
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -197,12 +199,12 @@ def _knobs(kind: str) -> Iterator[None]:
 
 
 def _train_step(kind: str, rank: int, n_layers: int = 8, tag: str = "", dim: int = 512,
-                caches: bool = False) -> Callable[[], float]:
+                caches: bool = False, own_code: bool = True) -> Callable[[], float]:
     """Builds one training configuration; returns its timed step. Build and
     warm it up inside ``_knobs(kind)``: the knobs are read when the model is
     sharded and when it first compiles."""
     torch.manual_seed(0)
-    model, run = _build(kind, n_layers, tag or kind, dim, caches)
+    model, run = _build(kind, n_layers, tag or kind, dim, caches, own_code)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = batch(GPTConfig(), BATCH, seed=rank)
 
@@ -289,11 +291,13 @@ COMPILE_PHASES = {"dynamo_trace": ("bytecode_tracing",), "aot_trace": ("aot_trac
 
 
 def compile_rank(rank: int, world: int, kind: str, steps: int, n_layers: int, dim: int, caches: bool,
-                 cache_dir: str) -> dict:
+                 cache_dir: str, precompile: bool = False) -> dict:
     """The first step of one configuration and where its compile went: Dynamo's
     phases, the passes' own seconds and node counts, the graphs Dynamo made,
     and the cache hits (``caches``: torch's caches on, for a warm start), with
-    Inductor's cache directory ``cache_dir``."""
+    Inductor's cache directory ``cache_dir``. ``precompile``: Dynamo's traces
+    saved there too and loaded from there (torch's caching precompile: [Note:
+    Generated classes by reference] in compiled_fsdp/runtime/generated.py)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     from compiled_fsdp.compile.install import recording
@@ -301,10 +305,13 @@ def compile_rank(rank: int, world: int, kind: str, steps: int, n_layers: int, di
     # (Inductor reads the variable at each use; a forked rank starts with the server's)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
 
-    with _knobs(kind), recording() as rec:
-        step = _train_step(kind, rank, n_layers, dim=dim, caches=caches)
-        first = step()
-    times = [step() for _ in range(steps)]
+    with torch._dynamo.config.patch(caching_precompile=precompile):
+        with _knobs(kind), recording() as rec:
+            step = _train_step(kind, rank, n_layers, dim=dim, caches=caches, own_code=not precompile)
+            first = step()
+        times = [step() for _ in range(steps)]
+        if precompile:
+            torch.compiler.save_cache_artifacts()
     phases = {name: round(sum(sum(compilation_time_metrics.get(k, [])) for k in keys), 3)
               for name, keys in COMPILE_PHASES.items()}
     passes: dict[str, float] = {}

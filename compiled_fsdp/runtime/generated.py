@@ -37,8 +37,8 @@ _KEY = "_fsdp_generated_key"
 def make(name: str, bases: tuple[type, ...], attrs: dict[str, Any], key: tuple[Hashable, ...]) -> type:
     """A class ``name`` of ``bases`` and ``attrs``, found again by ``key``
     (its kind first, then classes and names: picklable) where it is unpickled."""
-    base_meta = type(bases[-1])
-    meta = RUNTIME.metaclasses.get(base_meta)
+    base_meta = type(bases[-1])  # (a made class's own: a region class of an FSDP<Module> class)
+    meta = base_meta if base_meta in RUNTIME.metaclasses.values() else RUNTIME.metaclasses.get(base_meta)
     if meta is None:
         meta = type(f"Generated{base_meta.__name__}", (base_meta,), {"__module__": __name__})
         copyreg.pickle(meta, _reduce)
