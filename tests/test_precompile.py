@@ -16,9 +16,6 @@ from _dist import run_distributed
 from _models import gpt_case
 from _parity import assert_close, run_parity
 
-pytestmark = pytest.mark.skipif(
-    not compat.has_caching_precompile(), reason="this torch has no caching precompile (torch._dynamo.config)")
-
 
 def _shard(model: torch.nn.Module) -> None:
     for block in model.layers:
@@ -56,6 +53,11 @@ def _job_rank(rank: int, world: int, cache_dir: str, save: bool, per_rank: bool)
     return res
 
 
+LOADS = pytest.mark.skipif(not compat.saved_traces_load(), reason="this torch cannot load a saved trace of a "
+                           "sharded model (compat.saved_traces_load): see the refusal test")
+
+
+@LOADS
 @pytest.mark.parametrize("per_rank", [False, True], ids=["shared", "per_rank"])
 def test_a_second_job_loads_its_traces(tmp_path, per_rank: bool) -> None:
     """The first job traces its whole model (compile regions) and saves
@@ -85,6 +87,7 @@ def test_a_second_job_loads_its_traces(tmp_path, per_rank: bool) -> None:
     assert all(loaded) if per_rank else any(loaded), [(b["traced_s"], b["graphs"]) for b in second]
 
 
+@LOADS
 def test_generated_classes_pickle_by_what_they_are_made_of() -> None:
     """A class ``fully_shard`` made pickles as its key and loads as the same
     class in the process that made it, or fails to load, saying what to do,
@@ -105,3 +108,22 @@ def test_generated_classes_pickle_by_what_they_are_made_of() -> None:
     del RUNTIME.generated[key]
     with pytest.raises(LookupError, match="fully_shard before the first compiled call"):
         pickle.loads(pickle.dumps(made))
+
+
+def _refused_rank(rank: int, world: int) -> str:
+    torch._dynamo.config.caching_precompile = True
+    try:
+        _shard(gpt_case(False)[0]())
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.skipif(compat.saved_traces_load(), reason="this torch loads a saved trace of a sharded model")
+def test_a_release_that_cannot_load_a_trace_refuses_caching_precompile() -> None:
+    """Where torch fails to save or load a sharded model's traces (2.13:
+    Dynamo raises on pickling the made classes, and on loading a trace once
+    they pickle), ``fully_shard`` under caching precompile says so and what
+    to do, on every rank, instead of the compile's error."""
+    for message in run_distributed(_refused_rank, 2):
+        assert "caching precompile" in message and "torch 2.15" in message, message

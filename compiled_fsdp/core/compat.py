@@ -231,16 +231,21 @@ def aot_cache_takes_to_local() -> bool:
 _PENDING = "_CompilationCallbackHandler__pending_callbacks_counter"
 
 
-def has_caching_precompile() -> bool:
-    """Whether Dynamo can save its traces and load them in another process
-    (``torch._dynamo.config.caching_precompile``, saved by
-    ``torch.compiler.save_cache_artifacts()``): [Note: Generated classes by
-    reference] in runtime/generated.py."""
-    return hasattr(torch._dynamo.config, "caching_precompile")
+def saved_traces_load() -> bool:
+    """Whether a trace of a sharded model that torch's caching precompile
+    saved (``torch._dynamo.config.caching_precompile``, saved by
+    ``torch.compiler.save_cache_artifacts()``) loads in the next job: [Note:
+    Generated classes by reference] in runtime/generated.py. On 2.13.0 the
+    load fails inside torch (unpickling an ``ImportSource`` installs a guard
+    with no trace under way, and the retry raises "CompilePackage is already
+    initialized" into the job), so there, as on 2.14 (not tried), the made
+    classes pickle by name and no such trace is saved. Tried on 2.13.0 and
+    2.15.0 (tests/test_precompile.py)."""
+    return hasattr(torch._dynamo.config, "caching_precompile") and torch_release() >= (2, 15)
 
 
 def caching_precompile_on() -> bool:
-    """Whether Dynamo's traces are saved and loaded now (``has_caching_precompile``)."""
+    """Whether torch's caching precompile is on now (``saved_traces_load``)."""
     return bool(getattr(torch._dynamo.config, "caching_precompile", False))
 
 

@@ -18,7 +18,9 @@ pickle asks of any class). Unpickled, the key finds the class this process
 made from the same key (``find``), so the guards check the modules'
 classes again. A class not made yet in the loading process (``fully_shard``
 runs before the compiled call that loads the trace) fails the load, and
-Dynamo traces as before. The names stay FSDP2's (``FSDPLinear``). Tested by
+Dynamo traces as before. Where torch fails to load such a trace
+(``compat.saved_traces_load``: 2.13), the classes pickle by name as before,
+so none is saved. The names stay FSDP2's (``FSDPLinear``). Tested by
 tests/test_compile_parity.py::test_a_second_job_loads_its_traces.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import copyreg
 from collections.abc import Hashable
 from typing import Any
 
+from compiled_fsdp.core import compat
 from compiled_fsdp.runtime.registry import RUNTIME
 
 __all__ = ["find", "make"]
@@ -41,7 +44,8 @@ def make(name: str, bases: tuple[type, ...], attrs: dict[str, Any], key: tuple[H
     meta = base_meta if base_meta in RUNTIME.metaclasses.values() else RUNTIME.metaclasses.get(base_meta)
     if meta is None:
         meta = type(f"Generated{base_meta.__name__}", (base_meta,), {"__module__": __name__})
-        copyreg.pickle(meta, _reduce)
+        if compat.saved_traces_load():  # (elsewhere pickled by name, so no trace is saved)
+            copyreg.pickle(meta, _reduce)
         RUNTIME.metaclasses[base_meta] = meta
     cls = meta(name, bases, {**attrs, _KEY: key})
     RUNTIME.generated[key] = cls

@@ -116,6 +116,12 @@ def validate(
     parameter's shard dim (``shard_placement_fn``'s, on a group of
     ``shard_size``). ``modules``: one module, or the modules of FSDP2's list
     form (one group for all)."""
+    if compat.caching_precompile_on() and not compat.saved_traces_load():
+        raise RuntimeError(
+            f"{api}: torch {torch.__version__} cannot save or load the traces of a sharded model under its "
+            "caching precompile (TORCH_CACHING_PRECOMPILE=1, torch._dynamo.config.caching_precompile): its "
+            "compile fails. Turn it off, or use torch 2.15, where a second job loads the first one's traces "
+            "(README, 'A job started again can skip Dynamo's trace').")
     for module in modules:
         state = get_fsdp_state(module)
         if state is not None and state.api != api:
