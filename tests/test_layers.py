@@ -27,7 +27,7 @@ ALLOWED = {
 
 
 # The runtime's modules, lowest first: each may import only those before it.
-RUNTIME_ORDER = ["registry", "policy", "backward_use", "streams", "divergence", "collectives", "extension",
+RUNTIME_ORDER = ["registry", "generated", "policy", "backward_use", "streams", "divergence", "collectives", "extension",
                  "ext_gather", "placement", "annotated", "param", "reduces", "module_class", "unshard_fn",
                  "param_group", "context", "state", "validation", "module", "groups", "api", "replicate"]
 

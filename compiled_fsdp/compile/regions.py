@@ -144,8 +144,8 @@ from compiled_fsdp.compile.region_call import region_call
 from compiled_fsdp.compile.region_reads import issue_ahead
 from compiled_fsdp.core import compat, registry
 from compiled_fsdp.core.marker import Regather, sizes_dynamic
-from compiled_fsdp.runtime import generated
 from compiled_fsdp.runtime.extension import compiled_path
+from compiled_fsdp.runtime.generated import make
 from compiled_fsdp.runtime.param_group import FSDPParamGroup
 from compiled_fsdp.runtime.state import get_fsdp_state
 
@@ -295,7 +295,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
         attrs = {"forward": forward, "_fsdp_region": True, "__module__": cls.__module__}
         if cls.__call__ is nn.Module.__call__ and cls._call_impl is nn.Module._call_impl:  # (a class's own
             attrs["__call__"] = region_call  # call, a checkpointing layer's say, stays: region_call.py)
-        region_cls = generated.make(cls.__name__, (cls,), attrs, ("region", cls))
+        region_cls = make(cls.__name__, (cls,), attrs, ("region", cls))
         install.SESSION.region_classes[cls] = region_cls
     module.__class__ = region_cls
 
@@ -452,7 +452,7 @@ def make_region_root(module: nn.Module) -> None:
             return _falling_back(self, plain, args, kwargs)
 
         compat.not_a_frame_itself(forward, _falling_back)
-        root_cls = generated.make(cls.__name__, (cls,), {"forward": forward, "_fsdp_region_root": True,
+        root_cls = make(cls.__name__, (cls,), {"forward": forward, "_fsdp_region_root": True,
                                                          "__module__": cls.__module__}, ("region_root", cls))
         install.SESSION.region_roots[cls] = root_cls
     module.__class__ = root_cls

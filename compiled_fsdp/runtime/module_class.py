@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from compiled_fsdp.core import compat
-from compiled_fsdp.runtime import generated
+from compiled_fsdp.runtime.generated import make
 from compiled_fsdp.runtime.param import FSDPParam
 from compiled_fsdp.runtime.registry import RUNTIME
 
@@ -99,5 +99,5 @@ def install_class(
     if cls is None:
         attrs: dict[str, Any] = {n: _make_property(n) for n in sorted(params)}
         attrs["_fsdp_base_class"] = base
-        cls = generated.make(f"FSDP{base.__name__}", (*mixins, base), attrs, key)
+        cls = make(f"FSDP{base.__name__}", (*mixins, base), attrs, key)
     module.__class__ = cls

@@ -117,8 +117,9 @@ def validate(
     ``shard_size``). ``modules``: one module, or the modules of FSDP2's list
     form (one group for all)."""
     if compat.caching_precompile_on() and not compat.saved_traces_load():
+        release = ".".join(map(str, compat.torch_release()))
         raise RuntimeError(
-            f"{api}: torch {torch.__version__} cannot save or load the traces of a sharded model under its "
+            f"{api}: torch {release} cannot save or load the traces of a sharded model under its "
             "caching precompile (TORCH_CACHING_PRECOMPILE=1, torch._dynamo.config.caching_precompile): its "
             "compile fails. Turn it off, or use torch 2.15, where a second job loads the first one's traces "
             "(README, 'A job started again can skip Dynamo's trace').")
