@@ -77,6 +77,18 @@ _EXTENSION_BREAK = (
     "module runs outside this graph, and its forward is compiled as a frame of its own. Under "
     "fullgraph=True compile such modules on their own (module.compile()) instead of the whole model.")
 
+# See [Note: Generated classes by reference] in runtime/generated.py: a
+# loaded trace runs none of what a block's trace records (``comptime``: the
+# parameters its graph reads, the gather it hands to the next block), which
+# its runtime needs (measured: the second job's loss off by 3e-3 after three
+# steps). Tested by tests/test_precompile.py.
+_OWN_FRAME_PRECOMPILE = (
+    "compiled_fsdp: {module} is compiled on its own (module.compile() or torch.compile(module)) under torch's "
+    "caching precompile (TORCH_CACHING_PRECOMPILE=1, torch._dynamo.config.caching_precompile), whose loaded "
+    "traces skip what compiled_fsdp records while tracing such a module, so a job that loads them would train "
+    "wrong. Compile the whole model instead (torch.compile(model), with compile regions for repeated blocks: "
+    "README, 'A job started again can skip Dynamo's trace'), or turn caching precompile off.")
+
 
 class _RootCompile:
     """The compile layer's state for one root (its ``compiled`` slot)."""
@@ -246,6 +258,8 @@ class TorchCompilePath(CompiledPath):
         compiled = in_compiled_call or compiled_in_place(state.module)
         if not (compiled and _may_compile_own_frame(state)):
             return False
+        if compat.caching_precompile_on():
+            raise RuntimeError(_OWN_FRAME_PRECOMPILE.format(module=state.param_group.label))
         ctx = state.ctx
         state.set_path(Path.OWN_FRAME)
         ctx.forward_order.append(state)

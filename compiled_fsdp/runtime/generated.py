@@ -21,7 +21,7 @@ runs before the compiled call that loads the trace) fails the load, and
 Dynamo traces as before. Where torch fails to load such a trace
 (``compat.saved_traces_load``: 2.13), the classes pickle by name as before,
 so none is saved. The names stay FSDP2's (``FSDPLinear``). Tested by
-tests/test_compile_parity.py::test_a_second_job_loads_its_traces.
+tests/test_precompile.py::test_a_second_job_loads_its_traces.
 """
 from __future__ import annotations
 
@@ -39,8 +39,11 @@ _KEY = "_fsdp_generated_key"
 
 def make(name: str, bases: tuple[type, ...], attrs: dict[str, Any], key: tuple[Hashable, ...]) -> type:
     """A class ``name`` of ``bases`` and ``attrs``, found again by ``key``
-    (its kind first, then classes and names: picklable) where it is unpickled."""
-    base_meta = type(bases[-1])  # (a made class's own: a region class of an FSDP<Module> class)
+    (its kind first, then classes and names: picklable) where it is unpickled.
+    Replaces a class made from ``key`` before (callers look it up first)."""
+    metas = [type(b) for b in bases]
+    # (the most derived, as Python picks it; a made class's own for a region class of an FSDP<Module> class)
+    base_meta = next((m for m in metas if all(issubclass(m, other) for other in metas)), metas[-1])
     meta = base_meta if base_meta in RUNTIME.metaclasses.values() else RUNTIME.metaclasses.get(base_meta)
     if meta is None:
         meta = type(f"Generated{base_meta.__name__}", (base_meta,), {"__module__": __name__})
