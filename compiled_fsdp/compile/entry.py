@@ -202,7 +202,7 @@ class CompiledEntry:
     def _region_called(self) -> None:
         self.region_dynamic = self.region_bypassed = False  # (a region again, after a compile without one)
         frames.record_bucket_trace(self.group.key)
-        # ([Note: A region traced again for an equal block] in regions.py)
+        # ([Note: A region traced again for an equal block] in region_variants.py)
         install.SESSION.regions.called(weakref.ref(self))
 
     def _record_handoff(self) -> None:

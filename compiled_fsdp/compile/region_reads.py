@@ -208,7 +208,7 @@ def issue_ahead(entry: CompiledEntry, after: list[torch.Tensor]) -> torch.Tensor
     the op, and a token that required a gradient failed the first block's
     reuse check there, so Dynamo traced the region's body again for the last
     block of every model ([Note: A region traced again for an equal block]
-    in regions.py found it)."""
+    in region_variants.py found it)."""
     full_shapes, group_name, world_size, param_dtype, device, canonical = _ahead_of(entry.region_key)
     shards = entry.region_shards
     if not canonical:
