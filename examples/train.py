@@ -9,6 +9,7 @@
     python examples/train.py --impl single --batch 8               # one process, no sharding
     torchrun --nproc-per-node 2 examples/train.py --checkpoint-dir ckpt --checkpoint-every 50
     torchrun --nproc-per-node 2 examples/train.py --checkpoint-dir ckpt --resume   # any world size
+    TORCH_CACHING_PRECOMPILE=1 torchrun --nproc-per-node 2 examples/train.py  # again: no trace (torch 2.15)
 
 The text is Python's standard library (no download) or ``--data DIR|GLOB``,
 byte tokens, split into training and validation by file (examples/data.py).
@@ -169,6 +170,16 @@ def digest(model: torch.nn.Module) -> str:
     return hashlib.sha256("".join(every).encode()).hexdigest()[:16]
 
 
+def save_traces() -> bool:
+    """Under torch's caching precompile (``TORCH_CACHING_PRECOMPILE=1``): the
+    traces compiled so far are saved beside Inductor's caches, and the next
+    job, sharded alike, loads them instead of tracing (README, "A job started
+    again can skip Dynamo's trace"). Called after the first step and the last."""
+    if os.environ.get("TORCH_CACHING_PRECOMPILE") == "1":
+        torch.compiler.save_cache_artifacts()
+    return True
+
+
 def train(args: argparse.Namespace, impl: str, corpus: data.Corpus, device: torch.device) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = MODELS[args.model]
@@ -199,6 +210,7 @@ def train(args: argparse.Namespace, impl: str, corpus: data.Corpus, device: torc
         log.log({"event": "eval", "step": 0, "val_loss": evaluate(model, val, device, autocast)})
     window: list[float] = []
     reports: list = []
+    saved = False
     start = time.perf_counter()
     while step < args.steps:
         step += 1
@@ -223,6 +235,8 @@ def train(args: argparse.Namespace, impl: str, corpus: data.Corpus, device: torc
         dist.all_reduce(total)
         window.append(time.perf_counter() - t0)
         last = step == args.steps
+        if not saved or last:
+            saved = save_traces()
         record: dict[str, Any] = {"event": "step", "step": step, "loss": total.item() / world}
         if last and impl == "ours":  # before evaluation runs the eager module
             reports = compiled_fsdp.explain(model)
