@@ -80,11 +80,13 @@ def _as_one_op(b: NodeBuilder, like: fx.Node, device: str | None = None) -> bool
 def emit_pack_shards(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[ShardSpec],
                      dtypes: Sequence[torch.dtype | None], device: str | None = None) -> fx.Node:
     """``pack_shards`` as one ``pack_bucket`` op ([Note: One copy-out per
-    bucket] in compiled_fsdp/core/copy_out.py), or as aten ops where one
-    shard needs no copy, the dtypes differ, or the bucket is not on the CPU
-    (``device``: where CPU offload copies the shards, part of the chain the
-    schedule issues early: [Note: CPU offload in graphs] in lowering.py)."""
-    if len(specs) == 1 or len(set(dtypes)) > 1 or not _as_one_op(b, shards[0], device):
+    bucket] in compiled_fsdp/core/copy_out.py), a bucket of one parameter
+    too (its pack is a copy as well: a pad, if only of zero rows, which
+    Inductor lowers as a clone), or as aten ops where the dtypes differ or
+    the bucket is not on the CPU (``device``: where CPU offload copies the
+    shards, part of the chain the schedule issues early: [Note: CPU offload
+    in graphs] in lowering.py)."""
+    if len(set(dtypes)) > 1 or not _as_one_op(b, shards[0], device):
         return pack_shards(b, list(shards), list(specs), list(dtypes), device)
     return b(copy_out.pack_bucket._opoverload, list(shards), *_shapes(specs), specs[0].world_size, dtypes[0])
 

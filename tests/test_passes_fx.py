@@ -129,6 +129,10 @@ def test_copies_are_aten_ops_off_the_cpu() -> None:
     targets = {device: {n.target for n in gm.graph.nodes if n.op == "call_function"} for device, gm in on.items()}
     assert targets["cpu"] >= copy_ops
     assert not targets["meta"] & copy_ops
+    # On the CPU a bucket of one parameter packs by the op too: its aten pack
+    # (a pad of zero rows) is a clone, one more C++ kernel to build.
+    packs = [g.args[0].target for g in calls(on["cpu"], c10d.all_gather_into_tensor.default)]
+    assert packs == [torch.ops.compiled_fsdp.pack_bucket.default] * 2
     gathers = calls(on["meta"], c10d.all_gather_into_tensor.default)
     assert [g.args[0].target for g in gathers] == [torch.ops.aten.cat.default, torch.ops.aten.view.default]
     assert [tuple(g.meta["val"].shape) for g in gathers] == [(30,), (20,)]
@@ -349,7 +353,7 @@ def test_windows_install_compose_and_restore() -> None:
 BF16, CAST = torch.bfloat16, torch.ops.prims.convert_element_type.default
 
 
-def _mixed_precision_graph() -> fx.GraphModule:
+def _mixed_precision_graph(device: str = "cpu") -> fx.GraphModule:
     """module 0 gathers in bf16 and reduces in fp32 (W read twice); module 1 is fp32."""
 
     def fn(s_w, s_w2, x):
@@ -360,16 +364,18 @@ def _mixed_precision_graph() -> fx.GraphModule:
         h = torch.nn.functional.linear(x.to(BF16), w) * torch.nn.functional.linear(x.to(BF16), w_again)
         return torch.nn.functional.linear(h.float(), w2).sum()
 
-    return _joint(fn, [[6, 4], [3, 6]], 2, [torch.randn(5, 4)])
+    return _joint(fn, [[6, 4], [3, 6]], 2, [torch.randn(5, 4)], device=device)
 
 
-def test_mixed_precision_casts_sit_in_the_chains() -> None:
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_mixed_precision_casts_sit_in_the_chains(device: str) -> None:
     """See [Note: Mixed precision]: the shard is cast before the gather (so the
     gather moves bf16) and the cast is tagged with the chain, so it is recomputed
     with the gather; the two bf16 gradients of W are summed, cast to fp32 once and
     reduced in fp32; the shard gradient is fp32. A bf16 and an fp32 bucket are
-    never merged, however small."""
-    gm = _mixed_precision_graph()
+    never merged, however small. On the CPU the cast is the bucket's pack op's
+    ([Note: One copy-out per bucket]); the meta device stands for a GPU."""
+    gm = _mixed_precision_graph(device)
     report = apply_lowering(gm, plan_lowering(gm, bucket_bytes=1 << 30))
     tag_recompute(gm)
     gathers = sorted(calls(gm, c10d.all_gather_into_tensor.default),
@@ -377,9 +383,16 @@ def test_mixed_precision_casts_sit_in_the_chains() -> None:
     assert [g.args[0].meta["val"].dtype for g in gathers] == [BF16, torch.float32]
     assert report.count("gather") == 2
     casts = [c for c in calls(gm, CAST) if chain_role(c) == "gather_chain"]
-    assert len(casts) == 1 and casts[0].args[1] == BF16
-    assert casts[0].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
-    assert casts[0].args[0].op == "placeholder"  # the fp32 shard itself
+    if device == "cpu":
+        assert not casts
+        pack = gathers[0].args[0]
+        assert pack.target is torch.ops.compiled_fsdp.pack_bucket.default and pack.args[-1] == BF16
+        assert [s.op for s in pack.args[0]] == ["placeholder"]  # the fp32 shard itself
+        assert pack.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    else:
+        assert len(casts) == 1 and casts[0].args[1] == BF16
+        assert casts[0].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+        assert casts[0].args[0].op == "placeholder"  # the fp32 shard itself
     reduces = sorted(calls(gm, c10d.reduce_scatter_tensor.default),
                      key=lambda n: chain_tag(n).module_key)
     assert [r.args[0].meta["val"].dtype for r in reduces] == [torch.float32, torch.float32]
