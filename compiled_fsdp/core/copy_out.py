@@ -14,7 +14,10 @@ per bucket, whose implementation is ``unpack_gathered`` itself (so the values
 are the eager runtime's, bitwise), every output a fresh tensor. The same
 holds for the way in: the gather's input (``pack_shards``: each shard cast,
 padded, concatenated) and the reduce's (``pack_grads``) are one op each,
-``pack_bucket`` and ``pack_bucket_grads``. A block's graphs then compile as
+``pack_bucket`` and ``pack_bucket_grads``; ``pack_bucket`` for a bucket of
+one parameter too, whose aten pack (a pad of zero rows, and its cast) Inductor
+built as a kernel per shard shape (the main job's embedding and position
+shards: 26 -> 24 C++ kernels). A block's graphs then compile as
 many kernels as FSDP2's (measured: benchmarks/RESULTS.md). What Inductor no
 longer does is fuse a cast into the copy; the ops run the eager runtime's
 code, a few ATen kernels per bucket.
