@@ -41,6 +41,7 @@ from compiled_fsdp.core.layout import (
     sum_received,
     to_device,
     unpack_gathered,
+    with_kept,
 )
 
 from .cost_model import A2A, A2A_IF, AG_IF, AR, AR_IF, RS, RS_IF, WAIT, all_gather_op
@@ -92,14 +93,20 @@ def emit_pack_shards(b: NodeBuilder, shards: Sequence[fx.Node], specs: Sequence[
 
 
 def emit_pack_grads(b: NodeBuilder, grads: Sequence[fx.Node | None], specs: Sequence[ShardSpec],
-                    offsets: Sequence[int] | None = None, total: int | None = None) -> fx.Node:
-    """``pack_grads`` as one ``pack_bucket_grads`` op (see ``emit_pack_shards``)."""
+                    offsets: Sequence[int] | None = None, total: int | None = None,
+                    kept: Sequence[fx.Node | None] | None = None) -> fx.Node:
+    """``pack_grads`` as one ``pack_bucket_grads`` op (see ``emit_pack_shards``),
+    each gradient added to what ``kept`` holds for it (None: nothing kept);
+    on the CPU inside the op, [Note: Kept gradients added where the bucket is
+    packed]."""
+    kept = [None] * len(grads) if kept is None else list(kept)
     like = next(g for g in grads if g is not None)
-    if specs[0].world_size == 1 or len(specs) == 1 and offsets is None or not _as_one_op(b, like):
-        return pack_grads(b, list(grads), list(specs), offsets, total)
+    one_view = len(specs) == 1 and offsets is None and kept[0] is None  # (packs as a view of it)
+    if specs[0].world_size == 1 or one_view or not _as_one_op(b, like):
+        return pack_grads(b, [with_kept(b, g, k) for g, k in zip(grads, kept)], list(specs), offsets, total)
     offsets = bucket_offsets(specs) if offsets is None else list(offsets)
     total = bucket_width(specs) if total is None else total
-    return b(copy_out.pack_bucket_grads._opoverload, list(grads), *_shapes(specs), specs[0].world_size,
+    return b(copy_out.pack_bucket_grads._opoverload, list(grads), kept, *_shapes(specs), specs[0].world_size,
              list(offsets), total)
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from compiled_fsdp.core import copy_out
-from compiled_fsdp.core.layout import joined_shapes, reduce_input
+from compiled_fsdp.core.layout import cast, joined_shapes, reduce_input
 from compiled_fsdp.core.marker import Regather
 
 from ._emit import emit_gather, emit_gather_bytes, emit_pack_grads, emit_reduced, emit_unpack
@@ -386,13 +386,18 @@ def _apply_reduce(graph: fx.Graph, plan: BucketPlan) -> None:
     specs = [s.args.spec for s in plan.slots]
     b = NodeBuilder(graph, _copied_meta(last_marker, plan))
     with graph.inserting_before(last_marker):
-        grads = [reduce_input(b, _summed(b, s), s.kept, s.args.reduce_dtype) for s in plan.slots]
         if plan.kind == "keep":  # the full gradients, for the sinks
-            return _replace_roots(graph, plan, grads)
+            return _replace_roots(graph, plan, [reduce_input(b, _summed(b, s), s.kept, s.args.reduce_dtype)
+                                                for s in plan.slots])
+        # (what was kept is added where the bucket is packed: [Note: Kept
+        # gradients added where the bucket is packed] in core/ops.py)
+        grads = [cast(b, _summed(b, s), s.args.reduce_dtype) for s in plan.slots]
+        kept = [s.kept for s in plan.slots]
         if reduced_later(plan):
-            emit_reduce_later(b, plan, grads, specs)
+            emit_reduce_later(b, plan, grads, kept, specs)
             return _replace_roots(graph, plan, [None] * len(plan.slots))
-        results = emit_reduced(b, emit_pack_grads(b, grads, specs), specs, [s.args.local_rows for s in plan.slots],
+        results = emit_reduced(b, emit_pack_grads(b, grads, specs, kept=kept), specs,
+                               [s.args.local_rows for s in plan.slots],
                                [s.args.grad_dtype for s in plan.slots], plan.group_name, plan.by_all_to_all,
                                plan.slots[0].args.replicate_group_name, plan.device)
     _replace_roots(graph, plan, results)

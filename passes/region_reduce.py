@@ -52,10 +52,12 @@ def reduced_later(plan: BucketPlan) -> bool:
                     and all(u.op == "output" for u in s.root.users) for s in plan.slots))
 
 
-def emit_reduce_later(b: NodeBuilder, plan: BucketPlan, grads: list[fx.Node], specs: list[ShardSpec]) -> None:
-    """``plan``'s ``compiled_fsdp::reduce_later`` on its full gradients ``grads``."""
+def emit_reduce_later(b: NodeBuilder, plan: BucketPlan, grads: list[fx.Node], kept: list[fx.Node | None],
+                      specs: list[ShardSpec]) -> None:
+    """``plan``'s ``compiled_fsdp::reduce_later`` on its full gradients ``grads``
+    and the gradients ``kept`` from micro-batches without sync."""
     later = ReduceLater(
-        grads=grads, targets=[s.target for s in plan.slots], full_shapes=joined_shapes(specs),
+        grads=grads, kept=kept, targets=[s.target for s in plan.slots], full_shapes=joined_shapes(specs),
         ndims=[len(s.full_shape) for s in specs], local_rows=[s.args.local_rows for s in plan.slots],
         group_name=plan.group_name, world_size=plan.world_size, reduce_by_all_to_all=plan.by_all_to_all,
         divide_factor=plan.slots[0].args.divide_factor, replicate_group_name=plan.slots[0].args.replicate_group_name,

@@ -398,7 +398,7 @@ def test_region_reduces_staged_under_hsdp() -> None:
     for i in range(2):
         grad = g.placeholder(f"grad_{i}")
         grad.meta["val"] = torch.empty(64)
-        later = g.call_function(REDUCE_LATER, ([grad], [], [64], [1], [16], "0", 4), {"replicas": 2,
+        later = g.call_function(REDUCE_LATER, ([grad], [None], [], [64], [1], [16], "0", 4), {"replicas": 2,
                                                                                    "replicate_group_name": "1"})
         later.meta["val"] = torch.empty(0)
         order.append(later)
@@ -426,7 +426,7 @@ def test_region_reduce_bytes_padded_and_one_rank_sends_none() -> None:
         g = torch.fx.Graph()
         grad = g.placeholder("grad")
         grad.meta["val"] = torch.empty(10, 3)
-        later = g.call_function(REDUCE_LATER, ([grad], [], [10, 3], [2], [-(-10 // world)], "0", world),
+        later = g.call_function(REDUCE_LATER, ([grad], [None], [], [10, 3], [2], [-(-10 // world)], "0", world),
                                 {"replicas": 2, "replicate_group_name": "1"})
         later.meta["val"] = torch.empty(0)
         tl = simulate([later], CostModel(), foreign=True, chain=RunTimeChain([later], {}))

@@ -108,7 +108,7 @@ def test_handoff_lowering(reshard: bool) -> None:
     grad_of_gathered = outputs[2 + 4]
     assert chain_role(grad_of_gathered) == "handoff_grad"
     assert grad_of_gathered.target is torch.ops.compiled_fsdp.pack_bucket_grads.default
-    assert list(grad_of_gathered.args[4]) == [OFFSETS[0], OFFSETS[2]] and grad_of_gathered.args[5] == TOTAL
+    assert list(grad_of_gathered.args[5]) == [OFFSETS[0], OFFSETS[2]] and grad_of_gathered.args[6] == TOTAL
     # The next block's gradient: kept gradients packed and added, one reduce-scatter.
     (rs,) = calls(gm, RS_IF)
     assert chain_role(rs) == "reduce_chain" and chain_tag(rs).module_key == NEXT_KEY

@@ -12,6 +12,7 @@ import torch
 
 import compiled_fsdp
 from compiled_fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from compiled_fsdp.core.marker import ReduceLater
 from compiled_fsdp.core.registry import CORE
 from compiled_fsdp.tools.check_worker import max_diff, shard_specs
 
@@ -23,6 +24,22 @@ from _parity import in_regions
 
 def _local(spec, full: Optional[torch.Tensor], rank: int) -> Optional[torch.Tensor]:  # noqa: ANN001
     return None if full is None else spec.local(full, rank)
+
+
+def _kept_by_reduce_later(graphs: list[torch.fx.GraphModule]) -> list[int]:
+    """How many kept gradients each region reduce (``reduce_later``) of the
+    backward graphs ``graphs`` takes, each a graph input that nothing else
+    reads: added where the bucket is packed, not in the graph ([Note: Kept
+    gradients added where the bucket is packed] in compiled_fsdp/core/ops.py)."""
+    counts = []
+    for gm in graphs:
+        for sub in gm.modules():  # (a region's graph is a submodule of the graph that calls it)
+            for n in sub.graph.nodes if isinstance(sub, torch.fx.GraphModule) else ():
+                if n.target is ReduceLater.op().default:
+                    kept = [k for k in ReduceLater.bind(n.args, dict(n.kwargs)).kept if k is not None]
+                    assert all(k.op == "placeholder" and list(k.users) == [n] for k in kept), kept
+                    counts.append(len(kept))
+    return counts
 
 
 def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
@@ -98,6 +115,7 @@ def _accumulate_rank(rank: int, world: int, micro: int, keep_gathered: bool,
     out["is_fsdp_module"] = [isinstance(m, FSDPModule) for m in (model, *model.layers, model.norm)]
     out["regions"] = in_regions(model)
     out["taken"] = CORE.backward_gathers.taken
+    out["kept_by_reduce_later"] = _kept_by_reduce_later(capture.backward) if capture is not None else []
     fsdp_params = [(f"{st.param_group.fqn}.{fp.fqn}".lstrip("."), fp)
                    for st in compiled_fsdp.iter_fsdp_states(model) if st.param_group
                    for fp in st.param_group.fsdp_params]
@@ -159,6 +177,9 @@ def test_compiled_accumulation_without_sync_regions() -> None:
         assert res["counts"] == [{}] * 3
         assert res["regions"] == [False, True, True], res["regions"]  # (the root, then its two blocks)
         assert res["taken"] > 0  # (gathers issued ahead of the regions were taken)
+        # (the synced backward's region graph, shared by both blocks: one reduce of the block's
+        # 11 parameters, each taking what was kept)
+        assert res["kept_by_reduce_later"] == [11], res["kept_by_reduce_later"]
 
 
 def test_accumulation_without_sync_blocks_compiled_on_their_own() -> None:

@@ -403,31 +403,37 @@ def test_mixed_precision_casts_sit_in_the_chains(device: str) -> None:
     assert [o.meta["val"].dtype for o in out[1:]] == [torch.float32, torch.float32]
 
 
-def _no_sync_graph(sync: bool) -> fx.GraphModule:
+def _no_sync_graph(sync: bool, device: str = "cpu", with_kept: bool = True) -> fx.GraphModule:
     """One module, W read twice, reduce in fp32 from bf16 compute. ``sync=False``:
-    the second input is the gradient sink; ``sync=True``: a kept gradient."""
+    the second input is the gradient sink; ``sync=True``: a kept gradient
+    (``with_kept=False``: nothing kept, one micro-batch's step)."""
 
     def joint(s_w, kept, x):
-        mp = {"param_dtype": BF16, "reduce_dtype": torch.float32, "kept": kept, "sync": sync}
+        mp = {"param_dtype": BF16, "reduce_dtype": torch.float32, "kept": kept if with_kept else None,
+              "sync": sync}
         w = U(s_w, [6, 4], GROUP, 2, 0, 0, True, **mp)
         w_again = U(s_w, [6, 4], GROUP, 2, 0, 0, True, **mp)
         out = (torch.nn.functional.linear(x, w) * torch.nn.functional.linear(x, w_again)).sum()
         wrt = [s_w] if sync else [kept]
         return (out, *torch.autograd.grad(out, wrt))
 
-    kept = torch.empty_strided((6, 4), (0, 0)).requires_grad_(not sync)
+    kept = torch.empty_strided((6, 4), (0, 0), device=device).requires_grad_(not sync)
     if sync:
-        kept = torch.randn(6, 4)
-    shard = torch.randn(3, 4, requires_grad=True)
-    return make_fx(joint, tracing_mode="fake")(shard, kept, torch.randn(5, 4, dtype=BF16))
+        kept = torch.randn(6, 4, device=device)
+    shard = torch.randn(3, 4, requires_grad=True, device=device)
+    return make_fx(joint, tracing_mode="fake")(shard, kept, torch.randn(5, 4, dtype=BF16, device=device))
 
 
-def test_kept_gradients_without_sync() -> None:
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_kept_gradients_without_sync(device: str) -> None:
     """See [Note: Accumulation without sync in graphs]. Without sync the backward
     has no collective: the two reads' bf16 gradients are summed and cast to fp32
     for the sink. With sync, the kept fp32 gradient is added to the cast sum
-    before the one reduce-scatter."""
-    off = _no_sync_graph(sync=False)
+    before the one reduce-scatter: on the CPU by the bucket's pack op, so the
+    graph is op for op the one that keeps nothing ([Note: Kept gradients added
+    where the bucket is packed]); on the meta device, which stands for a GPU,
+    by an add in the graph."""
+    off = _no_sync_graph(sync=False, device=device)
     report = run_joint_passes(off)
     assert [b.kind for b in report.lowering.buckets] == ["gather", "keep"]
     assert marker_nodes(off) == [] and not calls(off, c10d.reduce_scatter_tensor.default)
@@ -435,14 +441,26 @@ def test_kept_gradients_without_sync() -> None:
     assert sink_grad.target is CAST and sink_grad.args[0].target is torch.ops.aten.add.Tensor
     assert tuple(sink_grad.meta["val"].shape) == (6, 4) and sink_grad.meta["val"].dtype == torch.float32
 
-    on = _no_sync_graph(sync=True)
+    on = _no_sync_graph(sync=True, device=device)
     report = run_joint_passes(on)
     assert [b.kind for b in report.lowering.buckets] == ["gather", "reduce"]
     (rs,) = calls(on, c10d.reduce_scatter_tensor.default)
     kept = [n for n in on.graph.nodes if n.op == "placeholder"][1]
-    adds = [a for a in calls(on, torch.ops.aten.add.Tensor) if a.args[0] is kept]
-    assert len(adds) == 1 and adds[0].args[1].target is CAST
-    assert adds[0] in ancestors(rs)
+    (user,) = kept.users
+    assert user in ancestors(rs)
+    if device == "meta":
+        assert user.target is torch.ops.aten.add.Tensor and user.args[0] is kept and user.args[1].target is CAST
+        return
+    assert user.target is torch.ops.compiled_fsdp.pack_bucket_grads.default and user.args[1] == [kept]
+    assert user.args[0][0].target is CAST
+    nothing_kept = _no_sync_graph(sync=True, device=device, with_kept=False)
+    run_joint_passes(nothing_kept)
+    # (the same ops but the pack: one unpadded gradient packs as views of it when nothing is kept)
+    (rs_alone,) = calls(nothing_kept, c10d.reduce_scatter_tensor.default)
+    views = [rs_alone.args[0], rs_alone.args[0].args[0]]
+    assert [v.target for v in views] == [torch.ops.aten.view.default] * 2 and views[1].args[0].target is CAST
+    assert ([n.target for n in on.graph.nodes if n is not user]
+            == [n.target for n in nothing_kept.graph.nodes if n not in views])
 
 
 def test_mixed_precision_and_kept_lowering_matches_markers(single_rank_group: str) -> None:

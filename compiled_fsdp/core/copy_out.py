@@ -66,6 +66,7 @@ from compiled_fsdp.core.layout import (
     split_specs,
     sum_received,
     unpack_gathered,
+    with_kept,
 )
 
 __all__ = ["average_bucket", "keep_part", "pack_bucket", "pack_bucket_grads", "sum_ranks", "unpack_bucket"]
@@ -111,17 +112,21 @@ def _(shards: list[torch.Tensor], full_shapes: list[int], ndims: list[int], worl
 
 
 @torch.library.custom_op("compiled_fsdp::pack_bucket_grads", mutates_args=())
-def pack_bucket_grads(grads: list[Optional[torch.Tensor]], full_shapes: list[int], ndims: list[int],
-                      world_size: int, offsets: list[int], total: int) -> torch.Tensor:
+def pack_bucket_grads(grads: list[Optional[torch.Tensor]], kept: list[Optional[torch.Tensor]],
+                      full_shapes: list[int], ndims: list[int], world_size: int, offsets: list[int],
+                      total: int) -> torch.Tensor:
     """The reduce-scatter input ``[N * T]`` of the full gradients ``grads``
-    (``pack_grads``; a None gradient's columns zero)."""
+    (``pack_grads``; a None gradient's columns zero), each added to what
+    ``kept`` holds for it ([Note: Kept gradients added where the bucket is
+    packed])."""
     specs = split_specs(full_shapes, ndims, world_size)
-    return _unaliased_by_all(pack_grads(EAGER, grads, specs, offsets, total), list(grads))
+    summed = [with_kept(EAGER, g, k) for g, k in zip(grads, kept)]
+    return _unaliased_by_all(pack_grads(EAGER, summed, specs, offsets, total), list(grads) + list(kept))
 
 
 @pack_bucket_grads.register_fake
-def _(grads: list[Optional[torch.Tensor]], full_shapes: list[int], ndims: list[int], world_size: int,
-      offsets: list[int], total: int) -> torch.Tensor:
+def _(grads: list[Optional[torch.Tensor]], kept: list[Optional[torch.Tensor]], full_shapes: list[int],
+      ndims: list[int], world_size: int, offsets: list[int], total: int) -> torch.Tensor:
     like = next(g for g in grads if g is not None)
     return like.new_empty([world_size * total])
 

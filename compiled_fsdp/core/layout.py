@@ -283,8 +283,16 @@ def post_forward_part(op: Emit, gathered: Any, size: int, rank: int) -> Any:
 def reduce_input(op: Emit, grad: Any, kept: Any, dtype: Optional[torch.dtype]) -> Any:
     """The full gradient to reduce: ``grad`` in the reduce dtype, added to the
     gradient ``kept`` from micro-batches without sync (None: nothing kept)."""
-    grad = cast(op, grad, dtype)
-    return grad if kept is None else op(aten.add.Tensor, kept, grad)
+    return with_kept(op, cast(op, grad, dtype), kept)
+
+
+def with_kept(op: Emit, grad: Any, kept: Any) -> Any:
+    """``grad`` (already in the reduce dtype; None: no gradient this time)
+    added to the gradient ``kept`` from micro-batches without sync (None:
+    nothing kept)."""
+    if kept is None or grad is None:
+        return grad if kept is None else kept
+    return op(aten.add.Tensor, kept, grad)
 
 
 def pack_grads(

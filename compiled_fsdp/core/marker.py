@@ -455,15 +455,18 @@ class IssueAhead(Regather):
 @dataclasses.dataclass(frozen=True)
 class ReduceLater(Marker):
     """A compile region's gradient bucket, reduced after the region's graph
-    returns: each parameter's full gradient (in the reduce dtype) in; this
-    rank's averaged rows added later to the gradient of the parameter whose
-    shard ``targets`` holds. Returns an empty tensor. See [Note: A region's
-    reduce-scatter waited outside its graph] in core/registry.py."""
+    returns: each parameter's full gradient (in the reduce dtype) in, and
+    what ``kept`` holds for it from micro-batches without sync (None:
+    nothing); this rank's averaged rows added later to the gradient of the
+    parameter whose shard ``targets`` holds. Returns an empty tensor. See
+    [Note: A region's reduce-scatter waited outside its graph] in
+    core/registry.py."""
 
     NAME: ClassVar[str] = "reduce_later"
     STATIC_INTS: ClassVar[tuple[str, ...]] = ("full_shapes", "ndims", "local_rows", "world_size", "replicas")
 
     grads: Any = _arg("Tensor[]")
+    kept: Any = _arg("Tensor?[]")
     targets: Any = _arg("Tensor[]")
     full_shapes: Sequence[int] = _arg("int[]")
     ndims: Sequence[int] = _arg("int[]")

@@ -47,6 +47,24 @@ implementations (``backend="eager"``, or a module the lowering left alone) reduc
 per read, so ``reduce_grad`` adds a given ``kept`` tensor only the first time it
 sees it (``registry.CORE.added``). Tested by tests/test_no_sync.py.
 
+[Note: Kept gradients added where the bucket is packed]
+A synced backward after micro-batches without sync adds each parameter's kept
+gradient to its new one before the reduce. As an add in the graph, Inductor
+fuses it into the kernel that produced the gradient (a bias's sum over rows,
+a norm weight's gradient), so that graph's backward kernels matched neither
+the no-sync graph's nor a one-micro-batch step's, and each was compiled
+again: the main job at 2 micro-batches built 31 C++ kernels against 24 at 1
+(benchmarks/RESULTS.md, forty-eighth session). Where a bucket is packed by an
+op, the op adds it instead (``with_kept`` in layout.py, the eager runtime's
+arithmetic): a region's ``reduce_later`` on every device, and
+``pack_bucket_grads`` on the CPU ([Note: One copy-out per bucket] in
+copy_out.py). The graph then only casts each gradient, as the other graphs
+do, and Inductor's cache serves their kernels to it: 24 kernels at either
+count. The one-graph lowering on a GPU keeps the add in the graph, fused, as
+its copies are. Tested by tests/test_passes_fx.py::test_kept_gradients_without_sync
+(the CPU graph op for op the one that keeps nothing) and
+tests/test_no_sync.py::test_compiled_accumulation_without_sync_regions.
+
 [Note: Local rows in the marker]
 ``local_rows`` is also the input's first dimension, and it is passed anyway:
 the Dynamo graph is otherwise the same on every rank (its inputs are DTensors
@@ -81,6 +99,7 @@ from compiled_fsdp.core.layout import (
     split_reduced,
     split_specs,
     unpack_gathered,
+    with_kept,
 )
 from compiled_fsdp.core.marker import GatherNext, IssueAhead, ReduceGrad, ReduceLater, ReduceNext, Regather, Unshard
 
@@ -439,7 +458,9 @@ def reduce_later(*args: Any, **kwargs: Any) -> torch.Tensor:
     def launch() -> registry.LaterReduce:
         # (one unpadded gradient packs as a view of it: a buffer of the graph, which
         # may reuse it once this op ran, while the collective still reads it)
-        flat = comm.unaliased(pack_grads(EAGER, grads, specs), grads[0])
+        # (the kept gradients added here: [Note: Kept gradients added where the bucket is packed])
+        summed = [with_kept(EAGER, g, k) for g, k in zip(grads, m.kept)]
+        flat = comm.unaliased(pack_grads(EAGER, summed, specs), grads[0])
         pending = comm.PendingCollective(flat, None) if m.world_size == 1 \
             else comm.reduce_scatter_flat(flat, _group(m.group_name), m.reduce_by_all_to_all)
 
