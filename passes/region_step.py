@@ -34,9 +34,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from compiled_fsdp.core.marker import Regather
+from compiled_fsdp.core.marker import ReduceLater, Regather
 
-from .cost_model import CostModel
+from .cost_model import CostModel, node_bytes
 from .timeline import (
     IN_OP_MARKERS,
     ISSUE_AHEAD,
@@ -170,7 +170,12 @@ class RunTimeChain:
 
     def packed_bytes(self, n: fx.Node) -> int:
         """What an op that collects inside copies before its collective: the
-        shards it packs (a gather's), or the gradients (a ``reduce_later``'s);
-        each byte read and written once."""
+        shards it packs (a gather's), or the gradients (a ``reduce_later``'s),
+        each byte read and written once; and a ``reduce_later``'s kept
+        gradients, read once more by their add ([Note: Kept gradients added
+        where the bucket is packed] in compiled_fsdp/core/ops.py)."""
         full = collective_bytes(n)
-        return 2 * (full if n.target is REDUCE_LATER else full // max(collective_world_size(n), 1))
+        if n.target is not REDUCE_LATER:
+            return 2 * (full // max(collective_world_size(n), 1))
+        kept = ReduceLater.bind(n.args, dict(n.kwargs)).kept
+        return 2 * full + sum(node_bytes(k) for k in kept if isinstance(k, fx.Node))

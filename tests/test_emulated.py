@@ -434,3 +434,25 @@ def test_region_reduce_bytes_padded_and_one_rank_sends_none() -> None:
 
     assert step(4) == [("reduce_scatter", 4 * 3 * 3 * 4), ("all_reduce", 3 * 3 * 4)], step(4)
     assert step(1) == [("all_reduce", 10 * 3 * 4)], step(1)
+
+
+def test_region_reduce_prices_the_kept_gradients_it_adds() -> None:
+    """[Note: Kept gradients added where the bucket is packed]: a synced
+    ``reduce_later`` after accumulation adds each kept gradient as it packs,
+    so its pack reads them too: the padded bucket read and written, plus the
+    kept bytes."""
+    import torch
+
+    from compiled_fsdp.passes.region_step import RunTimeChain
+    from compiled_fsdp.passes.timeline import REDUCE_LATER
+
+    def packed(with_kept: bool) -> int:
+        g = torch.fx.Graph()
+        grad, kept = g.placeholder("grad"), g.placeholder("kept")
+        grad.meta["val"] = kept.meta["val"] = torch.empty(12, 3)
+        later = g.call_function(REDUCE_LATER, ([grad], [kept if with_kept else None], [], [12, 3], [2], [3], "0", 4))
+        later.meta["val"] = torch.empty(0)
+        return RunTimeChain([later], {}).packed_bytes(later)
+
+    assert packed(False) == 2 * 12 * 3 * 4, packed(False)
+    assert packed(True) == 3 * 12 * 3 * 4, packed(True)
