@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import compiled_fsdp
 from compiled_fsdp.tools.check_worker import managed_params, max_diff
@@ -112,6 +112,32 @@ def assert_close(result: dict, tol: float) -> None:
         assert worst <= tol, f"{key} differs from the reference by {worst:.3e} (> {tol:.1e}): {result[key]}"
 
 
+def _all_gather_flat(flat: torch.Tensor, world: int) -> torch.Tensor:
+    out = flat.new_empty((world * flat.numel(),))
+    dist.all_gather_into_tensor(out, flat)
+    return out.view(world, -1)
+
+
+def _whole_by_positions(t: DTensor) -> torch.Tensor:
+    """``t`` whole, for any placements over a mesh of every rank: each rank's
+    values and the flat positions they hold in ``t`` (an index tensor
+    sharded as ``t`` is, on each rank alone: ``src_data_rank=None``),
+    gathered by the eager all-gather, padded to the largest local part."""
+    world = dist.get_world_size()
+    assert t.device_mesh.size() == world, "a mesh of every rank"
+    local = t.to_local().detach().reshape(-1)
+    positions = torch.arange(t.numel(), device=local.device).view(t.shape)
+    mine = distribute_tensor(positions, t.device_mesh, t.placements, src_data_rank=None).to_local().reshape(-1)
+    counts = _all_gather_flat(torch.tensor([local.numel()], device=local.device), world).view(-1).tolist()
+    width = max(counts)
+    values = _all_gather_flat(torch.cat([local, local.new_zeros(width - local.numel())]), world)
+    where = _all_gather_flat(torch.cat([mine, mine.new_zeros(width - mine.numel())]), world)
+    full = local.new_empty((t.numel(),))
+    for r, n in enumerate(counts):
+        full[where[r, :n]] = values[r, :n]
+    return full.view(t.shape)
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
     """``t.full_tensor()`` (detached), gathered by torch's eager all-gather
     where ``t`` is sharded on one mesh dim and replicated on the others (a
@@ -119,13 +145,16 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     op, whose work's name gloo's two worker threads race on ([Note:
     All-gathers on gloo] in compiled_fsdp/core/comm.py): a rank of this
     suite died of it in CI, gathering every parameter after each step.
-    Other placements (tensor parallelism's strided shards) go through
-    DTensor."""
+    Other placements (tensor parallelism's strided shards) are gathered by
+    the same op, with the positions each rank holds (``_whole_by_positions``):
+    DTensor's own ``full_tensor`` there issued two functional all-gathers,
+    and a rank of this suite died of gloo's race in CI (``malloc(): unaligned
+    tcache chunk detected``, test_fsdp2_215.py's tensor-parallel test)."""
     if not isinstance(t, DTensor):
         return t.detach()
     sharded = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
     if len(sharded) != 1 or type(sharded[0][1]) is not Shard:
-        return t.full_tensor().detach()
+        return _whole_by_positions(t)
     mesh_dim, dim = sharded[0][0], sharded[0][1].dim
     group = t.device_mesh.get_group(mesh_dim)
     world = group.size()
