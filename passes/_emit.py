@@ -101,8 +101,9 @@ def emit_pack_grads(b: NodeBuilder, grads: Sequence[fx.Node | None], specs: Sequ
     packed]."""
     kept = [None] * len(grads) if kept is None else list(kept)
     like = next(g for g in grads if g is not None)
-    one_view = len(specs) == 1 and offsets is None and kept[0] is None  # (packs as a view of it)
-    if specs[0].world_size == 1 or one_view or not _as_one_op(b, like):
+    # (one gradient and nothing kept: aten ops, a view of it where it needs no padding)
+    alone = len(specs) == 1 and offsets is None and kept[0] is None
+    if specs[0].world_size == 1 or alone or not _as_one_op(b, like):
         return pack_grads(b, [with_kept(b, g, k) for g, k in zip(grads, kept)], list(specs), offsets, total)
     offsets = bucket_offsets(specs) if offsets is None else list(offsets)
     total = bucket_width(specs) if total is None else total
