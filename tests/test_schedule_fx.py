@@ -424,26 +424,76 @@ def _pinned(both_ways: bool) -> tuple[dict[str, list[str]], list[str]]:
     return deps, order
 
 
+def _ancestors(n: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(n.all_input_nodes)
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.all_input_nodes)
+    return seen
+
+
 def test_pin_both_ways_holds_collectives_up_and_waits_down() -> None:
     """See [Note: Inductor's simple_overlap] in passes/pin.py: the usual pin
     keeps waits from moving up and collectives from moving down; both ways
     it also ties each owned collective to the compute node before it, and
     the compute node after each owned wait to that wait, so a pass that
     hoists collectives and sinks waits (Inductor's simple_overlap) cannot
-    move ours. Nothing else changes."""
+    move ours. Nothing else changes. A dependency the graph has already,
+    through data, is not added ([Note: Dependencies the graph has]): the
+    reduce-scatters here take gradients of the compute before them."""
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    from compiled_fsdp.passes.pin import pin_order
+
     one, order = _pinned(False)
     both, order_both = _pinned(True)
     assert order == order_both
     # the usual pin: no collective is wrapped
     assert not any(name.startswith(("all_gather", "reduce_scatter")) for name in one)
-    # both ways: every collective after the first compute node is held after it
-    held = [name for name in both if name.startswith(("all_gather", "reduce_scatter"))]
-    assert len(held) >= 4, both
-    for name in held:
-        assert any(d.startswith(("mm", "relu", "mul")) for d in both[name]), (name, both[name])
+    # both ways: every collective after the first compute node is held after
+    # the compute node before it, by its data (the reduce-scatters) or by a
+    # dependency added (the gathers, whose shards are inputs)
+    g = _build(reduce=True)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    schedule_graph(g, OverlapConfig(cover=1e9))
+    data = {n.name: {a.name for a in _ancestors(n)} for n in g.nodes}  # (before the pin)
+    pin_order(g, both_ways=True)
+    nodes = [n for n in g.nodes if n.op == "call_function"]
+    wrapped = {n: getattr(gm, n.args[1].target) for n in nodes if n.target is control_deps}
+
+    def target(n: fx.Node) -> object:
+        return next(m.target for m in wrapped[n].graph.nodes if m.op == "call_function") if n in wrapped else n.target
+
+    def compute(n: fx.Node) -> bool:
+        return chain_tag(n) is None and target(n) in (aten.mm.default, aten.relu.default, aten.mul.Tensor)
+
+    held = 0
+    for i, n in enumerate(nodes):
+        if target(n) in (AG, RS):
+            prev = next((p for p in reversed(nodes[:i]) if compute(p)), None)
+            if prev is not None:
+                assert prev in _ancestors(n), n.name
+                held += 1
+    assert held >= 4
+    assert any(name.startswith("all_gather") for name in both)
+    # no dependency added that the node had through its data already
+    for n in wrapped:
+        assert not {d.name for d in n.args[0]} & data[n.name], (n.name, [d.name for d in n.args[0]])
+    assert not any(name.startswith("reduce_scatter") for name in both), both
     # and each dependency of the usual pin is still there
     for name, deps in one.items():
         assert set(deps) <= set(both.get(name, [])), (name, deps, both.get(name))
-    # some compute node now waits for a wait before it (a wait cannot sink)
-    assert any(any(d.startswith("wait") for d in deps) for name, deps in both.items()
-               if not name.startswith(("all_gather", "reduce_scatter", "wait")))
+    # the compute node after each wait follows it (a wait cannot sink), here
+    # by data: each gathered weight is used next
+    waits = 0
+    for i, n in enumerate(nodes):
+        if target(n) is WAIT and chain_tag(n) is not None:
+            nxt = next((q for q in nodes[i + 1:] if compute(q)), None)
+            if nxt is not None:
+                assert n in _ancestors(nxt), (n.name, nxt.name)
+                waits += 1
+    assert waits >= 3
+
