@@ -103,14 +103,17 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         # dependency added on it changes nothing: see [Note: Dependencies
         # the graph has]. (Only nodes after ``first`` can lead to it.)
         found = known.setdefault(first, set())
-        stack, seen = [n], {n}
+        stack, parent = [n], {n: None}
         while stack:
-            for x in stack.pop().all_input_nodes:
+            m = stack.pop()
+            for x in m.all_input_nodes:
                 if x is first or x in found:
-                    found.add(n)
+                    while m is not None:  # (the path found depends on it too)
+                        found.add(m)
+                        m = parent[m]
                     return True
-                if pos[x] > pos[first] and x not in seen:
-                    seen.add(x)
+                if pos[x] > pos[first] and x not in parent:
+                    parent[x] = m
                     stack.append(x)
         return False
 
