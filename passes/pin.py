@@ -47,12 +47,17 @@ has through its data already: a reduce-scatter of a gradient follows the
 compute that produced it, a block's gather issued ahead takes that
 block's input, which follows the root's embedding (``follows``: a search
 back through inputs, no further than the node depended on, remembering
-what it found). Measured on torch 2.15, 2 ranks (fake group), the
-benchmark GPT: one graph at 8 blocks 36 + 65 wrapped nodes -> 27 + 45;
-regions at 32 blocks 36 + 5 -> 33 + 2 (the forward's 32 are the gathers
-issued ahead, ordered against each other: their tokens are not the
-regions' data); a block compiled on its own 2 + 3 -> 2 + 2. Tested by
-tests/test_schedule_fx.py::test_pin_both_ways_holds_collectives_up_and_waits_down.
+what it found). And a gather issued ahead of a compile region
+(``issue_ahead``, our op) is ordered after the one before it by its own
+``after`` argument, as data: the token that orders them goes into a
+region call whose body does not use it, so Dynamo drops it and no path
+joins one to the next; as control dependencies they were one
+``control_deps`` node a block. Measured on torch 2.15, 2 ranks (fake
+group), the benchmark GPT, nodes wrapped (forward + backward graph): one
+graph at 8 blocks 36 + 65 -> 27 + 45; regions at 32 blocks 36 + 5 -> 3 + 2;
+a block compiled on its own 2 + 3 -> 2 + 2. Tested by
+tests/test_schedule_fx.py::test_pin_both_ways_holds_collectives_up_and_waits_down
+and ::test_pin_orders_gathers_issued_ahead_by_their_after.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ import torch.fx as fx
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
+from compiled_fsdp.core.marker import IssueAhead
+
 from .cost_model import AG_W, ISSUES, WAIT
 from .graph import chain_tag
 
@@ -72,6 +79,8 @@ REGATHER = torch.ops.compiled_fsdp.regather.default
 # Our ops that issue collectives Inductor does not know for collectives (gloo's
 # all-gather too: [Note: All-gathers on gloo] in compiled_fsdp/core/comm.py).
 OPAQUE = (ISSUE_AHEAD, REGATHER, AG_W)
+# (an issue-ahead follows what its ``after`` lists: [Note: Dependencies the graph has])
+_AFTER = IssueAhead.names().index("after")
 
 
 def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
@@ -118,36 +127,48 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         return False
 
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    added = 0
+
+    def depend(n: fx.Node, first: fx.Node) -> None:
+        nonlocal added
+        added += 1
+        if n.target is ISSUE_AHEAD and "after" in n.kwargs:  # (as data: no ``control_deps`` node)
+            n.kwargs = {**n.kwargs, "after": [*n.kwargs["after"], first]}
+        elif n.target is ISSUE_AHEAD:
+            n.args = (*n.args[:_AFTER], [*n.args[_AFTER], first], *n.args[_AFTER + 1:])
+        else:
+            deps.setdefault(n, OrderedSet()).add(first)
+
     for i, n in enumerate(nodes):
         if not owned(n) or n.target not in (*ISSUES, *OPAQUE, WAIT):
             continue
         if n.target is WAIT:
             prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)
             if prev is not None and not follows(n, prev):
-                deps.setdefault(n, OrderedSet()).add(prev)
+                depend(n, prev)
             issued = next((p for p in reversed(nodes[:i]) if p.target in ISSUES
                            and owned(p)), None)
             if issued is not None and not follows(n, issued):
-                deps.setdefault(n, OrderedSet()).add(issued)
+                depend(n, issued)
             if both_ways:
                 nxt = next((q for q in nodes[i + 1:] if is_compute(q)), None)
                 if nxt is not None and not follows(nxt, n):
-                    deps.setdefault(nxt, OrderedSet()).add(n)
+                    depend(nxt, n)
         else:
             if n.target in OPAQUE:  # (Inductor orders the collectives it knows; these it does not)
                 # (and against each other: two in a row, a region's units' re-gathers)
                 before = next((p for p in reversed(nodes[:i]) if p.target in (*ISSUES, *OPAQUE) and owned(p)), None)
                 if before is not None and not follows(n, before):
-                    deps.setdefault(n, OrderedSet()).add(before)
+                    depend(n, before)
                 after = next((q for q in nodes[i + 1:] if q.target in (*ISSUES, *OPAQUE) and owned(q)), None)
                 if after is not None and not follows(after, n):
-                    deps.setdefault(after, OrderedSet()).add(n)
+                    depend(after, n)
             if both_ways:
                 prev = next((p for p in reversed(nodes[:i]) if is_compute(p)), None)
                 if prev is not None and not follows(n, prev):
-                    deps.setdefault(n, OrderedSet()).add(prev)
+                    depend(n, prev)
             nxt = next((q for q in nodes[i + 1:] if is_compute(q)), None)
             if nxt is not None and not follows(nxt, n):
-                deps.setdefault(nxt, OrderedSet()).add(n)
+                depend(nxt, n)
     preserve_node_ordering(graph, deps)
-    return sum(len(v) for v in deps.values())
+    return added

@@ -497,3 +497,48 @@ def test_pin_both_ways_holds_collectives_up_and_waits_down() -> None:
                 waits += 1
     assert waits >= 3
 
+
+
+def test_pin_orders_gathers_issued_ahead_by_their_after() -> None:
+    """[Note: Dependencies the graph has] in passes/pin.py: two gathers
+    issued ahead of compile regions, the second after compute that does
+    not use the first (as in the outer graph, whose region calls drop the
+    token). The pin orders the second after the first by its own ``after``
+    list, not by a ``control_deps`` node, and adds nothing the data has."""
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    import compiled_fsdp.core.ops  # noqa: F401 (the ops)
+    from compiled_fsdp.passes.pin import ISSUE_AHEAD, pin_order
+
+    mode = FakeTensorMode()
+    g = fx.Graph()
+    vals: dict[fx.Node, torch.Tensor] = {}
+
+    def ph(name: str, shape: list[int]) -> fx.Node:
+        n = g.placeholder(name)
+        with mode:
+            n.meta["val"] = vals[n] = torch.empty(shape)
+        return n
+
+    def node(target, *args) -> fx.Node:
+        n = g.call_function(target, args)
+        with mode:
+            n.meta["val"] = vals[n] = target(*[[vals.get(x, x) for x in a] if isinstance(a, list)
+                                               else vals.get(a, a) for a in args])
+        return n
+
+    x, w, s0, s1 = ph("x", [D, D]), ph("w", [D, D]), ph("s0", [D // 2, D]), ph("s1", [D // 2, D])
+    h = node(aten.mm.default, x, w)
+    first = node(ISSUE_AHEAD, [s0], [h], [D, D], GROUP, 2, 0)
+    h2 = node(aten.relu.default, h)  # (a region's call, in the outer graph)
+    second = node(ISSUE_AHEAD, [s1], [h2], [D, D], GROUP, 2, 1)
+    g.output((node(aten.mm.default, h2, w), first, second))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    added = pin_order(g, both_ways=True)
+    gm.recompile()
+    g.lint()
+    after = [a.name for a in second.args[1]]  # (the relu is wrapped: it follows ``first``)
+    assert after == ["relu_default", first.name], after  # ordered by its argument, not a control_deps node
+    wrapped = [n for n in g.nodes if n.target is control_deps]
+    assert not any(n.name.startswith("issue_ahead") for n in wrapped), [n.name for n in wrapped]
+    assert added == 1 + sum(len(n.args[0]) for n in wrapped)
