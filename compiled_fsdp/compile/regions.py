@@ -101,7 +101,9 @@ Both ops are opaque to Inductor, which orders the collectives it knows but
 not these: so ``issue_ahead`` takes every tensor the region before it takes
 (``after``: the output of the one before that among them) and returns a
 token that region takes, and the pin (passes/pin.py) keeps it
-between the owned collectives before and after it, so every rank issues the
+between the owned collectives before and after it (after the issue-ahead
+before it by adding that one's token to its ``after``: the region drops the
+token it takes; [Note: Dependencies the graph has]), so every rank issues the
 same collectives in the same order (without them the ranks' Inductor
 schedules, which differ with uneven shards, mismatched a gather). A wrong
 prediction costs a gather waited for and dropped at the iteration's end.
