@@ -81,6 +81,18 @@ REGATHER = torch.ops.compiled_fsdp.regather.default
 OPAQUE = (ISSUE_AHEAD, REGATHER, AG_W)
 # (an issue-ahead follows what its ``after`` lists: [Note: Dependencies the graph has])
 _AFTER = IssueAhead.names().index("after")
+# Ops that read only their input's metadata: Inductor orders nothing by them.
+_SHAPE_ONLY = frozenset(getattr(torch.ops.aten, name) for name in (
+    "new_empty", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like", "full_like",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"))
+
+
+def _with_after(args: tuple, kwargs: dict, value: object) -> tuple[tuple, dict]:
+    """An ``issue_ahead``'s arguments with ``value`` added to its ``after``."""
+    if "after" in kwargs:
+        return args, {**kwargs, "after": [*kwargs["after"], value]}
+    return (*args[:_AFTER], [*args[_AFTER], value], *args[_AFTER + 1:]), kwargs
+
 
 
 def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
@@ -115,7 +127,7 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         stack, parent = [n], {n: None}
         while stack:
             m = stack.pop()
-            for x in m.all_input_nodes:
+            for x in () if getattr(m.target, "overloadpacket", None) in _SHAPE_ONLY else m.all_input_nodes:
                 if x is first or x in found:
                     while m is not None:  # (the path found depends on it too)
                         found.add(m)
@@ -127,15 +139,16 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         return False
 
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
-    added = 0
+    as_data = 0
 
     def depend(n: fx.Node, first: fx.Node) -> None:
-        nonlocal added
-        added += 1
-        if n.target is ISSUE_AHEAD and "after" in n.kwargs:  # (as data: no ``control_deps`` node)
-            n.kwargs = {**n.kwargs, "after": [*n.kwargs["after"], first]}
-        elif n.target is ISSUE_AHEAD:
-            n.args = (*n.args[:_AFTER], [*n.args[_AFTER], first], *n.args[_AFTER + 1:])
+        nonlocal as_data
+        if n.target is ISSUE_AHEAD and isinstance(first.meta.get("val"), torch.Tensor):  # (no ``control_deps``)
+            n.args, n.kwargs = _with_after(n.args, dict(n.kwargs), first)
+            if "eager_input_vals" in n.meta:  # (what Inductor lowers the arguments against, list by list:
+                # ``constrain_to_fake_tensors`` zips them, and dropped the one added to the list alone)
+                n.meta["eager_input_vals"] = _with_after(*n.meta["eager_input_vals"], first.meta["val"])
+            as_data += 1
         else:
             deps.setdefault(n, OrderedSet()).add(first)
 
@@ -171,4 +184,4 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
             if nxt is not None and not follows(nxt, n):
                 depend(nxt, n)
     preserve_node_ordering(graph, deps)
-    return added
+    return as_data + sum(len(v) for v in deps.values())

@@ -527,11 +527,18 @@ def test_pin_orders_gathers_issued_ahead_by_their_after() -> None:
                                                else vals.get(a, a) for a in args])
         return n
 
+    def issue_ahead(shard: fx.Node, after: fx.Node, key: int) -> fx.Node:
+        n = node(ISSUE_AHEAD, [shard], [after], [D, D], GROUP, 2, key)
+        # (as tracing records them: the values the arguments had, which Inductor lowers them against)
+        n.meta["eager_input_vals"] = fx.node.map_aggregate(
+            (n.args, dict(n.kwargs)), lambda v: vals[v] if isinstance(v, fx.Node) else None)
+        return n
+
     x, w, s0, s1 = ph("x", [D, D]), ph("w", [D, D]), ph("s0", [D // 2, D]), ph("s1", [D // 2, D])
     h = node(aten.mm.default, x, w)
-    first = node(ISSUE_AHEAD, [s0], [h], [D, D], GROUP, 2, 0)
+    first = issue_ahead(s0, h, 0)
     h2 = node(aten.relu.default, h)  # (a region's call, in the outer graph)
-    second = node(ISSUE_AHEAD, [s1], [h2], [D, D], GROUP, 2, 1)
+    second = issue_ahead(s1, h2, 1)
     g.output((node(aten.mm.default, h2, w), first, second))
     gm = fx.GraphModule(torch.nn.Module(), g)
     added = pin_order(g, both_ways=True)
@@ -542,3 +549,12 @@ def test_pin_orders_gathers_issued_ahead_by_their_after() -> None:
     wrapped = [n for n in g.nodes if n.target is control_deps]
     assert not any(n.name.startswith("issue_ahead") for n in wrapped), [n.name for n in wrapped]
     assert added == 1 + sum(len(n.args[0]) for n in wrapped)
+    # and Inductor's lowering keeps it: it constrains each argument to the
+    # traced value, list element by list element (a list is zipped)
+    from torch._inductor.lowering import constrain_to_fake_tensors
+    from torch.fx.operator_schemas import normalize_function
+
+    args, kwargs = normalize_function(ISSUE_AHEAD, second.args, dict(second.kwargs))
+    fake_args, fake_kwargs = normalize_function(ISSUE_AHEAD, *second.meta["eager_input_vals"])
+    lowered, _ = constrain_to_fake_tensors(args, kwargs, fake_args, fake_kwargs)
+    assert [a.name for a in lowered[1]] == after
