@@ -94,7 +94,6 @@ def _with_after(args: tuple, kwargs: dict, value: object) -> tuple[tuple, dict]:
     return (*args[:_AFTER], [*args[_AFTER], value], *args[_AFTER + 1:]), kwargs
 
 
-
 def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
     """Adds the control dependencies that keep ``graph``'s current placement
     of owned collectives and waits; returns how many were added. With

@@ -405,25 +405,6 @@ def test_timeline_report() -> None:
     assert tl["makespan_s"] <= d["before"]["makespan_s"] + 1e-12
 
 
-def _pinned(both_ways: bool) -> tuple[dict[str, list[str]], list[str]]:
-    """Schedule, pin, and return which nodes got ordering-only dependencies
-    (node -> its extra inputs) and the collectives' order afterwards."""
-    from torch._inductor.fx_passes.control_dependencies import control_deps
-
-    from compiled_fsdp.passes.pin import pin_order
-
-    g = _build(reduce=True)
-    gm = fx.GraphModule(torch.nn.Module(), g)
-    schedule_graph(g, OverlapConfig(cover=1e9))
-    order = [n.name for n in g.nodes if n.target in (AG, RS, WAIT)]
-    added = pin_order(g, both_ways=both_ways)
-    gm.recompile()
-    g.lint()
-    deps = {n.name: sorted(d.name for d in n.args[0]) for n in g.nodes if n.target is control_deps}
-    assert added == sum(len(v) for v in deps.values())
-    return deps, order
-
-
 def _ancestors(n: fx.Node) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = list(n.all_input_nodes)
@@ -433,6 +414,27 @@ def _ancestors(n: fx.Node) -> set[fx.Node]:
             seen.add(x)
             stack.extend(x.all_input_nodes)
     return seen
+
+
+def _pinned(both_ways: bool) -> tuple[dict[str, list[str]], list[str], fx.GraphModule, dict[str, set[str]]]:
+    """Schedule, pin, and return which nodes got ordering-only dependencies
+    (node -> its extra inputs), the collectives' order afterwards, the
+    pinned module, and each node's ancestors by data before the pin."""
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    from compiled_fsdp.passes.pin import pin_order
+
+    g = _build(reduce=True)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    schedule_graph(g, OverlapConfig(cover=1e9))
+    order = [n.name for n in g.nodes if n.target in (AG, RS, WAIT)]
+    data = {n.name: {a.name for a in _ancestors(n)} for n in g.nodes}
+    added = pin_order(g, both_ways=both_ways)
+    gm.recompile()
+    g.lint()
+    deps = {n.name: sorted(d.name for d in n.args[0]) for n in g.nodes if n.target is control_deps}
+    assert added == sum(len(v) for v in deps.values())
+    return deps, order, gm, data
 
 
 def test_pin_both_ways_holds_collectives_up_and_waits_down() -> None:
@@ -446,22 +448,15 @@ def test_pin_both_ways_holds_collectives_up_and_waits_down() -> None:
     reduce-scatters here take gradients of the compute before them."""
     from torch._inductor.fx_passes.control_dependencies import control_deps
 
-    from compiled_fsdp.passes.pin import pin_order
-
-    one, order = _pinned(False)
-    both, order_both = _pinned(True)
+    one, order, _, _ = _pinned(False)
+    both, order_both, gm, data = _pinned(True)
     assert order == order_both
     # the usual pin: no collective is wrapped
     assert not any(name.startswith(("all_gather", "reduce_scatter")) for name in one)
     # both ways: every collective after the first compute node is held after
     # the compute node before it, by its data (the reduce-scatters) or by a
     # dependency added (the gathers, whose shards are inputs)
-    g = _build(reduce=True)
-    gm = fx.GraphModule(torch.nn.Module(), g)
-    schedule_graph(g, OverlapConfig(cover=1e9))
-    data = {n.name: {a.name for a in _ancestors(n)} for n in g.nodes}  # (before the pin)
-    pin_order(g, both_ways=True)
-    nodes = [n for n in g.nodes if n.op == "call_function"]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     wrapped = {n: getattr(gm, n.args[1].target) for n in nodes if n.target is control_deps}
 
     def target(n: fx.Node) -> object:
@@ -496,7 +491,6 @@ def test_pin_both_ways_holds_collectives_up_and_waits_down() -> None:
                 assert n in _ancestors(nxt), (n.name, nxt.name)
                 waits += 1
     assert waits >= 3
-
 
 
 def test_pin_orders_gathers_issued_ahead_by_their_after() -> None:
