@@ -19,7 +19,8 @@ import compiled_fsdp
 from compiled_fsdp.core import compat
 
 from _dist import run_distributed
-from _parity import assert_close, in_regions
+from _models import shard_each
+from _parity import assert_close, in_regions, run_parity
 
 
 class _Widening(torch.nn.Module):
@@ -225,6 +226,44 @@ def test_a_region_block_with_hooks_of_its_users(when: str) -> None:
         assert res["after"][-1] == {"regions": [False, True, True, True], "first_hook": "_pre_forward",
                                     "one_order": True}, res["after"]
         assert res["warnings"] == [], res["warnings"]  # (the region traced once)
+
+
+def _hooks_added_rank(rank: int, world: int) -> dict:
+    compiled_fsdp.config.comm.block_regions = True
+    made: dict[str, torch.nn.Module] = {}
+
+    def build() -> _EqualStack:
+        made["ref"] = _EqualStack(3)
+        return made["ref"]
+
+    def prepare(ref: torch.nn.Module) -> torch.nn.Module:
+        model = made["model"] = copy.deepcopy(ref)
+        shard_each(model)
+        return model
+
+    def make_batch(step: int) -> tuple:
+        if step == 1:  # (after the first step's compile, before the second step's forward)
+            _hook(made["ref"].layers[1])
+            _hook(made["model"].layers[1])
+        return (torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step)),)
+
+    return run_parity(rank, build, shard_each, make_batch, lambda out, x: out.square().mean(), steps=3,
+                      wrap=partial(torch.compile, backend="aot_eager"), prepare=prepare, after_step=in_regions)
+
+
+def test_hooks_of_a_users_added_after_the_first_step_run() -> None:
+    """The same hooks as above, registered on the second block after the
+    first step: the next step recompiles, the hooks run in the region's
+    call, and the model stays bitwise equal to its reference (hooked at the
+    same step) after 3 steps under ``aot_eager``, every block a region. The
+    region's call decides each step whether it may cast and call the
+    block's forward itself ([Note: A region's call under Dynamo]): a
+    decision made once, or not guarded, left the hooks unrun (the second
+    block's input not halved, its output not shifted)."""
+    for res in run_distributed(_hooks_added_rank, 2, timeout=900):
+        assert_close(res, 0.0)
+        assert res["counts"] == [{}] * 3, res["counts"]
+        assert res["after"] == [[False, True, True, True]] * 3, res["after"]
 
 
 class _Halving(_Widening):

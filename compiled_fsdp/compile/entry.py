@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -183,9 +183,12 @@ class CompiledEntry:
         # one: the one expected to run after it (and the first region's own)
         # ([Note: Gathers issued ahead of compile regions] in regions.py).
         self.region_ahead: list[CompiledEntry] = []
-        # Its state's pre- and post-forward hooks, which the region's call
-        # calls itself under Dynamo ([Note: A region's call under Dynamo] in region_call.py).
-        self.region_hooks: Optional[tuple[Callable, Callable]] = None
+        # Its module (weakly), and, set each step before tracing, the casts
+        # of its state's forward hooks where the region's call makes them
+        # itself under Dynamo (None: it takes torch's call) ([Note: A region's
+        # call under Dynamo] in region_call.py).
+        self.region_module: Optional[weakref.ref] = None
+        self.region_casts: Optional[tuple[Optional[torch.dtype], Optional[torch.dtype]]] = None
         self.full_shapes = tuple(joined_shapes(group.specs))
         self.local_rows = tuple(p.local_rows for p in group.fsdp_params)
         key, split_key = group.key, self.split_key

@@ -33,7 +33,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils._pytree import tree_flatten
 
-from compiled_fsdp.compile import frames, install, region_reads, regions
+from compiled_fsdp.compile import frames, install, region_call, region_reads, regions
 from compiled_fsdp.compile.entry import CompiledEntry, entry_of, param_settings, read_kept, read_syncs
 from compiled_fsdp.core import (
     compat,
@@ -140,6 +140,8 @@ class TorchCompilePath(CompiledPath):
             entry_of(g).reads_alias = aliased or g.casts_in_graph
             if entry_of(g).reads_alias:
                 region_reads.refresh(g)
+            if entry_of(g).in_region:
+                region_call.prepare(entry_of(g))
         regions.predict_order(ctx.groups())
 
     def on_backward(self, ctx: RootContext) -> None:

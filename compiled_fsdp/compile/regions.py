@@ -133,6 +133,7 @@ bitwise equal to its single-process reference.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -264,8 +265,7 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
         return
     entry = entry_of(group)
     entry.in_region = True
-    state = get_fsdp_state(module)
-    entry.region_hooks = (state._pre_forward, state._post_forward)
+    entry.region_module = weakref.ref(module)
     module.__dict__["_fsdp_region_entry"] = entry
     if getattr(cls, "_fsdp_region", False):
         return
@@ -276,23 +276,22 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             entry = self.__dict__["_fsdp_region_entry"]
-            if entry.active:  # (block.compile(): one frame per block already)
+            # (eager, the region's body is the block's forward; block.compile(): one frame per block already)
+            if not torch.compiler.is_dynamo_compiling() or entry.active:
                 return plain(self, *args, **kwargs)
-            if torch.compiler.is_dynamo_compiling() and sizes_dynamic():
+            if sizes_dynamic():
                 comptime(entry.record_region_dynamic)  # ([Note: No compile regions under dynamic=True])
                 return plain(self, *args, **kwargs)
             token = None
-            if torch.compiler.is_dynamo_compiling():
-                after = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-                for ahead in entry.region_ahead:  # (one after the other: the token orders them)
-                    token = issue_ahead(ahead, after if token is None else [token, *after])
+            after = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            for ahead in entry.region_ahead:  # (one after the other: the token orders them)
+                token = issue_ahead(ahead, after if token is None else [token, *after])
             if token is None:  # (the token's like, so that the last region's call is the others')
                 token = entry.region_shards[0].new_empty([0]) if entry.region_shards[0] is not None \
                     else torch.empty(0)
-            if torch.compiler.is_dynamo_compiling():  # ([Note: Agreeing on collectives]: this block's
-                comptime(entry.record_region_call)  # bucket; [Note: Region calls traced once])
-            # (the aliases its reads take, (4), as the entry's own list: a new
-            # list cost Dynamo 104 traced instructions a block; [Note: What a region returns])
+            comptime(entry.record_region_call)  # ([Note: Agreeing on collectives]: this block's bucket;
+            # [Note: Region calls traced once]) (the aliases its reads take, (4), as the entry's own
+            # list: a new list cost Dynamo 104 traced instructions a block; [Note: What a region returns])
             return _taken_back(region(self, token, entry.region_shards, *args, **kwargs))
 
         attrs = {"forward": forward, "_fsdp_region": True, "__module__": cls.__module__}

@@ -209,10 +209,14 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         if not torch.compiler.is_dynamo_compiling():
             with compat.no_spmd_typecheck():  # ([Note: spmd_types parameters] in annotated.py)
                 self._eager_pre_forward(_is_in_optimized_module())
+        inputs, _ = self.forward_casts()
+        return cast_floating(inputs, (args, kwargs)) if inputs is not None else None
+
+    def forward_casts(self) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+        """The dtypes this module's forward hooks cast its floating-point
+        inputs and its output to (None: no cast); [Note: Mixed precision]."""
         mp = self.mp_policy
-        if mp.cast_forward_inputs and mp.param_dtype is not None:  # [Note: Mixed precision]
-            return cast_floating(mp.param_dtype, (args, kwargs))
-        return None
+        return mp.param_dtype if mp.cast_forward_inputs else None, mp.output_dtype
 
     def _list_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         """[Note: A list of modules as one group]
@@ -238,10 +242,8 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
             on_its_own = ctx is not None and not self.is_root and ctx.phase is Phase.IDLE
             self._to_run = [module] if on_its_own else list(self.modules)
             return self._pre_forward(module, args, kwargs)
-        mp = self.mp_policy
-        if mp.cast_forward_inputs and mp.param_dtype is not None:
-            return cast_floating(mp.param_dtype, (args, kwargs))
-        return None
+        inputs, _ = self.forward_casts()
+        return cast_floating(inputs, (args, kwargs)) if inputs is not None else None
 
     def _list_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
@@ -249,13 +251,13 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         self._to_run = [m for m in self._to_run if m is not module]
         if not self._to_run:
             return self._post_forward(module, args, output)
-        return cast_floating(self.mp_policy.output_dtype, output)
+        return cast_floating(self.forward_casts()[1], output)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if not torch.compiler.is_dynamo_compiling():
             with compat.no_spmd_typecheck():
                 output = self._eager_post_forward(output)
-        return cast_floating(self.mp_policy.output_dtype, output)
+        return cast_floating(self.forward_casts()[1], output)
 
     def _eager_pre_forward(self, in_compiled_call: bool) -> None:
         if self.ctx is None:
