@@ -247,8 +247,15 @@ def _hooks_added_rank(rank: int, world: int) -> dict:
             _hook(made["model"].layers[1])
         return (torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step)),)
 
+    def after_step(model: torch.nn.Module) -> dict:
+        from torch._dynamo.utils import counters
+
+        return {"regions": in_regions(model), "graphs": counters["stats"]["unique_graphs"],
+                "direct": [m.__dict__["_fsdp_region_entry"].region_casts is not None for m in model.layers]}
+
+    torch._dynamo.utils.counters.clear()
     return run_parity(rank, build, shard_each, make_batch, lambda out, x: out.square().mean(), steps=3,
-                      wrap=partial(torch.compile, backend="aot_eager"), prepare=prepare, after_step=in_regions)
+                      wrap=partial(torch.compile, backend="aot_eager"), prepare=prepare, after_step=after_step)
 
 
 def test_hooks_of_a_users_added_after_the_first_step_run() -> None:
@@ -259,11 +266,18 @@ def test_hooks_of_a_users_added_after_the_first_step_run() -> None:
     region's call decides each step whether it may cast and call the
     block's forward itself ([Note: A region's call under Dynamo]): a
     decision made once, or not guarded, left the hooks unrun (the second
-    block's input not halved, its output not shifted)."""
+    block's input not halved, its output not shifted). The blocks without
+    a user's hook take that direct call throughout, the hooked one torch's
+    from the second step; one graph more is traced at the second step,
+    none at the third."""
     for res in run_distributed(_hooks_added_rank, 2, timeout=900):
         assert_close(res, 0.0)
         assert res["counts"] == [{}] * 3, res["counts"]
-        assert res["after"] == [[False, True, True, True]] * 3, res["after"]
+        after = res["after"]
+        assert [a["regions"] for a in after] == [[False, True, True, True]] * 3, after
+        assert [a["direct"] for a in after] == [[True] * 3, [True, False, True], [True, False, True]], after
+        graphs = [a["graphs"] for a in after]
+        assert graphs[1] == graphs[0] + 1 and graphs[2] == graphs[1], graphs
 
 
 class _Halving(_Widening):

@@ -36,7 +36,9 @@ __all__ = ["prepare", "region_call"]
 # 43 more (a per-block trace of 400 instructions at 8 blocks, 2026-12-04).
 # A user's hook, forward or backward, registered before or after the first
 # compile, makes it None: the call takes torch's path, and a hook added
-# after the first compile recompiles the frame (the guard). A class with a
+# after the first compile recompiles the frame (the guard). A hook added
+# while a step runs (by a hook of the root's, which runs after FSDP's
+# pre-forward has prepared the step) is seen from the next step on. A class with a
 # ``__call__`` or ``_call_impl`` of its own (an older transformers'
 # checkpointing layer) keeps it: its region class gets no ``__call__``. Run
 # as Python, the call is torch's, and Dynamo's frame evaluation runs it as
@@ -46,8 +48,10 @@ __all__ = ["prepare", "region_call"]
 # (tests/test_compile_in_place.py::test_root_compiled_in_place_with_accumulation
 # found it). Tested by
 # tests/test_region_variants.py::test_a_region_block_with_hooks_of_its_users
-# (a user's hooks run, in order with FSDP's, and one added after the first
-# step runs),
+# (a user's hooks run, in order with FSDP's),
+# tests/test_region_variants.py::test_hooks_of_a_users_added_after_the_first_step_run
+# (they run from the step after, which recompiles once; the other blocks
+# call their forward directly),
 # tests/test_region_variants.py::test_a_region_block_with_a_call_of_its_own,
 # tests/test_mixed_precision.py::test_inputs_and_outputs_are_cast (the
 # pre-forward's cast of a region's input) and
