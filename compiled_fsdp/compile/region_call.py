@@ -65,7 +65,7 @@ def _only_fsdp_hooks(module: nn.Module) -> bool:
 
 def prepare(entry: CompiledEntry) -> None:
     """Sets ``entry.region_casts`` for this step (the note above)."""
-    module = entry.region_module() if entry.region_module is not None else None
+    module = entry.region_module()  # (set with ``in_region``, by ``make_region``)
     state = get_fsdp_state(module) if module is not None else None
     entry.region_casts = state.forward_casts() if state is not None and _only_fsdp_hooks(module) else None
 

@@ -209,6 +209,10 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
         if not torch.compiler.is_dynamo_compiling():
             with compat.no_spmd_typecheck():  # ([Note: spmd_types parameters] in annotated.py)
                 self._eager_pre_forward(_is_in_optimized_module())
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> Any:
+        """A pre-forward hook's result: the inputs cast, or None where nothing is cast."""
         inputs, _ = self.forward_casts()
         return cast_floating(inputs, (args, kwargs)) if inputs is not None else None
 
@@ -242,8 +246,7 @@ class FSDPState(compat.torch_fsdp_state_class()):  # type: ignore[misc]
             on_its_own = ctx is not None and not self.is_root and ctx.phase is Phase.IDLE
             self._to_run = [module] if on_its_own else list(self.modules)
             return self._pre_forward(module, args, kwargs)
-        inputs, _ = self.forward_casts()
-        return cast_floating(inputs, (args, kwargs)) if inputs is not None else None
+        return self._cast_inputs(args, kwargs)
 
     def _list_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
