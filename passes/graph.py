@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map, tree_map_only
 
 from compiled_fsdp.core.marker import MARKERS, GatherNext, Marker, ReduceGrad, ReduceNext, Unshard
 
@@ -339,12 +339,12 @@ def none_from_regions(gm: fx.GraphModule) -> int:
             else:
                 none[n] = None
     for n in none:
-        for user in list(n.users):
-            if user.op == "output":
-                user.args = tree_map(lambda a, n=n: None if a is n else a, user.args)
-            elif not (user.target is add and user in none or user.target is add and not user.users):
+        for user in n.users:
+            if not (user.op == "output" or user.target is add and user in none
+                    or user.target is add and not user.users):
                 raise RuntimeError(f"compiled_fsdp: a compile region's gradient, reduced after the region, is "
                                    f"read by {user.format_node()}; please report this")
+    return_none_for(gm.graph, none)
     order = node_order(gm.graph)
     dead = list(none) + [n for n in gm.graph.nodes if n.target is add and not n.users
                          and any(a in none for a in n.args)]
@@ -390,6 +390,22 @@ def stable_topological_sort(graph: fx.Graph) -> int:
         for prev, n in zip(order, order[1:]):
             prev.append(n)
     return moved
+
+
+# [Note: One pass over the output]
+# A pass that makes the graph return None in place of some nodes (gradients
+# reduced after a compile region's graph) rewrites the output node once,
+# for all of them: a rewrite per node walked the whole output each time
+# (a whole model's backward returns a gradient per parameter), quadratic in
+# depth: 352 walks of the outer backward's output at 32 blocks, 0.5-0.9 s of
+# a cold first step under cProfile (benchmarks/RESULTS.md, fifty-first
+# session). Tested by tests/test_passes_fx.py::test_none_from_regions_rewrites_the_output_once.
+def return_none_for(graph: fx.Graph, nodes: dict[fx.Node, None] | set[fx.Node]) -> None:
+    """Where ``graph``'s output returns one of ``nodes``, it returns None
+    instead ([Note: One pass over the output])."""
+    if nodes:
+        out = graph.output_node()
+        out.args = tree_map_only(fx.Node, lambda a: None if a in nodes else a, out.args)
 
 
 def erase_nodes(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:

@@ -57,6 +57,7 @@ from .graph import (
     node_order,
     parse_marker,
     region_calls,
+    return_none_for,
     stable_topological_sort,
     through_identity_views,
 )
@@ -415,15 +416,15 @@ def _summed(b: NodeBuilder, slot: Slot) -> fx.Node:
 def _replace_roots(graph: fx.Graph, plan: BucketPlan, results: list[fx.Node | None]) -> None:
     """Each slot's gradient becomes its result (None: the graph returns none)."""
     dead: list[fx.Node] = []
+    returned_none: dict[fx.Node, None] = {}
     for s, res in zip(plan.slots, results):
         assert s.root is not None
-        if res is None:
-            for user in list(s.root.users):  # (outputs only: _reduced_later)
-                user.args = torch.utils._pytree.tree_map_only(fx.Node, lambda a, r=s.root: None if a is r else a,
-                                                                user.args)
+        if res is None:  # (read by the output only: _reduced_later; erasing it checks that)
+            returned_none[s.root] = None
             dead.append(s.root)
             continue
         s.root.replace_all_uses_with(res)
+    return_none_for(graph, returned_none)  # ([Note: One pass over the output] in graph.py)
     for s in plan.slots:
         dead.extend(s.markers)
         dead.extend(s.acc_nodes)
