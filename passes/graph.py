@@ -399,7 +399,7 @@ def stable_topological_sort(graph: fx.Graph) -> int:
 # (a whole model's backward returns a gradient per parameter), quadratic in
 # depth: 352 walks of the outer backward's output at 32 blocks, 0.5-0.9 s of
 # a cold first step under cProfile (benchmarks/RESULTS.md, fifty-first
-# session). Tested by tests/test_passes_fx.py::test_none_from_regions_rewrites_the_output_once.
+# session). Tested by tests/test_region_graph_fx.py::test_none_from_regions_rewrites_the_output_once.
 def return_none_for(graph: fx.Graph, nodes: dict[fx.Node, None] | set[fx.Node]) -> None:
     """Where ``graph``'s output returns one of ``nodes``, it returns None
     instead ([Note: One pass over the output])."""

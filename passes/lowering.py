@@ -419,7 +419,7 @@ def _replace_roots(graph: fx.Graph, plan: BucketPlan, results: list[fx.Node | No
     returned_none: dict[fx.Node, None] = {}
     for s, res in zip(plan.slots, results):
         assert s.root is not None
-        if res is None:  # (read by the output only: _reduced_later; erasing it checks that)
+        if res is None:  # (read by the output only: ``reduced_later`` in region_reduce.py; erasing it checks that)
             returned_none[s.root] = None
             dead.append(s.root)
             continue
