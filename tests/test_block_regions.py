@@ -69,6 +69,19 @@ def _build() -> GPT:
     return GPT(GPTConfig(vocab=67, dim=24, n_layers=BLOCKS, n_heads=2, seq=16))
 
 
+def _depth(source: Any) -> int:
+    """How many steps ``source`` (Dynamo's) takes from its frame's local or global."""
+    steps = 0
+    while hasattr(source, "base"):
+        source, steps = source.base, steps + 1
+    return steps
+
+
+def _member(source: Any) -> Any:
+    """The attribute whose item ``source`` is (``region_shards`` for ``e.region_shards[3]``)."""
+    return getattr(getattr(source, "base", None), "member", None)
+
+
 def _regions_rank(rank: int, world: int, backend: str) -> dict:
     from torch._dynamo.backends.registry import lookup_backend
 
@@ -84,9 +97,11 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
     def backend_fn(gm: torch.fx.GraphModule, inputs: Any) -> Any:
         calls = [n for n in gm.graph.nodes if n.op == "call_function"
                  and n.target is torch.ops.higher_order.invoke_subgraph]
+        sources = [n.meta["grapharg"].source for n in gm.graph.nodes if n.op == "placeholder"]
         graphs.append({"subgraphs": sorted(name for name, _ in gm.named_children() if name.startswith("subgraph")),
                        "calls": len(calls),
-                       "dtensor_inputs": sum(isinstance(t, torch.distributed.tensor.DTensor) for t in inputs)})
+                       "dtensor_inputs": sum(isinstance(t, torch.distributed.tensor.DTensor) for t in inputs),
+                       "shard_depths": sorted({_depth(s) for s in sources if _member(s) == "region_shards"})})
         return lookup_backend(backend)(gm, inputs)
 
 
@@ -149,7 +164,12 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         # each step, every region's reduce waited after its graph)
         assert res["after"] == [(0, BLOCKS), (2 * BLOCKS, 2 * BLOCKS), (4 * BLOCKS, 3 * BLOCKS)], res["after"]
         # (no DTensor input: [Note: No DTensor inputs beside regions])
+        depths = res["graphs"][0].pop("shard_depths")
         assert res["graphs"] == [{"subgraphs": ["subgraph_0"], "calls": BLOCKS, "dtensor_inputs": 0}]
+        # (the first region's shards reached through its module, every other's through the one
+        # list of regions, at one depth: [Note: One source per region]; through the entry before
+        # it, block k's were k steps deeper)
+        assert len(depths) == 2 and depths[1] - depths[0] == 2, depths
         # (traced once: the last block's token, made without the issue-ahead op, required no
         # gradient where the others' did, and Dynamo traced the region again for it)
         assert res["retraced"] == [], res["retraced"]

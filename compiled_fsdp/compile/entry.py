@@ -179,10 +179,13 @@ class CompiledEntry:
         # Its reads' ``param_settings`` and flags and its issue-ahead's
         # arguments, encoded ([Note: A region's read settings] in region_reads.py).
         self.region_key = ""
-        # The regions whose gathers the outer graph issues before calling this
-        # one: the one expected to run after it (and the first region's own)
-        # ([Note: Gathers issued ahead of compile regions] in regions.py).
-        self.region_ahead: list[CompiledEntry] = []
+        # The model's regions in its order, one list for all of them, and the
+        # positions in it of those whose gathers the outer graph issues before
+        # calling this one: the one expected to run after it (and the first
+        # region's own) ([Note: Gathers issued ahead of compile regions] and
+        # [Note: One source per region] in regions.py).
+        self.region_order: list[CompiledEntry] = []
+        self.region_ahead: tuple[int, ...] = ()
         # Its module (weakly), and, set each step before tracing, the casts
         # of its state's forward hooks where the region's call makes them
         # itself under Dynamo (None: it takes torch's call) ([Note: A region's

@@ -129,6 +129,22 @@ tests/test_shard_dim.py::test_experts_sharded_on_their_largest_dim[regions], eac
 block under ``torch.utils.checkpoint`` by
 tests/test_eager_parity.py::test_activation_checkpointing[regions]: each
 bitwise equal to its single-process reference.
+
+[Note: One source per region]
+Dynamo names an object by the source it first reached it through, and keeps
+that name wherever the object turns up again. When each region's entry held
+the next one, the outer graph reached block k+1's entry, and its shards,
+through block k's: block k's shards were graph inputs whose source was k
+steps long (``..._fsdp_region_entry.region_ahead[1].region_ahead[0]...``).
+Whatever walks the sources then walked the square of the depth: the guards,
+the reuse check's clones of each source, and AOTAutograd's cache key, which
+pickles every input's source without a memo (at 80 blocks 3.7 MB, 0.85 s of
+a warm first step). So every entry holds the model's one list of regions
+(``region_order``) and the positions in it of those it issues ahead
+(``region_ahead``): each entry after the first is one index below that list,
+and a source is as long at 80 blocks as at 8. Tested by
+tests/test_block_regions.py::test_identical_blocks_compile_once (the shards'
+source depths).
 """
 from __future__ import annotations
 
@@ -284,8 +300,9 @@ def make_region(module: nn.Module, group: FSDPParamGroup) -> None:
                 return plain(self, *args, **kwargs)
             token = None
             after = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            for ahead in entry.region_ahead:  # (one after the other: the token orders them)
-                token = issue_ahead(ahead, after if token is None else [token, *after])
+            for ahead in entry.region_ahead:  # (one after the other: the token orders them; the
+                # entry through the list: [Note: One source per region])
+                token = issue_ahead(entry.region_order[ahead], after if token is None else [token, *after])
             if token is None:  # (the token's like, so that the last region's call is the others')
                 token = entry.region_shards[0].new_empty([0]) if entry.region_shards[0] is not None \
                     else torch.empty(0)
@@ -453,9 +470,10 @@ def predict_order(groups: list[FSDPParamGroup]) -> None:
     entries = [entry_of(g) for g in groups if entry_of(g).in_region]
     gathers = registry.CORE.backward_gathers
     gathers.then.clear()
-    for entry, after in zip(entries, [*entries[1:], None]):
-        entry.region_ahead = [after] if after is not None else []
+    for i, (entry, after) in enumerate(zip(entries, [*entries[1:], None])):
+        entry.region_order = entries
+        entry.region_ahead = (i + 1,) if after is not None else ()
         if after is not None:
             gathers.chain(after.bucket_key(), entry.issue_backward_gather)
     if entries:  # (the first region's own first: issued ahead of the next, not queued behind it)
-        entries[0].region_ahead.insert(0, entries[0])
+        entries[0].region_ahead = (0, *entries[0].region_ahead)
