@@ -136,10 +136,10 @@ that name wherever the object turns up again. When each region's entry held
 the next one, the outer graph reached block k+1's entry, and its shards,
 through block k's: block k's shards were graph inputs whose source was k
 steps long (``..._fsdp_region_entry.region_ahead[1].region_ahead[0]...``).
-Whatever walks the sources then walked the square of the depth: the guards,
-the reuse check's clones of each source, and AOTAutograd's cache key, which
-pickles every input's source without a memo (at 80 blocks 3.7 MB, 0.85 s of
-a warm first step). So every entry holds the model's one list of regions
+Whatever walks the inputs' sources then walked the square of the depth: the
+guards on them, and AOTAutograd's cache key, which pickles every input's
+source without a memo (at 80 blocks 3.7 MB, 0.85 s of a warm first step;
+0.56 MB now). So every entry holds the model's one list of regions
 (``region_order``) and the positions in it of those it issues ahead
 (``region_ahead``): each entry after the first is one index below that list,
 and a source is as long at 80 blocks as at 8. Tested by
