@@ -77,9 +77,17 @@ def _depth(source: Any) -> int:
     return steps
 
 
-def _member(source: Any) -> Any:
-    """The attribute whose item ``source`` is (``region_shards`` for ``e.region_shards[3]``)."""
-    return getattr(getattr(source, "base", None), "member", None)
+def _a_regions_shard(source: Any) -> bool:
+    """Whether ``source`` is an item of a region entry's ``region_shards``
+    (``..._fsdp_region_entry ... .region_shards[3]``; not the root's, reached
+    through its parameters' group)."""
+    if getattr(getattr(source, "base", None), "member", None) != "region_shards":
+        return False
+    while hasattr(source, "base"):
+        source = source.base
+        if getattr(source, "index", None) == "_fsdp_region_entry":
+            return True
+    return False
 
 
 def _regions_rank(rank: int, world: int, backend: str) -> dict:
@@ -101,7 +109,7 @@ def _regions_rank(rank: int, world: int, backend: str) -> dict:
         graphs.append({"subgraphs": sorted(name for name, _ in gm.named_children() if name.startswith("subgraph")),
                        "calls": len(calls),
                        "dtensor_inputs": sum(isinstance(t, torch.distributed.tensor.DTensor) for t in inputs),
-                       "shard_depths": sorted({_depth(s) for s in sources if _member(s) == "region_shards"})})
+                       "shard_depths": sorted({_depth(s) for s in sources if _a_regions_shard(s)})})
         return lookup_backend(backend)(gm, inputs)
 
 
@@ -166,9 +174,9 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         # (no DTensor input: [Note: No DTensor inputs beside regions])
         depths = res["graphs"][0].pop("shard_depths")
         assert res["graphs"] == [{"subgraphs": ["subgraph_0"], "calls": BLOCKS, "dtensor_inputs": 0}]
-        # (the first region's shards reached through its module, every other's through the one
-        # list of regions, at one depth: [Note: One source per region]; through the entry before
-        # it, block k's were k steps deeper)
+        # (the regions' shards, not the root's: the first region's reached through its module,
+        # every other's through the one list of regions, at one depth: [Note: One source per
+        # region]; through the entry before it, block k's were k steps deeper)
         assert len(depths) == 2 and depths[1] - depths[0] == 2, depths
         # (traced once: the last block's token, made without the issue-ahead op, required no
         # gradient where the others' did, and Dynamo traced the region again for it)
