@@ -171,8 +171,8 @@ def test_identical_blocks_compile_once(backend: str, tol: float) -> None:
         # (gathers taken from the second step: BLOCKS in forward and BLOCKS in backward;
         # each step, every region's reduce waited after its graph)
         assert res["after"] == [(0, BLOCKS), (2 * BLOCKS, 2 * BLOCKS), (4 * BLOCKS, 3 * BLOCKS)], res["after"]
-        # (no DTensor input: [Note: No DTensor inputs beside regions])
         depths = res["graphs"][0].pop("shard_depths")
+        # (no DTensor input: [Note: No DTensor inputs beside regions])
         assert res["graphs"] == [{"subgraphs": ["subgraph_0"], "calls": BLOCKS, "dtensor_inputs": 0}]
         # (the regions' shards, not the root's: the first region's reached through its module,
         # every other's through the one list of regions, at one depth: [Note: One source per
