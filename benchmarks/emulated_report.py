@@ -63,7 +63,7 @@ def _minus(spans: list[tuple[float, float]], holes: list[tuple[float, float]]) -
 def table(results: list[dict[str, Any]]) -> str:
     head = (f"{'W':>4} {'link':8} {'kind':12} {'first s':>8} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6} "
             f"{'peak GiB':>8} {'comm s':>7} {'bound s':>7} {'x bound':>7} {'exposed':>8} {'predicted':>9} "
-            f"{'optim s':>7} {'step MiB':>8}")
+            f"{'optim s':>7} {'step MiB':>8} {'paired x':>8}")
     lines = [head]
     for r in results:
         if "error" in r:
@@ -78,7 +78,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['tokens_per_s']:9.0f} {_pct(r.get('mfu')):>6} {_num(r.get('peak_mem_gib'), '8.1f')} "
             f"{r['comm_s']:7.3f} {_num(bound, '7.3f')} {_num(bound and r['step_s'] / bound, '7.3f')} "
             f"{exposed:8.3f} {_num(r.get('predicted_exposed_s'), '9.3f')} {_num(r.get('optimizer_s'), '7.3f')} "
-            f"{_num(r.get('step_peak_mib'), '8.1f')}")
+            f"{_num(r.get('step_peak_mib'), '8.1f')} {_num(r.get('x_bound_paired'), '8.3f')}")
     return "\n".join(lines)
 
 

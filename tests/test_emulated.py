@@ -279,6 +279,27 @@ def test_benchmark_node_ratio_needs_a_matched_link(tmp_path, capsys) -> None:
     assert not list(tmp_path.iterdir())  # (no worker ran)
 
 
+def test_paired_floor_ratios_are_per_pair() -> None:
+    """``--paired-floor``'s figures ([Note: The floor paired in one
+    process] in benchmarks/emulated.py): each step is divided by its own
+    floor step (or its own communication step, where that is longer), then
+    the median taken; never one median over the other, which a slow floor
+    step in one pair would move. Unequal lists are an error."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import emulated
+
+    times = [1.0, 2.2, 1.1, 1.3]
+    floors = [0.9, 2.0, 1.0, 0.5]  # (the machine slowed both in pair 2)
+    comm = [0.5, 0.5, 1.2, 0.5]  # (pair 3 bound by its communication)
+    got = emulated.paired(times, floors, comm)
+    assert got["paired_floor_step_s"] == pytest.approx(0.95)
+    assert got["x_floor_paired"] == pytest.approx((1.1 + 1.1111111) / 2)  # (1.111, 1.1, 1.1, 2.6)
+    assert got["x_bound_paired"] == pytest.approx((1.1111111 + 1.1) / 2)  # (1.111, 1.1, 0.917, 2.6)
+    assert got["floor_step_times_s"] == floors
+    with pytest.raises(ValueError, match="pairs of unequal length"):
+        emulated.paired(times, floors[:3], comm)
+
+
 def test_attention_priced_at_its_own_rate() -> None:
     """[Note: Attention's own rate]: a declared attention rate prices the
     fused attention ops of a traced graph, forward and backward, and
