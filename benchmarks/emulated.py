@@ -158,6 +158,16 @@ def _mesh(args: argparse.Namespace, per_node: int) -> Any:
     return init_device_mesh(args.device, (args.world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
 
 
+# [Note: The floor's weights drawn as the sharded runs' are]
+# Every sharded kind draws its weights with ``Llama.init_weights`` (normal,
+# std 0.02), after meta init. The floor kept ``nn.Linear``'s own draw
+# (uniform, 1/sqrt(fan_in): 0.0625 at d=256) until 2026-12-04, so the two
+# computed on different values: on the CPU the sharded runs' matmuls met
+# denormal numbers the floor's did not, and took longer for the same shapes
+# (d=256, W=8, collectives free, a step profiled beside the floor in one
+# process: the key and value projections' 16 matmuls 10.7-13.8 ms against
+# 7.3-7.7; with ``torch.set_flush_denormal(True)``, 7.3 against 7.5). The
+# floor now draws its weights the same way.
 def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
            pattern: str = "plain", mesh: Any = None, reduce_dtype: Optional[str] = None) -> tuple[nn.Module, Any, Any]:
     """(the model, what a step calls, the optimizer)."""
@@ -176,10 +186,12 @@ def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
         return model, step, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     if pattern.startswith("titan"):
         return _build_titan(kind, cfg, device, world)
-    if kind == "floor":
+    if kind == "floor":  # ([Note: The floor's weights drawn as the sharded runs' are])
         torch.manual_seed(0)
         with torch.device(device):
-            model = llama.Llama(cfg).to(torch.bfloat16 if cuda else torch.float32)
+            model = llama.Llama(cfg)
+        model.init_weights()
+        model.to(torch.bfloat16 if cuda else torch.float32)
         return model, torch.compile(model), _floor_optimizer(model, device, world)
     with torch.device("meta"):
         model = llama.Llama(cfg)
@@ -221,6 +233,7 @@ def _build_titan(kind: str, cfg: llama.LlamaConfig, device: torch.device,
         if kind != "ours_eager" and kind != "fsdp2_eager":
             model.layers[i].compile(fullgraph=True)
     if kind == "floor":
+        model.init_weights()
         model.to(torch.bfloat16 if cuda else torch.float32)
         return model, model, _floor_optimizer(model, device, world)
     fully_shard, mp = _sharding_api(kind, cuda)

@@ -65,6 +65,18 @@ out["waited"] = [r.waited_s for r in recs]
 out["waited_is_end_minus_reached"] = all(abs(r.waited_s - max(0.0, r.end_s - r.reached_s)) < 1e-9 for r in recs)
 out["summary"] = net.summary()
 
+# what the collectives write ([Note: What the emulated collectives write]): what a real group's would if
+# every rank held this rank's input; unwritten, the outputs kept their NaNs
+net.reset()
+src = torch.arange(6.)
+gathered, part = torch.full((world * 6,), float("nan")), torch.full((6,), float("nan"))
+dist.all_gather_into_tensor(gathered, src)
+dist.reduce_scatter_tensor(part, torch.arange(world * 6.))  # (rank 0's part)
+listed = [torch.full((6,), float("nan")) for _ in range(world)]
+dist.all_gather(listed, src)
+out["written"] = [torch.equal(gathered.view(world, 6), src.expand(world, 6)), torch.equal(part, src),
+                  all(torch.equal(t, src) for t in listed)]
+
 # a wait long after the end costs nothing
 net.reset()
 w = dist.all_reduce(torch.ones(10), async_op=True)
@@ -93,6 +105,7 @@ net.reset()
 f = torch.compile(lambda t: fc.all_gather_tensor(t, 0, dist.group.WORLD) * 2, backend="aot_eager")
 y = f(torch.ones(8))
 out["functional_shape"] = list(y.shape)
+out["functional_written"] = torch.equal(y, torch.full((8 * world,), 2.0))
 out["functional_kinds"] = [r.kind for r in net.records()]
 g = fx.Graph()
 inp = g.placeholder("x")
@@ -130,11 +143,14 @@ out["shard_rows_ok"] = all(list(p.to_local().shape) == [-(-full[n][0] // world)]
 opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 net.reset(); reset_collective_counts()
 tokens = batch(m.cfg, 2, 0)
-loss_fn(m(tokens), tokens).backward()
+loss = loss_fn(m(tokens), tokens)
+loss.backward()
 opt.step()
 s = net.summary()
 out["fsdp_counts"] = [s["collectives"], collective_counts()]
 out["fsdp_exposed_le_comm"] = 0 <= s["exposed_s"] <= s["comm_s"] + 1e-9
+# (the gathered parameters are what this rank holds, repeated: numbers, not what memory held)
+out["fsdp_finite"] = bool(loss.isfinite()) and all(bool(p.to_local().isfinite().all()) for p in m.parameters())
 print(json.dumps(out))
 """
 
@@ -159,6 +175,7 @@ def test_group_semantics_and_clock(world: int) -> None:
     assert waited[2] > 0 and waited[0] == 0 and waited[1] == 0  # only the first wait stood still
     assert res["summary"]["collectives"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
     assert res["late_wait"] == 0
+    assert res["written"] == [True, True, True] and res["functional_written"]
     assert res["sub_sizes"] == [8, world // 8] and res["sub_priced"] == [True, True] and res["node_vs_network"]
     assert res["spans_nodes"] == [False, world > 8, world > 8, True], res["spans_nodes"]
     assert res["functional_shape"] == [8 * world] and res["functional_kinds"] == ["all_gather"]
@@ -168,7 +185,7 @@ def test_group_semantics_and_clock(world: int) -> None:
     record_counts, runtime_counts = res["fsdp_counts"]
     # every collective the eager runtime issued went through the network, once
     assert record_counts == {k: runtime_counts[k] for k in ("all_gather", "reduce_scatter")}
-    assert res["fsdp_exposed_le_comm"]
+    assert res["fsdp_exposed_le_comm"] and res["fsdp_finite"]
 
 
 def test_bad_use_is_a_clear_error() -> None:

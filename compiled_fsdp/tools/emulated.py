@@ -11,8 +11,7 @@ job whose collectives take the time the project's cost model gives them.
 What it models. A process group (``torch.distributed.ProcessGroup``
 subclass, backend name ``"emulated"``) stands in for every group of a
 ``W``-rank job in one process, like torch's fake group: outputs are shaped
-and sharded as a real group's, their contents are left as the fake group
-leaves them (nothing is written), and compute and memory are real. Each
+and sharded as a real group's, and compute and memory are real. Each
 collective takes ``CostModel.comm_time`` for its kind, its unsharded bytes
 and its group: a ring over ``W`` ranks, ``(W-1)`` latencies plus
 ``(W-1)/W`` of the bytes over the link, where the link is the node's
@@ -35,6 +34,22 @@ current stream wait for that event without blocking the CPU, as NCCL's work
 does. On the CPU a virtual clock does it: ``wait()`` sleeps until the
 collective's end.
 
+[Note: What the emulated collectives write]
+On the CPU a collective's outputs hold what a real group's would if every
+rank held what this rank holds: a gather's output this rank's input in
+every rank's place, a reduce-scatter's this rank's part of its input (the
+average of equal inputs); an all-reduce leaves its tensors as they are.
+One thread of the network's own writes them, in issue order, as gloo's
+threads write a real one's, and ``wait()`` joins it (so does ``reset``).
+Left unwritten, as torch's fake group leaves them, they held whatever the
+allocator's memory last held (integers, read as floats, are denormal
+numbers), every sharded step computed on gathered parameters of that, and
+the CPU's arithmetic, which slows on denormals, ran some matmuls up to 20x
+longer: a sharded step took 1.1-16x its usual time at random (RESULTS,
+2026-12-04). On CUDA nothing is written: a GPU's arithmetic does not slow on
+denormals, and its copy would take memory bandwidth a real collective's
+kernel takes where the spin kernel takes none.
+
 What it leaves out: NCCL kernels occupy SMs and memory bandwidth while they
 run (the spin kernel holds one thread block and reads nothing), so compute
 that overlaps a real collective runs somewhat slower than here; links are
@@ -52,6 +67,8 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import torch
@@ -186,6 +203,8 @@ class Record:
     reached_s: Optional[float] = None  # when the waiting stream reached its first wait
     waited_s: float = 0.0  # how long that stream stood still for it (exposed)
     handle: Any = dataclasses.field(default=None, repr=False, compare=False)  # CUDA: (start, end) events
+    # CPU: the future of the writing of its outputs ([Note: What the emulated collectives write])
+    written: Any = dataclasses.field(default=None, repr=False, compare=False)
     reached: Any = dataclasses.field(default=None, repr=False, compare=False)  # CUDA: the first wait's event
 
 
@@ -277,6 +296,8 @@ class EmulatedNetwork:
         self.device = device
         self._model = CostModel().with_links(topology.links)  # (only its comm_time is used)
         self._cuda = _CudaQueue(device) if device.type == "cuda" else None
+        # (CPU: writes each collective's outputs, in issue order: [Note: What the emulated collectives write])
+        self._writer = ThreadPoolExecutor(1, "emulated-network") if self._cuda is None else None
         self._lock = threading.Lock()
         self.store: Optional[dist.Store] = None  # what its groups were made from (init_emulated_network)
         self.reset()
@@ -284,6 +305,7 @@ class EmulatedNetwork:
     def reset(self) -> None:
         """Forgets every record; the clock restarts at 0."""
         with self._lock:
+            futures.wait([r.written for r in getattr(self, "_records", []) if r.written is not None])
             self._records: list[Record] = []
             self._epoch = time.perf_counter()
             self._queue_end = 0.0
@@ -303,7 +325,8 @@ class EmulatedNetwork:
         priced = {"all_to_all": "reduce_scatter", "broadcast": "all_gather", "barrier": "all_reduce"}
         return self._model.comm_time(priced.get(kind, kind), nbytes, len(ranks), across_nodes=across)
 
-    def issue(self, group: "EmulatedGroup", kind: str, nbytes: int) -> _Work:
+    def issue(self, group: "EmulatedGroup", kind: str, nbytes: int,
+              write: Optional[Callable[[], None]] = None) -> _Work:
         ranks = group.ranks()
         rec = Record(kind=kind, group=group.group_name, group_size=len(ranks), bytes=nbytes,
                      duration_s=self.price(kind, nbytes, ranks) if len(ranks) > 1 else 0.0, issue_s=self.now())
@@ -314,6 +337,8 @@ class EmulatedNetwork:
             else:
                 rec.start_s = max(rec.issue_s, self._queue_end)
                 rec.end_s = self._queue_end = rec.start_s + rec.duration_s
+                if write is not None:
+                    rec.written = self._writer.submit(_written, write)
         return _Work(self, rec)
 
     def _wait(self, rec: Record) -> None:
@@ -328,11 +353,13 @@ class EmulatedNetwork:
             rec.waited_s = max(0.0, rec.end_s - reached_s)
         if rec.end_s > reached_s:
             time.sleep(rec.end_s - reached_s)
+        if rec.written is not None:
+            rec.written.result()
 
     def _done(self, rec: Record) -> bool:
         if self._cuda is not None:
             return self._cuda.done(rec.handle)
-        return self.now() >= rec.end_s
+        return self.now() >= rec.end_s and (rec.written is None or rec.written.done())
 
     def records(self) -> list[Record]:
         """Every collective since the last ``reset`` (on CUDA: waits for them)."""
@@ -353,10 +380,32 @@ class EmulatedNetwork:
                 "span_s": max((r.end_s for r in recs), default=0.0)}
 
 
+def _fill(out: torch.Tensor, value: torch.Tensor) -> None:
+    """``out`` filled with ``value``'s elements, repeated as far as they
+    reach (a gather's output: ``value`` in every rank's place); an output
+    not contiguous is left as it is."""
+    if not out.is_contiguous() or value.numel() == 0:
+        return
+    flat, src = out.view(-1), value.reshape(1, -1)
+    whole, size = flat.numel() // src.numel(), src.numel()
+    if whole:
+        flat[: whole * size].view(whole, size).copy_(src.expand(whole, size))
+    if flat.numel() > whole * size:
+        flat[whole * size:].copy_(src[0, : flat.numel() - whole * size])
+
+
+def _written(write: Callable[[], None]) -> None:
+    """Runs ``write`` on the network's thread: in-place, whatever mode made
+    the outputs (inference tensors too), recording no autograd."""
+    with torch.inference_mode():
+        write()
+
+
 class EmulatedGroup(dist.ProcessGroup):
     """One group of the emulated job (the world, or a ``new_group`` /
     DeviceMesh sub-group): it prices and times each collective on its
-    network and writes nothing into the outputs."""
+    network and, on the CPU, writes the outputs ([Note: What the emulated
+    collectives write])."""
 
     def __init__(self, net: EmulatedNetwork, rank: int, size: int) -> None:
         super().__init__(rank, size)
@@ -386,30 +435,42 @@ class EmulatedGroup(dist.ProcessGroup):
         return self._net.topology.links
 
     # -- collectives: (kind, the unsharded bytes) ----------------------------
-    def _go(self, kind: str, tensors: Sequence[torch.Tensor]) -> _Work:
-        return self._net.issue(self, kind, tensor_bytes(list(tensors)))
+    def _go(self, kind: str, tensors: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, Any]] = ()) -> _Work:
+        """Issues ``kind`` moving ``tensors``; ``pairs``: each output and
+        what it gets ([Note: What the emulated collectives write])."""
+        def write() -> None:
+            for out, value in pairs:
+                _fill(out, value)
+
+        return self._net.issue(self, kind, tensor_bytes(list(tensors)), write if pairs else None)
+
+    def _part(self, input: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a reduce-scatter's input."""
+        return input.reshape(self.size(), -1)[self.rank()]
 
     def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
-        return self._go("all_gather", outputs)
+        return self._go("all_gather", outputs, list(zip(outputs, inputs)))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
-        return self._go("all_gather", [output])
+        return self._go("all_gather", [output], [(output, input)])
 
     _allgather_base = all_gather_single
 
     def allgather(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
-        return self._go("all_gather", [t for ts in outputs for t in ts])
+        return self._go("all_gather", [t for ts in outputs for t in ts],
+                        [(t, inp) for ts, inp in zip(outputs, inputs) for t in ts])
 
     def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
-        return self._go("reduce_scatter", inputs)
+        return self._go("reduce_scatter", inputs, [(out, self._part(inp)) for out, inp in zip(outputs, inputs)])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
-        return self._go("reduce_scatter", [input])
+        return self._go("reduce_scatter", [input], [(output, self._part(input))])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
-        return self._go("reduce_scatter", [t for ts in inputs for t in ts])
+        return self._go("reduce_scatter", [t for ts in inputs for t in ts],
+                        [(out, ins[self.rank()]) for out, ins in zip(outputs, inputs)])
 
     def allreduce(self, tensors: list, opts: Any = None) -> _Work:
         return self._go("all_reduce", tensors)
@@ -417,7 +478,7 @@ class EmulatedGroup(dist.ProcessGroup):
     allreduce_coalesced = allreduce
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> _Work:
-        return self._go("all_to_all", [input])
+        return self._go("all_to_all", [input], [(output, input)])
 
     def broadcast(self, tensors: list, opts: Any = None) -> _Work:
         return self._go("broadcast", tensors)
