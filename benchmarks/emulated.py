@@ -296,7 +296,9 @@ def _timed(step: Callable[[int], None], i: int, device: torch.device) -> float:
 # each measured step, before it at even steps and after it at odd ones: each
 # step's ratio is to a floor step run moments away in the same process, and
 # the table's ``paired x`` is the median of ``step / max(floor step,
-# communication step)``. Tested by
+# communication step)``. The floor's model stays in memory, so a paired run
+# reports no CUDA peak (its ``step MiB``, the CPU's, is a step's own peak
+# above what it began with). Tested by
 # tests/test_emulated.py::test_paired_floor_ratios_are_per_pair.
 def _paired_floor(args: argparse.Namespace, cfg: llama.LlamaConfig, device: torch.device,
                   step: Callable[[int], None]) -> Callable[[int], None]:
@@ -368,12 +370,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     times, comm, exposed, floor_times = [], [], [], []
     optimizer.clear()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    faults = 0
     for i in range(args.steps):
         if floor_step is not None and i % 2 == 0:  # ([Note: The floor paired in one process])
             floor_times.append(_timed(floor_step, args.warmup + i, device))
         net.reset()
+        faults -= resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         times.append(_timed(step, args.warmup + i, device))
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         s = net.summary()
         comm.append(s["comm_s"])
         exposed.append(s["exposed_s"])
@@ -383,7 +387,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "kind": args.kind, "world": args.world, "link": args.link, "device": str(device), "variant": _variant(args),
         "config": cfg.__dict__, "batch": args.batch, "first_step_s": first, "step_s": statistics.median(times),
         "step_times_s": times, "optimizer_s": statistics.median(optimizer),
-        "minor_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps,
+        "minor_faults_per_step": faults / args.steps,
         "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
         "priced_flops_per_s": compute.flops_per_s if compute is not None else None,
         "priced_attention_flops_per_s": compute.attention_flops_per_s if compute is not None else None,
@@ -393,9 +397,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # where the link idled and where the step waited.
         "last_step": [{"kind": r.kind, "bytes": r.bytes, "issue": round(1e3 * r.issue_s, 1),
                        "start": round(1e3 * r.start_s, 1), "end": round(1e3 * r.end_s, 1),
-                       "waited": round(1e3 * r.waited_s, 1)} for r in net.records()],
+                       "waited": round(1e3 * (r.waited_s + r.late_s), 1)} for r in net.records()],
         "last_step_ms": round(1e3 * times[-1], 1),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        # (not beside a paired floor, whose unsharded model would count: [Note: The floor paired in one process])
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" and not floor_times
+        else None,
     }
     if floor_times:
         res.update(paired(times, floor_times, comm))

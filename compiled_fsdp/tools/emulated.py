@@ -36,25 +36,31 @@ collective's end.
 
 [Note: What the emulated collectives write]
 On the CPU a collective's outputs hold what a real group's would if every
-rank held what this rank holds: a gather's output this rank's input in
-every rank's place, a reduce-scatter's this rank's part of its input (the
-average of equal inputs); an all-reduce leaves its tensors as they are.
+rank held what this rank holds, averaged where it reduces: a gather's
+output this rank's input in every rank's place, a reduce-scatter's this
+rank's part of its input, an all-to-all's that part in every place; an
+all-reduce leaves its tensors as they are (a sum would be W times larger).
 One thread of the network's own writes them, in issue order, as gloo's
-threads write a real one's, and ``wait()`` joins it (so does ``reset``).
+threads write a real one's. ``wait()`` joins the write of its collective
+and of every one issued before it (a collective with nothing to write takes
+the last write before it), so the queue stays in issue order; the time a
+wait stands still for a write after the clock's end is exposed time too
+(``Record.late_s``). ``reset`` joins every write.
 Left unwritten, as torch's fake group leaves them, they held whatever the
 allocator's memory last held (integers, read as floats, are denormal
 numbers), every sharded step computed on gathered parameters of that, and
 the CPU's arithmetic, which slows on denormals, ran some matmuls up to 20x
 longer: a sharded step took 1.1-16x its usual time at random (RESULTS,
 2026-12-04). On CUDA nothing is written: a GPU's arithmetic does not slow on
-denormals, and its copy would take memory bandwidth a real collective's
-kernel takes where the spin kernel takes none.
+denormals, and the spin kernel stands for the whole collective.
 
-What it leaves out: NCCL kernels occupy SMs and memory bandwidth while they
-run (the spin kernel holds one thread block and reads nothing), so compute
-that overlaps a real collective runs somewhat slower than here; links are
-not shared between concurrent collectives, only taken in turns; no
-congestion, no topology beyond node/network, no stragglers.
+What it leaves out: on CUDA, NCCL kernels occupy SMs and memory bandwidth
+while they run (the spin kernel holds one thread block and reads nothing),
+so compute that overlaps a real collective runs somewhat slower than here
+(on the CPU the writing thread below takes memory bandwidth, as gloo's
+threads do); links are not shared between concurrent collectives, only
+taken in turns; no congestion, no topology beyond node/network, no
+stragglers.
 
 Exposed communication is measured, not modelled: at each ``wait()`` the
 group notes when the waiting stream reached it (an event on CUDA, the clock
@@ -203,7 +209,9 @@ class Record:
     reached_s: Optional[float] = None  # when the waiting stream reached its first wait
     waited_s: float = 0.0  # how long that stream stood still for it (exposed)
     handle: Any = dataclasses.field(default=None, repr=False, compare=False)  # CUDA: (start, end) events
-    # CPU: the future of the writing of its outputs ([Note: What the emulated collectives write])
+    late_s: float = 0.0  # CPU: how long its waits stood still for its outputs' write, after its end
+    # CPU: the future of the writing of its outputs, or of the last write before it
+    # ([Note: What the emulated collectives write])
     written: Any = dataclasses.field(default=None, repr=False, compare=False)
     reached: Any = dataclasses.field(default=None, repr=False, compare=False)  # CUDA: the first wait's event
 
@@ -307,6 +315,7 @@ class EmulatedNetwork:
         with self._lock:
             futures.wait([r.written for r in getattr(self, "_records", []) if r.written is not None])
             self._records: list[Record] = []
+            self._last_written: Optional[futures.Future] = None
             self._epoch = time.perf_counter()
             self._queue_end = 0.0
             if self._cuda is not None:
@@ -327,6 +336,7 @@ class EmulatedNetwork:
 
     def issue(self, group: "EmulatedGroup", kind: str, nbytes: int,
               write: Optional[Callable[[], None]] = None) -> _Work:
+        """Queues a collective; ``write`` (the CPU's only) writes its outputs."""
         ranks = group.ranks()
         rec = Record(kind=kind, group=group.group_name, group_size=len(ranks), bytes=nbytes,
                      duration_s=self.price(kind, nbytes, ranks) if len(ranks) > 1 else 0.0, issue_s=self.now())
@@ -338,7 +348,8 @@ class EmulatedNetwork:
                 rec.start_s = max(rec.issue_s, self._queue_end)
                 rec.end_s = self._queue_end = rec.start_s + rec.duration_s
                 if write is not None:
-                    rec.written = self._writer.submit(_written, write)
+                    self._last_written = self._writer.submit(_written, write)
+                rec.written = self._last_written
         return _Work(self, rec)
 
     def _wait(self, rec: Record) -> None:
@@ -354,7 +365,11 @@ class EmulatedNetwork:
         if rec.end_s > reached_s:
             time.sleep(rec.end_s - reached_s)
         if rec.written is not None:
-            rec.written.result()
+            if not rec.written.done():
+                standing = self.now()
+                rec.written.result()
+                rec.late_s += self.now() - standing
+            rec.written.result()  # (an error of the write raises here)
 
     def _done(self, rec: Record) -> bool:
         if self._cuda is not None:
@@ -370,13 +385,15 @@ class EmulatedNetwork:
 
     def summary(self) -> dict[str, Any]:
         """Totals since the last ``reset``: collectives by kind, the queue's
-        busy time (the communication-only step), and the exposed time."""
+        busy time (the communication-only step), and the exposed time (the
+        clock's, and on the CPU the time waits stood still for writes after it)."""
         recs = self.records()
         by_kind: dict[str, int] = {}
         for r in recs:
             by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
         return {"collectives": by_kind, "bytes": sum(r.bytes for r in recs),
-                "comm_s": sum(r.duration_s for r in recs), "exposed_s": sum(r.waited_s for r in recs),
+                "comm_s": sum(r.duration_s for r in recs), "exposed_s": sum(r.waited_s + r.late_s for r in recs),
+                "late_s": sum(r.late_s for r in recs),
                 "span_s": max((r.end_s for r in recs), default=0.0)}
 
 
@@ -435,42 +452,46 @@ class EmulatedGroup(dist.ProcessGroup):
         return self._net.topology.links
 
     # -- collectives: (kind, the unsharded bytes) ----------------------------
-    def _go(self, kind: str, tensors: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, Any]] = ()) -> _Work:
-        """Issues ``kind`` moving ``tensors``; ``pairs``: each output and
-        what it gets ([Note: What the emulated collectives write])."""
+    def _go(self, kind: str, tensors: Sequence[torch.Tensor],
+            pairs: Optional[Callable[[], Sequence[tuple[torch.Tensor, torch.Tensor]]]] = None) -> _Work:
+        """Issues ``kind`` moving ``tensors``; ``pairs`` gives each output and
+        what it gets, on the network's thread ([Note: What the emulated
+        collectives write])."""
         def write() -> None:
-            for out, value in pairs:
+            for out, value in pairs():
                 _fill(out, value)
 
-        return self._net.issue(self, kind, tensor_bytes(list(tensors)), write if pairs else None)
+        return self._net.issue(self, kind, tensor_bytes(list(tensors)), write if pairs is not None else None)
 
-    def _part(self, input: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a reduce-scatter's input."""
-        return input.reshape(self.size(), -1)[self.rank()]
+    def _part(self, input: torch.Tensor, numel: int) -> torch.Tensor:
+        """This rank's ``numel`` elements of ``input`` (a reduce-scatter's
+        part, an all-to-all's chunk)."""
+        return input.reshape(-1)[self.rank() * numel:(self.rank() + 1) * numel]
 
     def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
-        return self._go("all_gather", outputs, list(zip(outputs, inputs)))
+        return self._go("all_gather", outputs, lambda: list(zip(outputs, inputs)))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
-        return self._go("all_gather", [output], [(output, input)])
+        return self._go("all_gather", [output], lambda: [(output, input)])
 
     _allgather_base = all_gather_single
 
     def allgather(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
         return self._go("all_gather", [t for ts in outputs for t in ts],
-                        [(t, inp) for ts, inp in zip(outputs, inputs) for t in ts])
+                        lambda: [(t, inp) for ts, inp in zip(outputs, inputs) for t in ts])
 
     def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
-        return self._go("reduce_scatter", inputs, [(out, self._part(inp)) for out, inp in zip(outputs, inputs)])
+        return self._go("reduce_scatter", inputs,
+                        lambda: [(out, self._part(inp, out.numel())) for out, inp in zip(outputs, inputs)])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
-        return self._go("reduce_scatter", [input], [(output, self._part(input))])
+        return self._go("reduce_scatter", [input], lambda: [(output, self._part(input, output.numel()))])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
         return self._go("reduce_scatter", [t for ts in inputs for t in ts],
-                        [(out, ins[self.rank()]) for out, ins in zip(outputs, inputs)])
+                        lambda: [(out, ins[self.rank()]) for out, ins in zip(outputs, inputs)])
 
     def allreduce(self, tensors: list, opts: Any = None) -> _Work:
         return self._go("all_reduce", tensors)
@@ -478,7 +499,7 @@ class EmulatedGroup(dist.ProcessGroup):
     allreduce_coalesced = allreduce
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> _Work:
-        return self._go("all_to_all", [input], [(output, input)])
+        return self._go("all_to_all", [input], lambda: [(output, self._part(input, input.numel() // self.size()))])
 
     def broadcast(self, tensors: list, opts: Any = None) -> _Work:
         return self._go("broadcast", tensors)
