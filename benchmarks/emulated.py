@@ -63,12 +63,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/ (after the installed package)
 
 import llama  # noqa: E402
+from emulated_build import build, titan_step  # noqa: E402
 from emulated_report import table, trace_exposed  # noqa: E402
 from workloads import tensor_peak_mb  # noqa: E402
 
@@ -111,7 +111,7 @@ def _compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
     feed-forward and attention shapes, or ``--compute-gflops`` (and
     ``--attention-gflops``, else attention at the matmuls' rate); None on
     CUDA and with 0."""
-    from compiled_fsdp.tools.emulated import cpu_compute_at, measured_cpu_compute
+    from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute
 
     if args.device != "cpu" or args.compute_gflops == 0:
         return None
@@ -122,29 +122,7 @@ def _compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
     return cpu_compute_at(args.compute_gflops * 1e9, attention)
 
 
-# --- one configuration (the worker) ------------------------------------------
-
-def _floor_optimizer(model: nn.Module, device: torch.device, world: int) -> torch.optim.Optimizer:
-    """The floor's optimizer: AdamW stepping 1/W of the parameters (fp32),
-    as one rank of a sharded job does."""
-    n = sum(p.numel() for p in model.parameters())
-    master = torch.zeros((n + world - 1) // world, device=device, requires_grad=True)
-    master.grad = torch.zeros_like(master)
-    return torch.optim.AdamW([master], lr=1e-4, fused=device.type == "cuda")
-
-
-def _sharding_api(kind: str, cuda: bool, reduce_dtype: Optional[str] = None) -> tuple[Any, Any]:
-    """``fully_shard`` (ours for the ``ours*`` kinds, FSDP2's otherwise) and
-    its mixed-precision policy: bf16 compute on a GPU; gradients reduced in
-    ``reduce_dtype`` (default fp32)."""
-    if kind.startswith("ours"):
-        from compiled_fsdp import MixedPrecisionPolicy, fully_shard
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    reduce = getattr(torch, reduce_dtype) if reduce_dtype else torch.float32 if cuda else None
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=reduce)
-    return fully_shard, mp
-
+# --- one configuration (the worker: its models in emulated_build.py) ----------
 
 def _mesh(args: argparse.Namespace, per_node: int) -> Any:
     """``--hsdp``: a 2-D mesh, replicated across the nodes of ``per_node``
@@ -156,98 +134,6 @@ def _mesh(args: argparse.Namespace, per_node: int) -> Any:
     if args.world % per_node:
         raise ValueError(f"--hsdp: a world of {args.world} ranks is no whole number of nodes of {per_node}")
     return init_device_mesh(args.device, (args.world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
-
-
-# [Note: The floor's weights drawn as the sharded runs' are]
-# Every sharded kind draws its weights with ``Llama.init_weights`` (normal,
-# std 0.02), after meta init. The floor kept ``nn.Linear``'s own draw
-# (uniform, 1/sqrt(fan_in): 0.0625 at d=256) until 2026-12-04, so the two
-# computed on different values: on the CPU the sharded runs' matmuls met
-# denormal numbers the floor's did not, and took longer for the same shapes
-# (d=256, W=8, collectives free, a step profiled beside the floor in one
-# process: the key and value projections' 16 matmuls 10.7-13.8 ms against
-# 7.3-7.7; with ``torch.set_flush_denormal(True)``, 7.3 against 7.5). The
-# floor now draws its weights the same way.
-def _build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
-           pattern: str = "plain", mesh: Any = None, reduce_dtype: Optional[str] = None) -> tuple[nn.Module, Any, Any]:
-    """(the model, what a step calls, the optimizer)."""
-    cuda = device.type == "cuda"
-    if kind == "graph_trainer":  # (its own recipe: the loss in its graph, so not the chunked one)
-        import graph_trainer_peer
-
-        if pattern == "titan":
-            raise ValueError("graph_trainer traces its own loss: use --pattern plain or titan_plain")
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = llama.Llama(cfg.with_(checkpoint_blocks=False))
-        model.init_weights()
-        dtypes = (torch.bfloat16, torch.float32) if cuda else (None, None)
-        model, step = graph_trainer_peer.build(model, device, *dtypes, llama.loss_fn)
-        return model, step, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-    if pattern.startswith("titan"):
-        return _build_titan(kind, cfg, device, world)
-    if kind == "floor":  # ([Note: The floor's weights drawn as the sharded runs' are])
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = llama.Llama(cfg)
-        model.init_weights()
-        model.to(torch.bfloat16 if cuda else torch.float32)
-        return model, torch.compile(model), _floor_optimizer(model, device, world)
-    with torch.device("meta"):
-        model = llama.Llama(cfg)
-    fully_shard, mp = _sharding_api(kind, cuda, reduce_dtype)
-    if kind.startswith("ours"):  # (named: regions are the default, "ours" is one graph)
-        import compiled_fsdp
-
-        compiled_fsdp.config.comm.block_regions = kind == "ours_regions"
-    for block in model.layers:
-        if kind == "fsdp2_blocks":  # torchtitan: compile each block, then shard
-            block.compile()
-        fully_shard(block, mp_policy=mp, mesh=mesh)
-        if kind == "ours_blocks":
-            block.compile()
-    fully_shard(model, mp_policy=mp, mesh=mesh)
-    model.to_empty(device=device)
-    model.init_weights()
-    run = torch.compile(model) if kind in ("ours", "ours_regions") else model
-    return model, run, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-
-
-def _build_titan(kind: str, cfg: llama.LlamaConfig, device: torch.device,
-                 world: int) -> tuple[nn.Module, Any, Any]:
-    """torchtitan's pattern (examples/torchtitan_pattern.py): selective AC,
-    each block compiled (``fullgraph=True``) before sharding, the embedding
-    and ``[norm, output]`` eager, the chunked loss (``_titan_step``). The
-    floor: the same unsharded, AdamW stepping 1/W of the parameters."""
-    from compiled_fsdp.core import compat
-    from examples.torchtitan_pattern import selective_ac, shard_like_torchtitan
-
-    if kind == "ours":
-        raise ValueError("--pattern titan compiles each block on its own: use the kind ours_blocks")
-    cuda = device.type == "cuda"
-    compat.set_side_effects_under_checkpoint(True)  # as torchtitan's apply_compile
-    with torch.device("meta" if kind != "floor" else device):
-        model = llama.Llama(cfg.with_(checkpoint_blocks=False))
-    for i, block in enumerate(model.layers):
-        model.layers[i] = selective_ac(block)
-        if kind != "ours_eager" and kind != "fsdp2_eager":
-            model.layers[i].compile(fullgraph=True)
-    if kind == "floor":
-        model.init_weights()
-        model.to(torch.bfloat16 if cuda else torch.float32)
-        return model, model, _floor_optimizer(model, device, world)
-    fully_shard, mp = _sharding_api(kind, cuda)
-    shard_like_torchtitan(fully_shard, model, model.tok_embeddings, list(model.layers), model.norm, model.output,
-                          mp_policy=mp)
-    model.to_empty(device=device)
-    model.init_weights()
-    return model, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-
-
-def _titan_step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    from examples.torchtitan_pattern import chunked_loss
-
-    return chunked_loss(model.output, model(tokens, skip_head=True), torch.roll(tokens, -1, dims=1), chunks=8)
 
 
 def _sync(device: torch.device) -> None:
@@ -267,7 +153,7 @@ def _stepper(args: argparse.Namespace, kind: str, run: Any, opt: Any,
         if kind == "graph_trainer":  # (its graph runs the backward too)
             run(tokens)
         else:
-            loss = _titan_step(run, tokens) if args.pattern == "titan" else llama.loss_fn(run(tokens), tokens)
+            loss = titan_step(run, tokens) if args.pattern == "titan" else llama.loss_fn(run(tokens), tokens)
             loss.backward()
         t_opt = time.perf_counter()
         opt.step()
@@ -304,7 +190,7 @@ def _paired_floor(args: argparse.Namespace, cfg: llama.LlamaConfig, device: torc
                   step: Callable[[int], None]) -> Callable[[int], None]:
     """The floor's step, built in this process and warmed, a step of the
     kind's (``step``) after each of its own."""
-    _, run, opt = _build("floor", cfg, device, args.world, args.pattern)
+    _, run, opt = build("floor", cfg, device, args.world, args.pattern)
     floor_step = _stepper(args, "floor", run, opt)
     for i in range(args.warmup):
         floor_step(i)
@@ -352,7 +238,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     optimizer: list[float] = []  # (each step's optimizer step and zero_grad, host time)
     with recording() as rec:
-        model, run, opt = _build(args.kind, cfg, device, args.world, args.pattern, _mesh(args, topology.ranks_per_node),
+        model, run, opt = build(args.kind, cfg, device, args.world, args.pattern, _mesh(args, topology.ranks_per_node),
                                  args.reduce_dtype)
         step = _stepper(args, args.kind, run, opt, optimizer)
         t0 = time.perf_counter()

@@ -118,7 +118,7 @@ out["for_graph_price"] = abs(CostModel.for_graph(g).collective_time(ag)
 # the compute the network declares prices the graph's compute: [Note: Compute declared by the network]
 import dataclasses
 from compiled_fsdp.passes.cost_model import CPU_COMPUTE
-from compiled_fsdp.tools.emulated import cpu_compute_at
+from compiled_fsdp.tools.cpu_compute import cpu_compute_at
 col, row = (g.call_function(torch.ops.aten.view.default, (ag, shape)) for shape in ([8 * world, 1], [1, 8 * world]))
 col.meta["val"], row.meta["val"] = torch.empty(8 * world, 1), torch.empty(1, 8 * world)
 mm = g.call_function(torch.ops.aten.mm.default, (col, row))
@@ -361,7 +361,7 @@ def test_attention_priced_at_its_own_rate() -> None:
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
     from compiled_fsdp.passes.cost_model import _ATTENTION, CPU_COMPUTE, CostModel
-    from compiled_fsdp.tools.emulated import measured_cpu_compute
+    from compiled_fsdp.tools.cpu_compute import measured_cpu_compute
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> list:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) @ w

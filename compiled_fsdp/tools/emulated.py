@@ -79,11 +79,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from compiled_fsdp.core.comm import EMULATED_BACKEND
 from compiled_fsdp.passes.cost_model import (
-    CPU_COMPUTE,
     GPUS_PER_NODE,
     NCCL_COMM,
     NCCL_INTER_NODE,
@@ -94,8 +92,7 @@ from compiled_fsdp.passes.cost_model import (
     tensor_bytes,
 )
 
-__all__ = ["EmulatedNetwork", "Record", "Topology", "cpu_compute_at", "init_emulated_network",
-           "measured_cpu_compute"]
+__all__ = ["EmulatedNetwork", "Record", "Topology", "init_emulated_network"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +109,7 @@ class Topology:
     network_gbps: float = NCCL_INTER_NODE["all_gather"].link_bytes_per_s / 1e9
     network_latency_us: float = NCCL_INTER_NODE["all_gather"].alpha_s * 1e6
     # The compute the passes price a graph with, where measured here
-    # (``measured_cpu_compute``; None: the cost model's constants): [Note:
+    # (``tools.cpu_compute``; None: the cost model's constants): [Note:
     # Compute declared by the network] in passes/cost_model.py.
     compute: Optional[ComputeConstants] = None
 
@@ -134,62 +131,6 @@ class Topology:
         return Links(comm={"all_gather": node, "reduce_scatter": node},
                      inter_node={"all_gather": net, "reduce_scatter": net}, ranks_per_node=self.ranks_per_node,
                      compute=self.compute)
-
-
-def cpu_compute_at(flops_per_s: float, attention_flops_per_s: float | None = None) -> ComputeConstants:
-    """The cost model's CPU constants for a machine whose matmuls run at
-    ``flops_per_s``, for ``Topology.compute``: the memory rates scaled by
-    the same ratio (one core's rates move together; the elementwise one alone
-    swings too much on a shared machine to measure in a second); fused
-    attention at its own rate where given ([Note: Attention's own rate] in
-    passes/cost_model.py)."""
-    scale = flops_per_s / CPU_COMPUTE.flops_per_s
-    return dataclasses.replace(CPU_COMPUTE, flops_per_s=flops_per_s, bytes_per_s=CPU_COMPUTE.bytes_per_s * scale,
-                               host_bytes_per_s=CPU_COMPUTE.host_bytes_per_s * scale,
-                               attention_flops_per_s=attention_flops_per_s)
-
-
-def _median_s(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[reps // 2]
-
-
-def _attention_rate(shape: tuple[int, int, int, int, int], reps: int) -> float | None:
-    """FLOP/s of causal ``scaled_dot_product_attention``, forward and
-    backward, at ``(batch, heads, kv_heads, seq, head_dim)``, its FLOPs as
-    torch's flop counter counts them (None where it counts none: the op
-    the CPU runs is not registered on every torch)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    batch, heads, kv_heads, seq, head_dim = shape
-    q = torch.randn(batch, heads, seq, head_dim, requires_grad=True)
-    k, v = (torch.randn(batch, kv_heads, seq, head_dim, requires_grad=True) for _ in range(2))
-
-    def run() -> None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        run()
-    flops = counter.get_total_flops()
-    return flops / _median_s(run, reps) if flops else None
-
-
-def measured_cpu_compute(m: int, k: int, n: int, reps: int = 15,
-                         attention: tuple[int, int, int, int, int] | None = None) -> ComputeConstants:
-    """``cpu_compute_at`` this machine's rate of an ``[m, k] @ [k, n]``
-    matmul (a model's own shape: its tokens, width and feed-forward width),
-    the median of ``reps``, on the threads set; and of its attention at
-    ``attention`` = (batch, heads, kv_heads, seq, head_dim), if given."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    rate = 2 * m * k * n / _median_s(lambda: a @ b, reps)
-    return cpu_compute_at(rate, _attention_rate(attention, reps) if attention is not None else None)
 
 
 @dataclasses.dataclass
