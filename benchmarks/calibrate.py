@@ -15,33 +15,23 @@ cost model; nothing is read at compile time (every rank must agree on them).
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import torch
+
+from compiled_fsdp.tools.cpu_compute import median_s
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 SIZES = [1 << k for k in range(14, 25)]  # bytes of the unsharded buffer
 
 
-def _median_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def compute_constants() -> dict:
     torch.set_num_threads(1)
     a, b = torch.randn(1024, 512), torch.randn(512, 2048)
-    flops = 2 * 1024 * 512 * 2048 / _median_time(lambda: a @ b, 10)
+    flops = 2 * 1024 * 512 * 2048 / median_s(lambda: a @ b, 10)
     x, y = torch.randn(1 << 22), torch.randn(1 << 22)
-    bw = 3 * 4 * (1 << 22) / _median_time(lambda: x + y, 10)
+    bw = 3 * 4 * (1 << 22) / median_s(lambda: x + y, 10)
     return {"matmul_flops_per_s": flops, "elementwise_bytes_per_s": bw}
 
 
@@ -88,9 +78,9 @@ def _comm_rank(rank: int, world: int) -> dict:
         def rs() -> None:
             fc.wait_tensor(fc.reduce_scatter_tensor(full, "sum", world, group))
 
-        out["all_gather"].append((nbytes, _median_time(ag, 15)))
-        out["reduce_scatter"].append((nbytes, _median_time(reduce, 15)))
-        out["gloo_reduce_scatter_tensor"].append((nbytes, _median_time(rs, 15)))
+        out["all_gather"].append((nbytes, median_s(ag, 15)))
+        out["reduce_scatter"].append((nbytes, median_s(reduce, 15)))
+        out["gloo_reduce_scatter_tensor"].append((nbytes, median_s(rs, 15)))
     return out
 
 

@@ -241,10 +241,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         model, run, opt = build(args.kind, cfg, device, args.world, args.pattern, _mesh(args, topology.ranks_per_node),
                                  args.reduce_dtype)
         step = _stepper(args, args.kind, run, opt, optimizer)
-        t0 = time.perf_counter()
-        step(0)
-        _sync(device)
-        first = time.perf_counter() - t0
+        first = _timed(step, 0, device)
         for i in range(1, args.warmup):
             step(i)
     # Where the compile went: Dynamo's timers (seconds summed, calls), and how

@@ -5,6 +5,7 @@ network's ``Topology.compute`` (tools/emulated.py)."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from compiled_fsdp.passes.cost_model import CPU_COMPUTE, ComputeConstants
 
-__all__ = ["cpu_compute_at", "measured_cpu_compute"]
+__all__ = ["cpu_compute_at", "measured_cpu_compute", "median_s"]
 
 
 def cpu_compute_at(flops_per_s: float, attention_flops_per_s: float | None = None) -> ComputeConstants:
@@ -29,14 +30,16 @@ def cpu_compute_at(flops_per_s: float, attention_flops_per_s: float | None = Non
                                attention_flops_per_s=attention_flops_per_s)
 
 
-def _median_s(fn: Callable[[], object], reps: int) -> float:
+def median_s(fn: Callable[[], object], reps: int) -> float:
+    """The median seconds of ``reps`` calls of ``fn``, after one unmeasured
+    (benchmarks/calibrate.py's too)."""
     fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[reps // 2]
+    return statistics.median(times)
 
 
 def _attention_rate(shape: tuple[int, int, int, int, int], reps: int) -> float | None:
@@ -58,7 +61,7 @@ def _attention_rate(shape: tuple[int, int, int, int, int], reps: int) -> float |
     with counter:
         run()
     flops = counter.get_total_flops()
-    return flops / _median_s(run, reps) if flops else None
+    return flops / median_s(run, reps) if flops else None
 
 
 def measured_cpu_compute(m: int, k: int, n: int, reps: int = 15,
@@ -68,5 +71,5 @@ def measured_cpu_compute(m: int, k: int, n: int, reps: int = 15,
     the median of ``reps``, on the threads set; and of its attention at
     ``attention`` = (batch, heads, kv_heads, seq, head_dim), if given."""
     a, b = torch.randn(m, k), torch.randn(k, n)
-    rate = 2 * m * k * n / _median_s(lambda: a @ b, reps)
+    rate = 2 * m * k * n / median_s(lambda: a @ b, reps)
     return cpu_compute_at(rate, _attention_rate(attention, reps) if attention is not None else None)

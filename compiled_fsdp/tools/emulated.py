@@ -249,13 +249,14 @@ class EmulatedNetwork:
         self._writer = ThreadPoolExecutor(1, "emulated-network") if self._cuda is None else None
         self._lock = threading.Lock()
         self.store: Optional[dist.Store] = None  # what its groups were made from (init_emulated_network)
+        self._records: list[Record] = []
         self.reset()
 
     def reset(self) -> None:
         """Forgets every record; the clock restarts at 0."""
         with self._lock:
-            futures.wait([r.written for r in getattr(self, "_records", []) if r.written is not None])
-            self._records: list[Record] = []
+            futures.wait([r.written for r in self._records if r.written is not None])
+            self._records = []
             self._last_written: Optional[futures.Future] = None
             self._epoch = time.perf_counter()
             self._queue_end = 0.0
@@ -306,11 +307,10 @@ class EmulatedNetwork:
         if rec.end_s > reached_s:
             time.sleep(rec.end_s - reached_s)
         if rec.written is not None:
-            if not rec.written.done():
-                standing = self.now()
-                rec.written.result()
-                rec.late_s += self.now() - standing
+            standing = None if rec.written.done() else self.now()
             rec.written.result()  # (an error of the write raises here)
+            if standing is not None:
+                rec.late_s += self.now() - standing
 
     def _done(self, rec: Record) -> bool:
         if self._cuda is not None:
