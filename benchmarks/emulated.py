@@ -251,7 +251,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     floor_step = _paired_floor(args, cfg, device, step) if args.paired_floor and args.kind != "floor" else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, comm, exposed, floor_times = [], [], [], []
+    times, comm, exposed, late, floor_times = [], [], [], [], []
     optimizer.clear()
     faults = 0
     for i in range(args.steps):
@@ -264,6 +264,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         s = net.summary()
         comm.append(s["comm_s"])
         exposed.append(s["exposed_s"])
+        late.append(s["late_s"])
         if floor_step is not None and i % 2 == 1:
             floor_times.append(_timed(floor_step, args.warmup + i, device))
     res: dict[str, Any] = {
@@ -272,6 +273,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "step_times_s": times, "optimizer_s": statistics.median(optimizer),
         "minor_faults_per_step": faults / args.steps,
         "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
+        "late_s": statistics.median(late),  # ([Note: What the emulated collectives write])
         "priced_flops_per_s": compute.flops_per_s if compute is not None else None,
         "priced_attention_flops_per_s": compute.attention_flops_per_s if compute is not None else None,
         "collectives": s["collectives"], "topology": dataclasses.asdict(net.topology),
@@ -280,7 +282,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # where the link idled and where the step waited.
         "last_step": [{"kind": r.kind, "bytes": r.bytes, "issue": round(1e3 * r.issue_s, 1),
                        "start": round(1e3 * r.start_s, 1), "end": round(1e3 * r.end_s, 1),
-                       "waited": round(1e3 * (r.waited_s + r.late_s), 1)} for r in net.records()],
+                       "waited": round(1e3 * r.waited_s, 1), "late": round(1e3 * r.late_s, 1)}
+                      for r in net.records()],
         "last_step_ms": round(1e3 * times[-1], 1),
         # (not beside a paired floor, whose unsharded model would count: [Note: The floor paired in one process])
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" and not floor_times

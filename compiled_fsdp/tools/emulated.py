@@ -43,9 +43,12 @@ all-reduce leaves its tensors as they are (a sum would be W times larger).
 One thread of the network's own writes them, in issue order, as gloo's
 threads write a real one's. ``wait()`` joins the write of its collective
 and of every one issued before it (a collective with nothing to write takes
-the last write before it), so the queue stays in issue order; the time a
-wait stands still for a write after the clock's end is exposed time too
-(``Record.late_s``). ``reset`` joins every write.
+the last write before it), so the queue stays in issue order. The time a
+wait stands still for a write after the clock's end is the emulation's own
+cost, not the network's: it is kept apart (``Record.late_s``, the summary's
+``late_s``), out of the exposed time, which stays the clock's (counted in, a
+tiny model's late writes took its exposed time past its whole communication
+time). ``reset`` joins every write.
 Left unwritten, as torch's fake group leaves them, they held whatever the
 allocator's memory last held (integers, read as floats, are denormal
 numbers), every sharded step computed on gathered parameters of that, and
@@ -326,14 +329,14 @@ class EmulatedNetwork:
 
     def summary(self) -> dict[str, Any]:
         """Totals since the last ``reset``: collectives by kind, the queue's
-        busy time (the communication-only step), and the exposed time (the
-        clock's, and on the CPU the time waits stood still for writes after it)."""
+        busy time (the communication-only step), the exposed time, and on the
+        CPU the time waits stood still for writes after the clock's end."""
         recs = self.records()
         by_kind: dict[str, int] = {}
         for r in recs:
             by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
         return {"collectives": by_kind, "bytes": sum(r.bytes for r in recs),
-                "comm_s": sum(r.duration_s for r in recs), "exposed_s": sum(r.waited_s + r.late_s for r in recs),
+                "comm_s": sum(r.duration_s for r in recs), "exposed_s": sum(r.waited_s for r in recs),
                 "late_s": sum(r.late_s for r in recs),
                 "span_s": max((r.end_s for r in recs), default=0.0)}
 
