@@ -111,13 +111,23 @@ def _compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
     feed-forward and attention shapes, or ``--compute-gflops`` (and
     ``--attention-gflops``, else attention at the matmuls' rate); None on
     CUDA and with 0."""
-    from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute
+    from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute, step_calibrated
 
     if args.device != "cpu" or args.compute_gflops == 0:
         return None
     if args.compute_gflops is None:
         heads = (args.batch, cfg.n_heads, cfg.n_kv_heads, cfg.seq, cfg.dim // cfg.n_heads)
-        return measured_cpu_compute(args.batch * cfg.seq, cfg.dim, cfg.ffn, attention=heads)
+        rates = measured_cpu_compute(args.batch * cfg.seq, cfg.dim, cfg.ffn, attention=heads)
+        # ([Note: Compute measured on the model's own step]: a block's, in this process)
+        torch.manual_seed(0)
+        block = llama.Block(cfg.with_(checkpoint_blocks=False))
+        cos, sin = llama.rope_tables(cfg, torch.device("cpu"))
+        x = torch.randn(args.batch, cfg.seq, cfg.dim, requires_grad=True)
+        rates = step_calibrated(block, x, cos, sin, rates=rates)
+        torch._dynamo.reset()  # (the block's compile is not the run's: counters and timers anew)
+        torch._dynamo.utils.counters.clear()
+        torch._dynamo.utils.compilation_time_metrics.clear()
+        return rates
     attention = args.attention_gflops * 1e9 if args.attention_gflops else None
     return cpu_compute_at(args.compute_gflops * 1e9, attention)
 
@@ -212,11 +222,12 @@ def paired(times: list[float], floor_times: list[float], comm: list[float]) -> d
 
 def _predicted(timelines: list[Any]) -> dict[str, Any]:
     """The timeline model's step (passes/timeline.py): exposed and busy
-    communication, and its collectives (kind, bytes, exposed ms) in issue
+    communication, compute, and its collectives (kind, bytes, exposed ms) in issue
     order, as the network's ``last_step`` lists them."""
     comms = [c for tl in timelines for c in sorted(tl.comms, key=lambda c: c.issue_s)]
     return {"predicted_exposed_s": sum(tl.exposed_s for tl in timelines),
             "predicted_comm_s": sum(tl.comm_s for tl in timelines),
+            "predicted_compute_s": sum(tl.compute_s for tl in timelines),
             "predicted_collectives": [[c.kind, c.bytes, round(1e3 * c.exposed_s, 1)] for c in comms]}
 
 

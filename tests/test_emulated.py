@@ -392,6 +392,57 @@ def test_attention_priced_at_its_own_rate() -> None:
     assert (rate is not None and rate > 0) if known else rate is None, (rate, list(counted))
 
 
+def test_step_calibrated_prices_the_step_measured() -> None:
+    """[Note: Compute measured on the model's own step]: the rates come back
+    scaled by one ratio, so that the cost model prices the module's
+    compiled forward and backward (captured anew) at the seconds the timer
+    gave; a module that does not compile into one forward and one backward
+    is refused, saying why."""
+    import dataclasses
+
+    import torch
+    from torch._inductor import config as inductor_config
+
+    from compiled_fsdp.passes.cost_model import CPU_COMPUTE, CostModel
+    from compiled_fsdp.tools.cpu_compute import _Priced, step_calibrated
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    x = torch.randn(16, 32, requires_grad=True)
+    rates = dataclasses.replace(CPU_COMPUTE, attention_flops_per_s=CPU_COMPUTE.flops_per_s / 3)
+    timed: list[int] = []
+
+    def timer(step, reps: int) -> float:
+        timed.append(reps)
+        step()  # (the compiled step runs outside the capture: no graph is priced again)
+        return 0.25
+
+    got = step_calibrated(mlp, x, rates=rates, reps=3, timer=timer)
+    assert timed == [3]
+    scale = got.flops_per_s / rates.flops_per_s
+    assert scale != 1.0
+    for field in ("bytes_per_s", "host_bytes_per_s", "attention_flops_per_s"):
+        assert abs(getattr(got, field) / getattr(rates, field) - scale) < 1e-12, field
+    assert step_calibrated(mlp, x, rates=CPU_COMPUTE, timer=lambda step, reps: 0.25).attention_flops_per_s is None
+    torch._dynamo.reset()
+    priced = _Priced(CostModel(compute=got))
+    with inductor_config.patch(post_grad_custom_post_pass=priced, fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(mlp)(x).sum().backward()
+    assert len(priced.seconds) == 2 and all(t > 0 for t in priced.seconds), priced.seconds
+    assert abs(sum(priced.seconds) - 0.25) < 1e-9, priced.seconds
+
+    class Breaks(torch.nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            t = mlp(t)
+            torch._dynamo.graph_break()
+            return mlp(t)
+
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="compiled into 4 graphs.*a graph break"):
+        step_calibrated(Breaks(), x, rates=rates, timer=lambda step, reps: 0.25)
+
+
 def _region_step(split: bool) -> list[tuple[int, float]]:
     """A hand-made outer graph: ``issue_ahead`` on a block's shards (read
     through ``permute``, as a shard on dim 1 is through ``to_canonical``),

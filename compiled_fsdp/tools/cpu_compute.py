@@ -1,7 +1,9 @@
 """The compute a CPU run declares to the cost model ([Note: Compute declared
 by the network] in passes/cost_model.py): this machine's matmul rate, and
-its attention's, measured at a model's own shapes, for the emulated
-network's ``Topology.compute`` (tools/emulated.py)."""
+its attention's, measured at a model's own shapes, and those rates scaled
+to what a model's own compiled step takes here ([Note: Compute measured on
+the model's own step]), for the emulated network's ``Topology.compute``
+(tools/emulated.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,23 +12,29 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.fx as fx
+import torch.nn as nn
 import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils._pytree import tree_leaves
 
-from compiled_fsdp.passes.cost_model import CPU_COMPUTE, ComputeConstants
+from compiled_fsdp.core import compat
+from compiled_fsdp.passes.cost_model import CPU_COMPUTE, ComputeConstants, CostModel
 
-__all__ = ["cpu_compute_at", "measured_cpu_compute", "median_s"]
+__all__ = ["cpu_compute_at", "measured_cpu_compute", "median_s", "step_calibrated"]
 
 
-def cpu_compute_at(flops_per_s: float, attention_flops_per_s: float | None = None) -> ComputeConstants:
+def cpu_compute_at(flops_per_s: float, attention_flops_per_s: float | None = None,
+                   bytes_per_s: float | None = None) -> ComputeConstants:
     """The cost model's CPU constants for a machine whose matmuls run at
-    ``flops_per_s``, for ``Topology.compute``: the memory rates scaled by
-    the same ratio (one core's rates move together; the elementwise one alone
+    ``flops_per_s``, for ``Topology.compute``: the memory rates
+    ``bytes_per_s``, or where not given scaled by the matmuls' ratio to the
+    constants' (one core's rates move together; the elementwise one alone
     swings too much on a shared machine to measure in a second); fused
     attention at its own rate where given ([Note: Attention's own rate] in
     passes/cost_model.py)."""
-    scale = flops_per_s / CPU_COMPUTE.flops_per_s
-    return dataclasses.replace(CPU_COMPUTE, flops_per_s=flops_per_s, bytes_per_s=CPU_COMPUTE.bytes_per_s * scale,
-                               host_bytes_per_s=CPU_COMPUTE.host_bytes_per_s * scale,
+    memory = bytes_per_s if bytes_per_s is not None else CPU_COMPUTE.bytes_per_s * flops_per_s / CPU_COMPUTE.flops_per_s
+    return dataclasses.replace(CPU_COMPUTE, flops_per_s=flops_per_s, bytes_per_s=memory, host_bytes_per_s=memory,
                                attention_flops_per_s=attention_flops_per_s)
 
 
@@ -73,3 +81,74 @@ def measured_cpu_compute(m: int, k: int, n: int, reps: int = 15,
     a, b = torch.randn(m, k), torch.randn(k, n)
     rate = 2 * m * k * n / median_s(lambda: a @ b, reps)
     return cpu_compute_at(rate, _attention_rate(attention, reps) if attention is not None else None)
+
+
+# [Note: Compute measured on the model's own step]
+# The rates above are measured op by op, each on the same inputs again and
+# again, its operands warm in the cache. A training step runs the same ops
+# slower: on this project's CPU (one thread, the emulated benchmark's
+# Llama, 2026-12-05) the floor's 171 matmuls took 311 ms in the step where
+# the measured rate priced 259-280 ms, and the copies and fused kernels
+# around them ran at about 14 GB/s where the scaled memory rate priced 19.
+# A sharded step's forward was priced at 143 ms and took 182, its backward
+# at 266 ms and took 312, so the timeline had each block's compute 20-35%
+# shorter than the run's. At the matched link, where a block's compute and
+# its gather take about as long, that decides whether a gather waits: the
+# prediction of the exposed communication was 1.67-2.04x the measured one
+# (RESULTS, 2026-12-04). So ``step_calibrated`` compiles a model (the
+# unsharded one, or a block), prices its forward and backward graphs with
+# the given rates, times the compiled step, and scales every rate by the
+# ratio: the rates keep their proportions, measured op by op, and together
+# price the step the model takes here. Tested by
+# tests/test_emulated.py::test_step_calibrated_prices_the_step_measured.
+class _Priced(CustomGraphPass):
+    """A post-grad pass that prices each graph Inductor compiles and changes
+    nothing (``uuid`` None: no cached graph skips it)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost, self.seconds = cost, []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.seconds.append(sum(self.cost.compute_time(n) for n in graph.nodes))
+
+    def uuid(self) -> None:
+        return None
+
+
+def step_calibrated(module: nn.Module, *inputs: object, rates: ComputeConstants, reps: int = 5,
+                    timer: Callable[[Callable[[], object], int], float] = median_s) -> ComputeConstants:
+    """``rates`` scaled so that the cost model prices ``module``'s compiled
+    forward and backward (Inductor; a gradient of ones on its outputs that
+    need one) at the seconds they take here: ``timer(step, reps)``, by
+    default the median of ``reps`` after two unmeasured ([Note: Compute
+    measured on the model's own step])."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    priced = _Priced(CostModel(compute=rates))
+
+    def inductor(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        return compile_fx(gm, example_inputs)
+
+    # (a backend of its own: Dynamo compiles anew what it compiled before
+    # with another, so the pass sees the graphs even of a module compiled already)
+    compiled = torch.compile(module, backend=inductor)
+    passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
+    with inductor_config.patch(post_grad_custom_post_pass=compat.post_grad_value((*passes, priced)),
+                               fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        def step() -> None:
+            outs = [t for t in tree_leaves(compiled(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+        step()
+    if len(priced.seconds) != 2:
+        raise RuntimeError(f"step_calibrated: the module compiled into {len(priced.seconds)} graphs, not one "
+                           f"forward and one backward (a graph break, or no output that needs a gradient): "
+                           f"calibrate on a module that compiles whole")
+    module.zero_grad(set_to_none=True)
+    scale = sum(priced.seconds) / timer(step, reps)
+    return dataclasses.replace(
+        rates, flops_per_s=rates.flops_per_s * scale, bytes_per_s=rates.bytes_per_s * scale,
+        host_bytes_per_s=rates.host_bytes_per_s * scale,
+        attention_flops_per_s=rates.attention_flops_per_s * scale if rates.attention_flops_per_s else None)
