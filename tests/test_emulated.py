@@ -417,8 +417,11 @@ def test_step_calibrated_prices_the_step_measured() -> None:
         step()  # (the compiled step runs outside the capture: no graph is priced again)
         return 0.25
 
+    before = inductor_config.post_grad_custom_post_pass
     got = step_calibrated(mlp, x, rates=rates, reps=3, timer=timer)
+    assert inductor_config.post_grad_custom_post_pass is before  # (the pass scoped to the calibration)
     assert timed == [3]
+    assert x.grad is None and all(p.grad is None for p in mlp.parameters())  # (nothing left behind)
     scale = got.flops_per_s / rates.flops_per_s
     assert scale != 1.0
     for field in ("bytes_per_s", "host_bytes_per_s", "attention_flops_per_s"):
@@ -433,14 +436,20 @@ def test_step_calibrated_prices_the_step_measured() -> None:
     assert abs(sum(priced.seconds) - 0.25) < 1e-9, priced.seconds
 
     class Breaks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = mlp
+
         def forward(self, t: torch.Tensor) -> torch.Tensor:
-            t = mlp(t)
+            t = self.mlp(t)
             torch._dynamo.graph_break()
-            return mlp(t)
+            return self.mlp(t)
 
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="compiled into 4 graphs.*a graph break"):
         step_calibrated(Breaks(), x, rates=rates, timer=lambda step, reps: 0.25)
+    assert x.grad is None and all(p.grad is None for p in mlp.parameters())  # (not on a refusal either)
+    torch._dynamo.reset()
 
 
 def _region_step(split: bool) -> list[tuple[int, float]]:

@@ -24,17 +24,16 @@ from compiled_fsdp.passes.cost_model import CPU_COMPUTE, ComputeConstants, CostM
 __all__ = ["cpu_compute_at", "measured_cpu_compute", "median_s", "step_calibrated"]
 
 
-def cpu_compute_at(flops_per_s: float, attention_flops_per_s: float | None = None,
-                   bytes_per_s: float | None = None) -> ComputeConstants:
+def cpu_compute_at(flops_per_s: float, attention_flops_per_s: float | None = None) -> ComputeConstants:
     """The cost model's CPU constants for a machine whose matmuls run at
-    ``flops_per_s``, for ``Topology.compute``: the memory rates
-    ``bytes_per_s``, or where not given scaled by the matmuls' ratio to the
-    constants' (one core's rates move together; the elementwise one alone
+    ``flops_per_s``, for ``Topology.compute``: the memory rates scaled by
+    the same ratio (one core's rates move together; the elementwise one alone
     swings too much on a shared machine to measure in a second); fused
     attention at its own rate where given ([Note: Attention's own rate] in
     passes/cost_model.py)."""
-    memory = bytes_per_s if bytes_per_s is not None else CPU_COMPUTE.bytes_per_s * flops_per_s / CPU_COMPUTE.flops_per_s
-    return dataclasses.replace(CPU_COMPUTE, flops_per_s=flops_per_s, bytes_per_s=memory, host_bytes_per_s=memory,
+    scale = flops_per_s / CPU_COMPUTE.flops_per_s
+    return dataclasses.replace(CPU_COMPUTE, flops_per_s=flops_per_s, bytes_per_s=CPU_COMPUTE.bytes_per_s * scale,
+                               host_bytes_per_s=CPU_COMPUTE.host_bytes_per_s * scale,
                                attention_flops_per_s=attention_flops_per_s)
 
 
@@ -126,28 +125,39 @@ def step_calibrated(module: nn.Module, *inputs: object, rates: ComputeConstants,
     from torch._inductor.compile_fx import compile_fx
 
     priced = _Priced(CostModel(compute=rates))
+    needs_grad = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def no_grads() -> None:  # (each step's gradients fresh, as a training step's; none left behind)
+        module.zero_grad(set_to_none=True)
+        for t in needs_grad:
+            t.grad = None
 
     def inductor(gm: fx.GraphModule, example_inputs: list) -> Callable:
         return compile_fx(gm, example_inputs)
 
     # (a backend of its own: Dynamo compiles anew what it compiled before
     # with another, so the pass sees the graphs even of a module compiled already)
-    compiled = torch.compile(module, backend=inductor)
-    passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
-    with inductor_config.patch(post_grad_custom_post_pass=compat.post_grad_value((*passes, priced)),
-                               fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        def step() -> None:
-            outs = [t for t in tree_leaves(compiled(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    compiled = torch.compile(module, backend=inductor, dynamic=False)
 
-        step()
-    if len(priced.seconds) != 2:
-        raise RuntimeError(f"step_calibrated: the module compiled into {len(priced.seconds)} graphs, not one "
-                           f"forward and one backward (a graph break, or no output that needs a gradient): "
-                           f"calibrate on a module that compiles whole")
-    module.zero_grad(set_to_none=True)
-    scale = sum(priced.seconds) / timer(step, reps)
+    def step() -> None:
+        no_grads()
+        outs = [t for t in tree_leaves(compiled(*inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    passes = compat.post_grad_passes(inductor_config.post_grad_custom_post_pass)
+    try:
+        with inductor_config.patch(post_grad_custom_post_pass=compat.post_grad_value((*passes, priced)),
+                                   fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            step()
+        if len(priced.seconds) != 2:
+            raise RuntimeError(f"step_calibrated: the module compiled into {len(priced.seconds)} graphs, not "
+                               f"one forward and one backward (a graph break, no output that needs a "
+                               f"gradient, or a frame Dynamo would not compile again): calibrate on a module "
+                               f"that compiles whole")
+        scale = sum(priced.seconds) / timer(step, reps)
+    finally:
+        no_grads()
     return dataclasses.replace(
         rates, flops_per_s=rates.flops_per_s * scale, bytes_per_s=rates.bytes_per_s * scale,
         host_bytes_per_s=rates.host_bytes_per_s * scale,
