@@ -111,6 +111,8 @@ def _compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
     feed-forward and attention shapes, or ``--compute-gflops`` (and
     ``--attention-gflops``, else attention at the matmuls' rate); None on
     CUDA and with 0."""
+    from torch._inductor.utils import fresh_inductor_cache
+
     from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute, step_calibrated
 
     if args.device != "cpu" or args.compute_gflops == 0:
@@ -119,15 +121,10 @@ def _compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
         heads = (args.batch, cfg.n_heads, cfg.n_kv_heads, cfg.seq, cfg.dim // cfg.n_heads)
         rates = measured_cpu_compute(args.batch * cfg.seq, cfg.dim, cfg.ffn, attention=heads)
         # ([Note: Compute measured on the model's own step]: a block's, in this process)
-        torch.manual_seed(0)
-        block = llama.Block(cfg.with_(checkpoint_blocks=False))
-        cos, sin = llama.rope_tables(cfg, torch.device("cpu"))
-        x = torch.randn(args.batch, cfg.seq, cfg.dim, requires_grad=True)
+        block, inputs = _one_block(args, cfg, torch.device("cpu"), torch.float32, requires_grad=True)
         # (in a cache of its own: the run's first step reuses none of the block's kernels)
-        from torch._inductor.utils import fresh_inductor_cache
-
         with fresh_inductor_cache():
-            rates = step_calibrated(block, x, cos, sin, rates=rates)
+            rates = step_calibrated(block, *inputs, rates=rates)
         torch._dynamo.reset()  # (the block's compile is not the run's: counters and timers anew)
         torch._dynamo.utils.counters.clear()
         torch._dynamo.utils.compilation_time_metrics.clear()
@@ -324,19 +321,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 # --- the driver ----------------------------------------------------------------
 
+def _one_block(args: argparse.Namespace, cfg: llama.LlamaConfig, device: torch.device, dtype: torch.dtype,
+               requires_grad: bool = False) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """One of the model's blocks, unsharded, in ``dtype`` (seed 0), and its
+    inputs: a local batch's activations and the rope tables."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        block = llama.Block(cfg.with_(checkpoint_blocks=False)).to(dtype)
+        cos, sin = llama.rope_tables(cfg, device)
+    x = torch.randn(args.batch, cfg.seq, cfg.dim, device=device, dtype=dtype, requires_grad=requires_grad)
+    return block, (x, cos, sin)
+
+
 def match_gbps(args: argparse.Namespace, world: int) -> float:
     """Link GB/s at which one block's all-gather (its parameters in the
     compute dtype, a ring over ``world``) takes as long as the block's
     forward, measured here unsharded and compiled."""
     cfg = _config(args)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        block = llama.Block(cfg.with_(checkpoint_blocks=False)).to(dtype)
-        cos, sin = llama.rope_tables(cfg, device)
+    block, (x, cos, sin) = _one_block(args, cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     fwd = torch.compile(lambda x: block(x, cos, sin))
-    x = torch.randn(args.batch, cfg.seq, cfg.dim, device=device, dtype=dtype)
     with torch.no_grad():
         for _ in range(2):
             fwd(x)
