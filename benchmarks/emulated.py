@@ -69,6 +69,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import llama  # noqa: E402
 from emulated_build import build, titan_step  # noqa: E402
+from emulated_rates import host_call_us, match_gbps, priced_compute, sync  # noqa: E402
 from emulated_report import table, trace_exposed  # noqa: E402
 from workloads import tensor_peak_mb  # noqa: E402
 
@@ -105,34 +106,6 @@ def _topology(link: str, args: argparse.Namespace):
     return t.slower(float(slower)) if slower else t
 
 
-def _compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
-    """The compute the passes price with on the CPU ([Note: Compute declared
-    by the network] in passes/cost_model.py): measured here at the model's
-    feed-forward and attention shapes, or ``--compute-gflops`` (and
-    ``--attention-gflops``, else attention at the matmuls' rate); None on
-    CUDA and with 0."""
-    from torch._inductor.utils import fresh_inductor_cache
-
-    from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute, step_calibrated
-
-    if args.device != "cpu" or args.compute_gflops == 0:
-        return None
-    if args.compute_gflops is None:
-        heads = (args.batch, cfg.n_heads, cfg.n_kv_heads, cfg.seq, cfg.dim // cfg.n_heads)
-        rates = measured_cpu_compute(args.batch * cfg.seq, cfg.dim, cfg.ffn, attention=heads)
-        # ([Note: Compute measured on the model's own step]: a block's, in this process)
-        block, inputs = _one_block(args, cfg, torch.device("cpu"), torch.float32, requires_grad=True)
-        # (in a cache of its own: the run's first step reuses none of the block's kernels)
-        with fresh_inductor_cache():
-            rates = step_calibrated(block, *inputs, rates=rates)
-        torch._dynamo.reset()  # (the block's compile is not the run's: counters and timers anew)
-        torch._dynamo.utils.counters.clear()
-        torch._dynamo.utils.compilation_time_metrics.clear()
-        return rates
-    attention = args.attention_gflops * 1e9 if args.attention_gflops else None
-    return cpu_compute_at(args.compute_gflops * 1e9, attention)
-
-
 # --- one configuration (the worker: its models in emulated_build.py) ----------
 
 def _mesh(args: argparse.Namespace, per_node: int) -> Any:
@@ -145,11 +118,6 @@ def _mesh(args: argparse.Namespace, per_node: int) -> Any:
     if args.world % per_node:
         raise ValueError(f"--hsdp: a world of {args.world} ranks is no whole number of nodes of {per_node}")
     return init_device_mesh(args.device, (args.world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _stepper(args: argparse.Namespace, kind: str, run: Any, opt: Any,
@@ -176,10 +144,10 @@ def _stepper(args: argparse.Namespace, kind: str, run: Any, opt: Any,
 
 
 def _timed(step: Callable[[int], None], i: int, device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     step(i)
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t
 
 
@@ -229,6 +197,7 @@ def _predicted(timelines: list[Any]) -> dict[str, Any]:
     return {"predicted_exposed_s": sum(tl.exposed_s for tl in timelines),
             "predicted_comm_s": sum(tl.comm_s for tl in timelines),
             "predicted_compute_s": sum(tl.compute_s for tl in timelines),
+            "predicted_host_calls": sum(tl.host_calls for tl in timelines),
             "predicted_collectives": [[c.kind, c.bytes, round(1e3 * c.exposed_s, 1)] for c in comms]}
 
 
@@ -243,7 +212,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # driver gives each worker an empty kernel cache directory: run_one.)
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
-    compute = _compute(args, cfg)
+    compute = priced_compute(args, cfg)
     topology = dataclasses.replace(_topology(args.link, args), compute=compute)
     net = init_emulated_network(args.world, topology=topology, device=args.device)
     if device.type == "cuda":
@@ -288,6 +257,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "late_s": statistics.median(late),  # ([Note: What the emulated collectives write])
         "priced_flops_per_s": compute.flops_per_s if compute is not None else None,
         "priced_attention_flops_per_s": compute.attention_flops_per_s if compute is not None else None,
+        "priced_host_call_s": compute.host_call_s if compute is not None else None,
         "collectives": s["collectives"], "topology": dataclasses.asdict(net.topology),
         "compile_s": compile_s, "unique_graphs": frames_compiled,
         # The last step's collectives as the network ran them (ms from the step's start):
@@ -321,40 +291,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 # --- the driver ----------------------------------------------------------------
 
-def _one_block(args: argparse.Namespace, cfg: llama.LlamaConfig, device: torch.device, dtype: torch.dtype,
-               requires_grad: bool = False) -> tuple[Any, tuple[torch.Tensor, ...]]:
-    """One of the model's blocks, unsharded, in ``dtype`` (seed 0), and its
-    inputs: a local batch's activations and the rope tables."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        block = llama.Block(cfg.with_(checkpoint_blocks=False)).to(dtype)
-        cos, sin = llama.rope_tables(cfg, device)
-    x = torch.randn(args.batch, cfg.seq, cfg.dim, device=device, dtype=dtype, requires_grad=requires_grad)
-    return block, (x, cos, sin)
-
-
-def match_gbps(args: argparse.Namespace, world: int) -> float:
-    """Link GB/s at which one block's all-gather (its parameters in the
-    compute dtype, a ring over ``world``) takes as long as the block's
-    forward, measured here unsharded and compiled."""
-    cfg = _config(args)
-    device = torch.device(args.device)
-    block, (x, cos, sin) = _one_block(args, cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    fwd = torch.compile(lambda x: block(x, cos, sin))
-    with torch.no_grad():
-        for _ in range(2):
-            fwd(x)
-        ts = []
-        for _ in range(5):
-            _sync(device)
-            t = time.perf_counter()
-            fwd(x)
-            _sync(device)
-            ts.append(time.perf_counter() - t)
-    nbytes = sum(p.numel() * p.element_size() for p in block.parameters())
-    return (world - 1) / world * nbytes / statistics.median(ts) / 1e9
-
-
 # [Note: Freed memory kept on the CPU]
 # glibc gives large freed blocks back to the kernel (munmap, or trimming the
 # heap's top) and takes them again at the next allocation, each page a fault
@@ -375,7 +311,7 @@ def _variant(args: argparse.Namespace) -> str:
     return "+".join(parts + ([f"nvl{args.node_ratio:g}x"] if args.node_ratio != 1 else []))
 
 
-def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(kind: str, world: int, link: str, args: argparse.Namespace, host_us: float = 0.0) -> dict[str, Any]:
     variant = _variant(args)
     tag = f"_{variant}" if variant else ""
     result = os.path.join(args.out, f"{args.pattern}_{kind}_W{world}_{link.replace('/', '-')}{tag}.json")
@@ -388,6 +324,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
         cmd += ["--match-gbps", str(args.match_gbps)]
     if args.compute_gflops is not None:
         cmd += ["--compute-gflops", str(args.compute_gflops)]
+    if host_us:
+        cmd += ["--host-call-us", str(host_us)]
     if args.attention_gflops is not None:
         cmd += ["--attention-gflops", str(args.attention_gflops)]
     if args.network_gbps is not None:
@@ -447,6 +385,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                    help="CPU, with --compute-gflops: fused attention's GFLOP/s (default: the matmuls'; "
                         "measured with the matmul's when neither is given; used where torch's flop counter "
                         "has a formula for the CPU's attention op: 2.15, not 2.11 or 2.13)")
+    p.add_argument("--host-call-us", default="0",
+                   help="CPU: the host microseconds the passes price each call of the sharding's ops and each "
+                        "collective's issue and wait with ([Note: The sharding's host work priced per call] in "
+                        "passes/cost_model.py); auto: each kind's own, from its run with collectives free, run "
+                        "first ([Note: Host calls measured with collectives free] in emulated_rates.py)")
     p.add_argument("--node-ratio", type=float, default=1.0,
                    help="match links: the link within a node this many times the match link's GB/s "
                         "(NVLink against the network: about 8)")
@@ -470,6 +413,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--link", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.host_call_us != "auto":
+        try:
+            args.host_call_us = float(args.host_call_us)
+        except ValueError:
+            p.error(f"--host-call-us: microseconds, or auto, not {args.host_call_us!r}")
     args.model = args.model or ("8b" if args.device == "cuda" else "cpu")
     args.batch = args.batch or (1 if args.device == "cuda" else 4)
     if args.device == "cpu":
@@ -486,6 +434,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         p.error("--attention-gflops fixes attention's rate beside a fixed matmul rate: give --compute-gflops "
                 "too (without either, each worker measures both)")
     links = args.links or (["nccl"] if args.device == "cuda" else ["match", "match/4"])
+    if args.host_call_us == "auto" and args.device != "cpu":
+        p.error("--host-call-us auto measures the CPU's host calls with collectives free; a GPU's host "
+                "calls overlap its kernels: leave it out on CUDA")
     if args.node_ratio != 1 and not all(link.startswith("match") for link in links):
         p.error("--node-ratio sets a matched link's speed within a node; the nccl link has its own "
                 "NVLink figure and a free one costs nothing: run those without it")
@@ -495,12 +446,23 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     start = time.perf_counter()
     results = []
     given = args.match_gbps  # (fixed: runs to pair share one link)
+    auto = args.host_call_us == "auto"  # ([Note: Host calls measured with collectives free])
+    if auto:
+        links = ["free"] + [link for link in links if link != "free"]
     for world in args.worlds:
         if given is None and any(link.startswith("match") for link in links):
-            args.match_gbps = match_gbps(args, world)
+            args.match_gbps = match_gbps(args, _config(args), world)
             print(f"W={world}: link {args.match_gbps:.3f} GB/s matches a block's forward", file=sys.stderr)
+        host: dict[str, float] = {}  # (each kind's, from its free run)
         for i, link in enumerate(links):  # the floor communicates nothing: once per world
-            results += [run_one(kind, world, link, args) for kind in args.kinds if kind != "floor" or i == 0]
+            for kind in args.kinds:
+                if kind == "floor" and i:
+                    continue
+                res = run_one(kind, world, link, args, host.get(kind, 0.0) if auto else float(args.host_call_us))
+                results.append(res)
+                if auto and link == "free" and host_call_us(res) is not None:
+                    host[kind] = round(host_call_us(res), 1)
+                    print(f"W={world} {kind}: a host call {host[kind]} us with collectives free", file=sys.stderr)
     text = table(results)
     out = {"results": results, "table": text, "wall_s": time.perf_counter() - start, "torch": _torch_version(),
            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "argv": argv or sys.argv}

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from compiled_fsdp.core import comm, compat, gated
-from compiled_fsdp.core.marker import IssueAhead, ReduceLater, Regather
+from compiled_fsdp.core.marker import NAMESPACE, IssueAhead, ReduceLater, Regather
 
 c10d = torch.ops._c10d_functional
 
@@ -85,6 +85,10 @@ class ComputeConstants:
     # Fused attention's rate (its FLOPs as torch's flop counter counts them),
     # where it was measured ([Note: Attention's own rate]); None: the matmuls'.
     attention_flops_per_s: float | None = None
+    # Host seconds of each call the CPU makes of the sharding's own ops and of
+    # each collective's issue and wait, where it was measured ([Note: The
+    # sharding's host work priced per call]); 0: none (the constants, a GPU's).
+    host_call_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +245,27 @@ class Links:
 # Tested by tests/test_emulated.py::test_group_semantics_and_clock.
 
 
+# [Note: The sharding's host work priced per call]
+# On the CPU the host that issues a collective also computes, so what the
+# sharding does on the host is time the compute stream spends: each call of
+# the sharding's own ops (the bucket's pack and unpack, the gradients' pack
+# and average, the ops that collect inside), each collective's issue and
+# each wait run Python (the ops' loops over the bucket's parameters, the
+# backend's work objects) and copy at the rate a step leaves them. The rates
+# priced only their bytes, at an isolated copy's rate: with collectives free
+# the emulated benchmark's sharded step (W=8, CPU) was 52-64 ms over what
+# its timeline priced, and at the matched link, where a block's gather and
+# its compute take about as long, the timeline had each block's gather wait
+# 1-2.5 ms where the run waited none (predicted exposed communication
+# 1.30-1.35x the measured; RESULTS, 2026-12-05). So a network that measured
+# them may declare ``host_call_s``, the seconds one such call costs, and
+# the timeline spends it at each: an op's in its compute time, an issue's
+# before its collective starts, a wait's after the wait (``host_calls``
+# counts them, priced or not). 0 by default: the constants keep their
+# decisions, and on a GPU the host's calls overlap the kernels they launch.
+# Tested by tests/test_emulated.py::test_host_calls_priced_where_they_run.
+
+
 # [Note: Attention's own rate]
 # Fused attention does its FLOPs slower than a matmul: on this project's CPU
 # (one thread, the emulated benchmark's Llama, 2026-12-02) 4.4 ms forward
@@ -318,10 +343,28 @@ class CostModel:
         links = _declared_links(nodes)
         return model if links is None else model.with_links(links)
 
+    @staticmethod
+    def is_host_call(node: fx.Node) -> bool:
+        """Whether ``node`` is a host call ([Note: The sharding's host work
+        priced per call]): one of the sharding's own ops, a collective's
+        issue or a wait."""
+        return node.op == "call_function" and (
+            node.target is WAIT or _collective_kind(node) is not None
+            or getattr(node.target, "namespace", None) == NAMESPACE)
+
+    def host_time(self, node: fx.Node) -> float:
+        """The host seconds of one call of ``node`` where it is a host call; else 0."""
+        return self.compute.host_call_s if self.compute.host_call_s and self.is_host_call(node) else 0.0
+
     def compute_time(self, node: fx.Node) -> float:
-        """Seconds of compute for ``node`` (0 for views, collectives, waits)."""
-        if node.op != "call_function" or _collective_kind(node) or node.target is WAIT:
+        """Seconds of compute for ``node`` (0 for views; a collective's or a
+        wait's only its host call), its host call included."""
+        if node.op != "call_function":
             return 0.0
+        work = 0.0 if _collective_kind(node) or node.target is WAIT else self._work_time(node)
+        return work + self.host_time(node)
+
+    def _work_time(self, node: fx.Node) -> float:
         target = node.target
         packet = getattr(target, "overloadpacket", None)
         name = getattr(packet, "__name__", getattr(target, "__name__", ""))

@@ -93,6 +93,8 @@ class Timeline:
     comms: list[CommEvent] = dataclasses.field(default_factory=list)
     modules: list[ModuleSpan] = dataclasses.field(default_factory=list)
     steps: list[Step] = dataclasses.field(default_factory=list)
+    # Host calls ([Note: The sharding's host work priced per call]), priced or not
+    host_calls: int = 0
     # (name, start, end) of "forward" and "backward" in a joint graph
     phases: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
@@ -250,6 +252,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
     def issue(n: fx.Node, regather: bool = False) -> None:
         if not communicates(n):
             return
+        host(n)  # (the issue's host call, then the collective: [Note: The sharding's host work priced per call])
         if n in events:
             earlier.append(events.pop(n))
         info = chain_tag(n)
@@ -280,6 +283,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             tl.steps.append(Step(at.name, "compute", "wait", t, ev.exposed_s))
         t += ev.exposed_s
         tl.exposed_s += ev.exposed_s
+        host(at)  # (the wait's host call)
         if ev.kind == "all_gather" and waited not in unowned:
             current = (ev.module_key, ev.unit)
 
@@ -297,7 +301,13 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         t += dt
         tl.compute_s += dt
 
+    def host(n: fx.Node) -> None:
+        """One host call at ``n``: an issue, a wait, or an op that collects inside."""
+        tl.host_calls += 1
+        spend(n, cost.compute.host_call_s)
+
     def compute(n: fx.Node) -> None:
+        tl.host_calls += cost.is_host_call(n)  # (its host time in its compute time)
         spend(n, cost.compute_time(n))
 
     def advance_reduces(at: fx.Node) -> None:
@@ -335,6 +345,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
                 advance_reduces(n)
             if chain.skipped(n):
                 continue
+            host(n)  # (the op's own call)
             taken = chain.taken(n)
             if taken is None:
                 spend(n, chain.packed_bytes(n) / cost.compute.bytes_per_s)

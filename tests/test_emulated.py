@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -452,12 +453,12 @@ def test_step_calibrated_prices_the_step_measured() -> None:
     torch._dynamo.reset()
 
 
-def _region_step(split: bool) -> list[tuple[int, float]]:
+def _region_step(split: bool, counted: bool = False) -> Any:
     """A hand-made outer graph: ``issue_ahead`` on a block's shards (read
     through ``permute``, as a shard on dim 1 is through ``to_canonical``),
     then the block's region call, whose body re-gathers them (whole, or one
     ``regather`` per parameter: reads cut into units). The predicted
-    gathers, (bytes, exposed)."""
+    gathers, (bytes, exposed); ``counted``: the host calls instead."""
     import torch
 
     from compiled_fsdp.passes.cost_model import CostModel
@@ -499,7 +500,7 @@ def _region_step(split: bool) -> list[tuple[int, float]]:
     order, sources = expand_regions(outer, [n for n in g.nodes if n.op not in ("placeholder", "output")])
     assert {n: dict(n.users) for n in g.nodes} == users  # (the outer graph as it was)
     tl = simulate(order, CostModel(), foreign=True, chain=RunTimeChain(order, sources))
-    return [(c.bytes, c.exposed_s) for c in tl.comms]
+    return tl.host_calls if counted else [(c.bytes, c.exposed_s) for c in tl.comms]
 
 
 def test_a_region_takes_the_gather_issued_ahead() -> None:
@@ -588,3 +589,50 @@ def test_region_reduce_prices_the_kept_gradients_it_adds() -> None:
 
     assert packed(False) == 2 * 12 * 3 * 4, packed(False)
     assert packed(True) == 3 * 12 * 3 * 4, packed(True)
+
+
+def test_host_calls_priced_where_they_run() -> None:
+    """[Note: The sharding's host work priced per call]: with ``host_call_s``
+    declared, the timeline spends it at a collective's issue (before the
+    collective starts), at its wait (after it) and in a sharding op's
+    compute time, and an aten op costs none; so host calls between an issue
+    and its wait hide that much more of the collective. ``host_calls``
+    counts the same calls priced or not, and at 0 nothing moves. With
+    compile regions expanded, an op that collects inside is a call of its
+    own besides the issue and the wait inside it."""
+    import dataclasses
+
+    import torch
+
+    from compiled_fsdp.core import copy_out  # noqa: F401 (the op)
+    from compiled_fsdp.passes.cost_model import CPU_COMPUTE, WAIT, CostModel
+    from compiled_fsdp.passes.timeline import simulate
+
+    g = torch.fx.Graph()
+    shard = g.placeholder("shard")
+    shard.meta["val"] = torch.empty(1 << 16)
+    gather = g.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (shard, 8, "0"))
+    gather.meta["val"] = torch.empty(8 << 16)
+    average = g.call_function(torch.ops.compiled_fsdp.average_bucket.default, (shard, 2.0))  # (between them)
+    average.meta["val"] = torch.empty(1 << 16)
+    wait = g.call_function(WAIT, (gather,))
+    wait.meta["val"] = torch.empty(8 << 16)
+    mm = g.call_function(torch.ops.aten.mm.default, (wait, wait))
+    order = [gather, average, wait]
+
+    def timeline(host_s: float) -> Any:
+        return simulate(order, CostModel(compute=dataclasses.replace(CPU_COMPUTE, host_call_s=host_s)), foreign=True)
+
+    free, priced = timeline(0.0), timeline(1e-4)
+    assert free.host_calls == priced.host_calls == 3  # (issue, the op, wait)
+    assert priced.compute_s - free.compute_s == pytest.approx(3e-4, abs=1e-12)
+    assert free.comm_s == priced.comm_s > 0
+    assert priced.exposed_s == pytest.approx(free.exposed_s - 1e-4, abs=1e-12)  # (issued 0.1 ms later, hid 0.2)
+    with_host = CostModel(compute=dataclasses.replace(CPU_COMPUTE, host_call_s=1e-4))
+    mm.meta["val"] = torch.empty(8, 8)
+    assert with_host.compute_time(mm) == CostModel().compute_time(mm) > 0
+    assert with_host.compute_time(average) == pytest.approx(CostModel().compute_time(average) + 1e-4)
+    assert with_host.compute_time(wait) == 1e-4 and CostModel().compute_time(wait) == 0.0
+    # (regions: the issue-ahead's call and its issue, the region's regather's call and its wait)
+    assert _region_step(split=False, counted=True) == 4
+
