@@ -413,6 +413,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--link", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.host_call_us == "auto" and args.device != "cpu":
+        p.error("--host-call-us auto measures the CPU's host calls with collectives free; a GPU's host "
+                "calls overlap its kernels: leave it out on CUDA")
     if args.host_call_us != "auto":
         try:
             args.host_call_us = float(args.host_call_us)
@@ -434,9 +437,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         p.error("--attention-gflops fixes attention's rate beside a fixed matmul rate: give --compute-gflops "
                 "too (without either, each worker measures both)")
     links = args.links or (["nccl"] if args.device == "cuda" else ["match", "match/4"])
-    if args.host_call_us == "auto" and args.device != "cpu":
-        p.error("--host-call-us auto measures the CPU's host calls with collectives free; a GPU's host "
-                "calls overlap its kernels: leave it out on CUDA")
     if args.node_ratio != 1 and not all(link.startswith("match") for link in links):
         p.error("--node-ratio sets a matched link's speed within a node; the nccl link has its own "
                 "NVLink figure and a free one costs nothing: run those without it")

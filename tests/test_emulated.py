@@ -331,6 +331,49 @@ def test_benchmark_node_ratio_needs_a_matched_link(tmp_path, capsys) -> None:
     assert not list(tmp_path.iterdir())  # (no worker ran)
 
 
+
+def test_host_calls_measured_with_collectives_free(tmp_path, monkeypatch, capsys) -> None:
+    """[Note: Host calls measured with collectives free] in
+    benchmarks/emulated_rates.py: ``--host-call-us auto`` runs the free
+    link first at each world, and each kind's later links get what its own
+    free run left unpriced, per host call (the floor and FSDP2, with no
+    prediction, get none); a number is passed as it is, and anything else,
+    or auto on CUDA, is an error before any worker runs. (The workers are
+    stood in for: the driver's arithmetic and order, not a measurement.)"""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import emulated
+
+    runs = []
+
+    def run_one(kind, world, link, args, host_us=0.0):
+        runs.append((kind, world, link, host_us))
+        res = {"kind": kind, "world": world, "link": link, "step_s": 0.5, "optimizer_s": 0.02,
+               "predicted_compute_s": 0.4}
+        if kind == "ours":  # (0.08 s unpriced over 100 host calls at W=8, 200 at W=64)
+            res["predicted_host_calls"] = 100 if world == 8 else 200
+        return res
+
+    monkeypatch.setattr(emulated, "run_one", run_one)
+    monkeypatch.setattr(emulated, "table", lambda results: "")
+    common = ["--device", "cpu", "--model", "tiny", "--match-gbps", "1.0", "--out", str(tmp_path)]
+    emulated.main([*common, "--worlds", "8", "64", "--links", "match", "free", "--kinds", "floor", "ours",
+                   "fsdp2_blocks", "--host-call-us", "auto"])
+    assert [r[:3] for r in runs] == [(k, w, link) for w in (8, 64) for link in ("free", "match")
+                                     for k in ("floor", "ours", "fsdp2_blocks") if k != "floor" or link == "free"]
+    assert {(k, w, link): h for k, w, link, h in runs if link == "match"} == {
+        ("ours", 8, "match"): pytest.approx(800.0), ("ours", 64, "match"): pytest.approx(400.0),
+        ("fsdp2_blocks", 8, "match"): 0.0, ("fsdp2_blocks", 64, "match"): 0.0}
+    assert all(h == 0.0 for _, _, link, h in runs if link == "free")
+    runs.clear()
+    emulated.main([*common, "--worlds", "8", "--links", "match", "--kinds", "ours", "--host-call-us", "250"])
+    assert runs == [("ours", 8, "match", 250.0)]
+    for bad, says in (("fast", "microseconds, or auto"), ("auto", "leave it out on CUDA")):
+        with pytest.raises(SystemExit):
+            emulated.main([*common[:1], "cuda" if bad == "auto" else "cpu", *common[2:], "--kinds", "ours",
+                           "--host-call-us", bad])
+        assert says in capsys.readouterr().err
+    assert len(runs) == 1
+
 def test_paired_floor_ratios_are_per_pair() -> None:
     """``--paired-floor``'s figures ([Note: The floor paired in one
     process] in benchmarks/emulated.py): each step is divided by its own
