@@ -42,7 +42,9 @@ kernel does; on the CPU the time the waiting thread stood still), and for
 timeline model over the compiled forward and backward graphs; for
 ``ours_regions`` with each region's call expanded as it runs:
 ``passes.region_step.predict_with_regions``), and the
-optimizer's step with ``zero_grad`` (host time: all of it on the CPU). With
+optimizer's step with ``zero_grad`` (host time: all of it on the CPU); on the
+CPU ``--host-call-us auto`` prices the sharding's host calls at what each
+kind's run with collectives free measured (emulated_rates.py). With
 ``--paired-floor``, each kind's process also times the floor, a floor step
 beside each of its steps, and the table's ``paired x`` is the median of each
 step over its own bound ([Note: The floor paired in one process]).

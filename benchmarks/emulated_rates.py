@@ -91,7 +91,8 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
 # measures the sharding's work on the host, not the network; what the other
 # links' runs then check is where the timeline puts communication against
 # that compute. The figure carries each worker's calibration noise (its
-# compute priced within a few percent: RESULTS, 2026-12-05).
+# compute priced within a few percent: RESULTS, 2026-12-05). Tested by
+# tests/test_emulated.py::test_host_calls_measured_with_collectives_free.
 def host_call_us(free: dict[str, Any]) -> Optional[float]:
     """Microseconds a host call cost in a free run's result (see the note);
     None where the run has no prediction (not ours) or failed."""
