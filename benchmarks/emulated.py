@@ -71,7 +71,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import llama  # noqa: E402
 from emulated_build import build, titan_step  # noqa: E402
-from emulated_rates import host_call_us, match_gbps, priced_compute, sync  # noqa: E402
+from emulated_rates import match_gbps, priced_compute, rates_from_free, sync  # noqa: E402
 from emulated_report import table, trace_exposed  # noqa: E402
 from workloads import tensor_peak_mb  # noqa: E402
 
@@ -313,7 +313,8 @@ def _variant(args: argparse.Namespace) -> str:
     return "+".join(parts + ([f"nvl{args.node_ratio:g}x"] if args.node_ratio != 1 else []))
 
 
-def run_one(kind: str, world: int, link: str, args: argparse.Namespace, host_us: float = 0.0) -> dict[str, Any]:
+def run_one(kind: str, world: int, link: str, args: argparse.Namespace,
+            rates: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     variant = _variant(args)
     tag = f"_{variant}" if variant else ""
     result = os.path.join(args.out, f"{args.pattern}_{kind}_W{world}_{link.replace('/', '-')}{tag}.json")
@@ -326,8 +327,10 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace, host_us:
         cmd += ["--match-gbps", str(args.match_gbps)]
     if args.compute_gflops is not None:
         cmd += ["--compute-gflops", str(args.compute_gflops)]
-    if host_us:
-        cmd += ["--host-call-us", str(host_us)]
+    if rates is not None:  # (the compute this worker declares, measured by another)
+        cmd += ["--rates", json.dumps(rates)]
+    elif args.host_call_us not in (0, "auto"):  # (auto: a free run's, or none at the free link)
+        cmd += ["--host-call-us", str(args.host_call_us)]
     if args.attention_gflops is not None:
         cmd += ["--attention-gflops", str(args.attention_gflops)]
     if args.network_gbps is not None:
@@ -414,6 +417,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--link", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--rates", help=argparse.SUPPRESS)  # (JSON: the compute a worker declares, measured already)
     args = p.parse_args(argv)
     if args.host_call_us == "auto" and args.device != "cpu":
         p.error("--host-call-us auto measures the CPU's host calls with collectives free; a GPU's host "
@@ -455,16 +459,17 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         if given is None and any(link.startswith("match") for link in links):
             args.match_gbps = match_gbps(args, _config(args), world)
             print(f"W={world}: link {args.match_gbps:.3f} GB/s matches a block's forward", file=sys.stderr)
-        host: dict[str, float] = {}  # (each kind's, from its free run)
+        measured: dict[str, dict[str, Any]] = {}  # (each kind's compute, from its free run)
         for i, link in enumerate(links):  # the floor communicates nothing: once per world
             for kind in args.kinds:
                 if kind == "floor" and i:
                     continue
-                res = run_one(kind, world, link, args, host.get(kind, 0.0) if auto else float(args.host_call_us))
+                res = run_one(kind, world, link, args, measured.get(kind))
                 results.append(res)
-                if auto and link == "free" and host_call_us(res) is not None:
-                    host[kind] = round(host_call_us(res), 1)
-                    print(f"W={world} {kind}: a host call {host[kind]} us with collectives free", file=sys.stderr)
+                if auto and link == "free" and rates_from_free(res) is not None:
+                    measured[kind] = rates_from_free(res)
+                    print(f"W={world} {kind}: a host call {1e6 * measured[kind]['host_call_s']:.1f} us with "
+                          f"collectives free", file=sys.stderr)
     text = table(results)
     out = {"results": results, "table": text, "wall_s": time.perf_counter() - start, "torch": _torch_version(),
            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "argv": argv or sys.argv}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 from typing import Any, Optional
@@ -61,8 +62,11 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
     with 0."""
     from torch._inductor.utils import fresh_inductor_cache
 
+    from compiled_fsdp.passes.cost_model import ComputeConstants
     from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute, step_calibrated
 
+    if args.rates:  # ([Note: Host calls measured with collectives free]: a free run's, as it declared them)
+        return ComputeConstants(**json.loads(args.rates))
     if args.device != "cpu" or args.compute_gflops == 0:
         return None
     if args.compute_gflops is None:
@@ -84,20 +88,23 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
 
 # [Note: Host calls measured with collectives free]
 # ``--host-call-us auto`` (CPU) runs the free link first, at each world, and
-# prices each kind's host calls at its other links at what its own free run
-# left unpriced: that step, less its optimizer's step and the compute its
-# timeline priced, over the host calls the timeline counted (``host_call_us``
-# below). With collectives free nothing is communicated or exposed, so this
-# measures the sharding's work on the host, not the network; what the other
-# links' runs then check is where the timeline puts communication against
-# that compute. The figure carries each worker's calibration noise (its
-# compute priced within a few percent: RESULTS, 2026-12-05). Tested by
+# each kind's runs at the other links declare the compute its own free run
+# declared, with each host call priced at what that run left unpriced: its
+# step, less its optimizer's step and the compute its timeline priced, over
+# the host calls the timeline counted (``rates_from_free``). With
+# collectives free nothing is communicated or exposed, so this measures the
+# sharding's work on the host, not the network; what the other links' runs
+# then check is where the timeline puts communication against that compute.
+# The rates go with it because each worker's calibration of them moves by
+# more than the host work: in one run the free workers at W=8 priced the
+# matmuls at 1.31e11 FLOP/s (ours) and 1.47e11 (regions), which left 62
+# and 613 us a host call. Tested by
 # tests/test_emulated.py::test_host_calls_measured_with_collectives_free.
-def host_call_us(free: dict[str, Any]) -> Optional[float]:
-    """Microseconds a host call cost in a free run's result (see the note);
-    None where the run has no prediction (not ours) or failed."""
+def rates_from_free(free: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The compute a free run declared, its host calls priced (see the
+    note); None where the run has no prediction (not ours) or failed."""
     calls = free.get("predicted_host_calls")
     if not calls or "step_s" not in free:
         return None
     unpriced = free["step_s"] - free["optimizer_s"] - free["predicted_compute_s"]
-    return max(0.0, 1e6 * unpriced / calls)
+    return {**free["topology"]["compute"], "host_call_s": max(0.0, unpriced / calls)}

@@ -335,20 +335,21 @@ def test_benchmark_node_ratio_needs_a_matched_link(tmp_path, capsys) -> None:
 def test_host_calls_measured_with_collectives_free(tmp_path, monkeypatch, capsys) -> None:
     """[Note: Host calls measured with collectives free] in
     benchmarks/emulated_rates.py: ``--host-call-us auto`` runs the free
-    link first at each world, and each kind's later links get what its own
-    free run left unpriced, per host call (the floor and FSDP2, with no
-    prediction, get none); a number is passed as it is, and anything else,
-    or auto on CUDA, is an error before any worker runs. (The workers are
-    stood in for: the driver's arithmetic and order, not a measurement.)"""
+    link first at each world, and each kind's later links declare the
+    compute its own free run declared, each host call priced at what that
+    run left unpriced (the floor and FSDP2, with no prediction, measure
+    their own); a number is passed to every worker as it is, and anything
+    else, or auto on CUDA, is an error before any worker runs. (The workers
+    are stood in for: the driver's arithmetic and order, not a measurement.)"""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import emulated
 
     runs = []
 
-    def run_one(kind, world, link, args, host_us=0.0):
-        runs.append((kind, world, link, host_us))
+    def run_one(kind, world, link, args, rates=None):
+        runs.append((kind, world, link, rates))
         res = {"kind": kind, "world": world, "link": link, "step_s": 0.5, "optimizer_s": 0.02,
-               "predicted_compute_s": 0.4}
+               "predicted_compute_s": 0.4, "topology": {"compute": {"flops_per_s": float(world), "host_call_s": 0.0}}}
         if kind == "ours":  # (0.08 s unpriced over 100 host calls at W=8, 200 at W=64)
             res["predicted_host_calls"] = 100 if world == 8 else 200
         return res
@@ -360,13 +361,21 @@ def test_host_calls_measured_with_collectives_free(tmp_path, monkeypatch, capsys
                    "fsdp2_blocks", "--host-call-us", "auto"])
     assert [r[:3] for r in runs] == [(k, w, link) for w in (8, 64) for link in ("free", "match")
                                      for k in ("floor", "ours", "fsdp2_blocks") if k != "floor" or link == "free"]
-    assert {(k, w, link): h for k, w, link, h in runs if link == "match"} == {
-        ("ours", 8, "match"): pytest.approx(800.0), ("ours", 64, "match"): pytest.approx(400.0),
-        ("fsdp2_blocks", 8, "match"): 0.0, ("fsdp2_blocks", 64, "match"): 0.0}
-    assert all(h == 0.0 for _, _, link, h in runs if link == "free")
+    assert {(k, w, link): rates for k, w, link, rates in runs if link == "match"} == {
+        ("ours", 8, "match"): {"flops_per_s": 8.0, "host_call_s": pytest.approx(8e-4)},
+        ("ours", 64, "match"): {"flops_per_s": 64.0, "host_call_s": pytest.approx(4e-4)},
+        ("fsdp2_blocks", 8, "match"): None, ("fsdp2_blocks", 64, "match"): None}
+    assert all(rates is None for _, _, link, rates in runs if link == "free")
+    # (the worker's side: the rates it is given, declared as they are)
+    from emulated_rates import priced_compute
+
+    from compiled_fsdp.passes.cost_model import ComputeConstants
+    given = {"flops_per_s": 1e11, "bytes_per_s": 1e10, "host_bytes_per_s": 1e10, "host_call_s": 5e-4}
+    assert priced_compute(emulated.argparse.Namespace(rates=emulated.json.dumps(given)), None) == \
+        ComputeConstants(**given)
     runs.clear()
     emulated.main([*common, "--worlds", "8", "--links", "match", "--kinds", "ours", "--host-call-us", "250"])
-    assert runs == [("ours", 8, "match", 250.0)]
+    assert runs == [("ours", 8, "match", None)]
     for bad, says in (("fast", "microseconds, or auto"), ("auto", "leave it out on CUDA")):
         with pytest.raises(SystemExit):
             emulated.main([*common[:1], "cuda" if bad == "auto" else "cpu", *common[2:], "--kinds", "ours",
