@@ -43,8 +43,8 @@ timeline model over the compiled forward and backward graphs; for
 ``ours_regions`` with each region's call expanded as it runs:
 ``passes.region_step.predict_with_regions``), and the
 optimizer's step with ``zero_grad`` (host time: all of it on the CPU); on the
-CPU ``--host-call-us auto`` prices the sharding's host calls at what each
-kind's run with collectives free measured (emulated_rates.py). With
+CPU ``--host-call-us measure`` prices the sharding's host calls at what
+each of ours' workers measured with collectives free (emulated_rates.py). With
 ``--paired-floor``, each kind's process also times the floor, a floor step
 beside each of its steps, and the table's ``paired x`` is the median of each
 step over its own bound ([Note: The floor paired in one process]).
@@ -71,7 +71,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import llama  # noqa: E402
 from emulated_build import build, titan_step  # noqa: E402
-from emulated_rates import match_gbps, priced_compute, rates_from_free, sync  # noqa: E402
+from emulated_rates import host_calls_measured, match_gbps, priced_compute, sync  # noqa: E402
 from emulated_report import table, trace_exposed  # noqa: E402
 from workloads import tensor_peak_mb  # noqa: E402
 
@@ -203,6 +203,18 @@ def _predicted(timelines: list[Any]) -> dict[str, Any]:
             "predicted_collectives": [[c.kind, c.bytes, round(1e3 * c.exposed_s, 1)] for c in comms]}
 
 
+def _prediction(kind: str, rec: Any) -> dict[str, Any]:
+    """The timeline model's step for ``kind`` from what ``rec`` recorded (the
+    last forward and backward compiled; with regions each region's call
+    expanded); none for a kind the passes do not schedule."""
+    last = {r.graph: r.after for r in rec.schedule if r.graph in ("forward", "backward")}
+    if kind == "ours_regions":
+        last = {graph: timeline for graph, timeline in rec.region_steps}
+    if kind not in ("ours", "ours_regions") or set(last) != {"forward", "backward"}:
+        return {}
+    return _predicted([last["forward"], last["backward"]])
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from compiled_fsdp.compile.install import recording
     from compiled_fsdp.tools.emulated import init_emulated_network
@@ -216,7 +228,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch._inductor.config.fx_graph_cache = False
     compute = priced_compute(args, cfg)
     topology = dataclasses.replace(_topology(args.link, args), compute=compute)
-    net = init_emulated_network(args.world, topology=topology, device=args.device)
+    # ([Note: Host calls measured with collectives free]: compiled first on a free network)
+    measuring = args.host_call_us == "measure" and args.kind in ("ours", "ours_regions")
+    net = init_emulated_network(args.world, device=args.device, topology=dataclasses.replace(
+        _topology("free", args), compute=compute) if measuring else topology)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     optimizer: list[float] = []  # (each step's optimizer step and zero_grad, host time)
@@ -225,12 +240,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                  args.reduce_dtype)
         step = _stepper(args, args.kind, run, opt, optimizer)
         first = _timed(step, 0, device)
+        # Where the compile went: Dynamo's timers (seconds summed, calls), and how
+        # many frames it compiled (identical blocks share one).
+        compile_s = {k: [round(sum(v), 3), len(v)] for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
+        frames_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        if measuring:  # (then compiled again, the schedule priced with them)
+            topology = dataclasses.replace(topology, compute=host_calls_measured(
+                args, lambda i: (net.reset(), _timed(step, i, device))[1], optimizer, _prediction(args.kind, rec),
+                compute))
+            net.set_topology(topology)
+            torch._dynamo.reset()
+            step(0)
         for i in range(1, args.warmup):
             step(i)
-    # Where the compile went: Dynamo's timers (seconds summed, calls), and how
-    # many frames it compiled (identical blocks share one).
-    compile_s = {k: [round(sum(v), 3), len(v)] for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
-    frames_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     floor_step = _paired_floor(args, cfg, device, step) if args.paired_floor and args.kind != "floor" else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -259,7 +281,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "late_s": statistics.median(late),  # ([Note: What the emulated collectives write])
         "priced_flops_per_s": compute.flops_per_s if compute is not None else None,
         "priced_attention_flops_per_s": compute.attention_flops_per_s if compute is not None else None,
-        "priced_host_call_s": compute.host_call_s if compute is not None else None,
         "collectives": s["collectives"], "topology": dataclasses.asdict(net.topology),
         "compile_s": compile_s, "unique_graphs": frames_compiled,
         # The last step's collectives as the network ran them (ms from the step's start):
@@ -279,12 +300,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         res.update(trace_exposed(lambda: step(0), device))
     else:  # (one step more, profiled: after the records above were read)
         res["step_peak_mib"] = tensor_peak_mb(lambda: step(args.warmup + args.steps))
-    reports = [r for r in rec.schedule if r.graph in ("forward", "backward")]
-    if args.kind == "ours" and reports:  # one forward and one backward graph per step
-        res.update(_predicted([r.after for r in reports]))
-    last = {graph: timeline for graph, timeline in rec.region_steps}  # (the step's: the last compiled)
-    if args.kind == "ours_regions" and set(last) == {"forward", "backward"}:
-        res.update(_predicted([last["forward"], last["backward"]]))
+    res.update(_prediction(args.kind, rec))
+    res["priced_host_call_s"] = topology.compute.host_call_s if topology.compute is not None else None
     res["tokens_per_s"] = args.batch * cfg.seq / res["step_s"]
     res["mfu"] = res["tokens_per_s"] * model.flops_per_token() / args.peak_flops if device.type == "cuda" else None
     dist.destroy_process_group()
@@ -313,8 +330,7 @@ def _variant(args: argparse.Namespace) -> str:
     return "+".join(parts + ([f"nvl{args.node_ratio:g}x"] if args.node_ratio != 1 else []))
 
 
-def run_one(kind: str, world: int, link: str, args: argparse.Namespace,
-            rates: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[str, Any]:
     variant = _variant(args)
     tag = f"_{variant}" if variant else ""
     result = os.path.join(args.out, f"{args.pattern}_{kind}_W{world}_{link.replace('/', '-')}{tag}.json")
@@ -327,9 +343,7 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace,
         cmd += ["--match-gbps", str(args.match_gbps)]
     if args.compute_gflops is not None:
         cmd += ["--compute-gflops", str(args.compute_gflops)]
-    if rates is not None:  # (the compute this worker declares, measured by another)
-        cmd += ["--rates", json.dumps(rates)]
-    elif args.host_call_us not in (0, "auto"):  # (auto: a free run's, or none at the free link)
+    if args.host_call_us:
         cmd += ["--host-call-us", str(args.host_call_us)]
     if args.attention_gflops is not None:
         cmd += ["--attention-gflops", str(args.attention_gflops)]
@@ -393,8 +407,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--host-call-us", default="0",
                    help="CPU: the host microseconds the passes price each call of the sharding's ops and each "
                         "collective's issue and wait with ([Note: The sharding's host work priced per call] in "
-                        "passes/cost_model.py); auto: each kind's own, from its run with collectives free, run "
-                        "first ([Note: Host calls measured with collectives free] in emulated_rates.py)")
+                        "passes/cost_model.py); measure: each of ours' workers its own, from steps with "
+                        "collectives free before it compiles again ([Note: Host calls measured with "
+                        "collectives free] in emulated_rates.py)")
     p.add_argument("--node-ratio", type=float, default=1.0,
                    help="match links: the link within a node this many times the match link's GB/s "
                         "(NVLink against the network: about 8)")
@@ -417,16 +432,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--link", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--rates", help=argparse.SUPPRESS)  # (JSON: the compute a worker declares, measured already)
     args = p.parse_args(argv)
-    if args.host_call_us == "auto" and args.device != "cpu":
-        p.error("--host-call-us auto measures the CPU's host calls with collectives free; a GPU's host "
+    if args.host_call_us == "measure" and args.device != "cpu":
+        p.error("--host-call-us measure measures the CPU's host calls with collectives free; a GPU's host "
                 "calls overlap its kernels: leave it out on CUDA")
-    if args.host_call_us != "auto":
+    if args.host_call_us != "measure":
         try:
             args.host_call_us = float(args.host_call_us)
         except ValueError:
-            p.error(f"--host-call-us: microseconds, or auto, not {args.host_call_us!r}")
+            p.error(f"--host-call-us: microseconds, or measure, not {args.host_call_us!r}")
     args.model = args.model or ("8b" if args.device == "cuda" else "cpu")
     args.batch = args.batch or (1 if args.device == "cuda" else 4)
     if args.device == "cpu":
@@ -452,24 +466,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     start = time.perf_counter()
     results = []
     given = args.match_gbps  # (fixed: runs to pair share one link)
-    auto = args.host_call_us == "auto"  # ([Note: Host calls measured with collectives free])
-    if auto:
-        links = ["free"] + [link for link in links if link != "free"]
     for world in args.worlds:
         if given is None and any(link.startswith("match") for link in links):
             args.match_gbps = match_gbps(args, _config(args), world)
             print(f"W={world}: link {args.match_gbps:.3f} GB/s matches a block's forward", file=sys.stderr)
-        measured: dict[str, dict[str, Any]] = {}  # (each kind's compute, from its free run)
         for i, link in enumerate(links):  # the floor communicates nothing: once per world
-            for kind in args.kinds:
-                if kind == "floor" and i:
-                    continue
-                res = run_one(kind, world, link, args, measured.get(kind))
-                results.append(res)
-                if auto and link == "free" and rates_from_free(res) is not None:
-                    measured[kind] = rates_from_free(res)
-                    print(f"W={world} {kind}: a host call {1e6 * measured[kind]['host_call_s']:.1f} us with "
-                          f"collectives free", file=sys.stderr)
+            results += [run_one(kind, world, link, args) for kind in args.kinds if kind != "floor" or i == 0]
     text = table(results)
     out = {"results": results, "table": text, "wall_s": time.perf_counter() - start, "torch": _torch_version(),
            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "argv": argv or sys.argv}

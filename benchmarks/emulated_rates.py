@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable
 
 import llama
 import torch
@@ -62,11 +61,8 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
     with 0."""
     from torch._inductor.utils import fresh_inductor_cache
 
-    from compiled_fsdp.passes.cost_model import ComputeConstants
     from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute, step_calibrated
 
-    if args.rates:  # ([Note: Host calls measured with collectives free]: a free run's, as it declared them)
-        return ComputeConstants(**json.loads(args.rates))
     if args.device != "cpu" or args.compute_gflops == 0:
         return None
     if args.compute_gflops is None:
@@ -83,28 +79,37 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
     else:
         attention = args.attention_gflops * 1e9 if args.attention_gflops else None
         rates = cpu_compute_at(args.compute_gflops * 1e9, attention)
-    return dataclasses.replace(rates, host_call_s=float(args.host_call_us) * 1e-6)
+    host = 0.0 if args.host_call_us == "measure" else float(args.host_call_us)  # (measured later: the note below)
+    return dataclasses.replace(rates, host_call_s=host * 1e-6)
 
 
 # [Note: Host calls measured with collectives free]
-# ``--host-call-us auto`` (CPU) runs the free link first, at each world, and
-# each kind's runs at the other links declare the compute its own free run
-# declared, with each host call priced at what that run left unpriced: its
-# step, less its optimizer's step and the compute its timeline priced, over
-# the host calls the timeline counted (``rates_from_free``). With
-# collectives free nothing is communicated or exposed, so this measures the
-# sharding's work on the host, not the network; what the other links' runs
-# then check is where the timeline puts communication against that compute.
-# The rates go with it because each worker's calibration of them moves by
-# more than the host work: in one run the free workers at W=8 priced the
-# matmuls at 1.31e11 FLOP/s (ours) and 1.47e11 (regions), which left 62
-# and 613 us a host call. Tested by
-# tests/test_emulated.py::test_host_calls_measured_with_collectives_free.
-def rates_from_free(free: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The compute a free run declared, its host calls priced (see the
-    note); None where the run has no prediction (not ours) or failed."""
-    calls = free.get("predicted_host_calls")
-    if not calls or "step_s" not in free:
-        return None
-    unpriced = free["step_s"] - free["optimizer_s"] - free["predicted_compute_s"]
-    return {**free["topology"]["compute"], "host_call_s": max(0.0, unpriced / calls)}
+# ``--host-call-us measure`` (CPU): each of ours' workers compiles its model
+# first on a free network (every collective priced at nothing, the compute
+# it measured declared), runs the warm-up and three steps more, and prices
+# each host call at what those steps left unpriced: the median step, less
+# the optimizer's step and the compute its timeline priced, over the host
+# calls the timeline counted (``host_calls_measured``). It then declares that
+# on the run's network and compiles again (``torch._dynamo.reset()``), so
+# that the run's schedule and its prediction are priced with it; the first
+# step reported is the first compile's. With collectives free nothing is
+# communicated or exposed, so this measures the sharding's work on the host,
+# not the network; what the run then checks is where the timeline puts
+# communication against that compute. Measured in the worker itself because
+# processes of one configuration run at speeds 20-30% apart on this machine:
+# carried from a run of its own at the free link (the first try), the figure
+# was 0 us a call in one process and 726 in another, and the predictions were
+# 0.94-1.39x the measured (RESULTS, 2026-12-05). Tested by
+# tests/test_emulated.py::test_benchmark_cpu_path.
+def host_calls_measured(args: argparse.Namespace, timed: Callable[[int], float], optimizer: list[float],
+                        predicted: dict[str, Any], compute: Any) -> Any:
+    """``compute`` with each host call priced (see the note): ``timed(i)``
+    runs and times step ``i`` on the free network, ``optimizer`` collects
+    each step's optimizer time, ``predicted`` is the free compile's
+    ``_prediction``."""
+    for i in range(1, args.warmup):
+        timed(i)
+    optimizer.clear()
+    step = statistics.median(timed(args.warmup + i) for i in range(3))
+    unpriced = step - statistics.median(optimizer) - predicted["predicted_compute_s"]
+    return dataclasses.replace(compute, host_call_s=max(0.0, unpriced / predicted["predicted_host_calls"]))

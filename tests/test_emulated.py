@@ -254,7 +254,9 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     run issued, in the order it issued them, also with compile regions (each
     region's call expanded, its gathers issued ahead and taken, its reduces
     waited later: [Note: A step with compile regions predicted] in
-    passes/region_step.py).
+    passes/region_step.py), compiled a second time with the host calls
+    measured on a free network ([Note: Host calls measured with collectives
+    free] in benchmarks/emulated_rates.py).
     (Not the floor: ~45 s of CI for an unsharded ``torch.compile``; the GPU
     check's quick test runs its floor.)"""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -262,7 +264,7 @@ def test_benchmark_cpu_path(tmp_path) -> None:
 
     results = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "8", "--links", "match",
                              "--kinds", "ours", "ours_regions", "ours_eager", "fsdp2_eager", "--warmup", "1",
-                             "--steps", "2", "--out", str(tmp_path)])
+                             "--steps", "2", "--host-call-us", "measure", "--out", str(tmp_path)])
     by_kind = {r["kind"]: r for r in results}
     assert not [r for r in results if "error" in r], [r["error"] for r in results if "error" in r]
     assert set(by_kind) == {"ours", "ours_regions", "ours_eager", "fsdp2_eager"}
@@ -280,6 +282,11 @@ def test_benchmark_cpu_path(tmp_path) -> None:
         predicted = [c[:2] for c in r["predicted_collectives"]]
         assert predicted == [[c["kind"], c["bytes"]] for c in r["last_step"]], kind
     assert all(r["priced_flops_per_s"] > 0 for r in results)  # (measured by each worker)
+    # ([Note: Host calls measured with collectives free]: ours' workers measured theirs, compiled
+    # again with it, and predicted the run above with it; the others priced none)
+    assert all(by_kind[k]["priced_host_call_s"] > 0 and by_kind[k]["predicted_host_calls"] > 0
+               for k in ("ours", "ours_regions")), [(r["kind"], r["priced_host_call_s"]) for r in results]
+    assert by_kind["ours_eager"]["priced_host_call_s"] == by_kind["fsdp2_eager"]["priced_host_call_s"] == 0.0
     with open(tmp_path / "emulated.json") as f:
         table = json.load(f)["table"].splitlines()
     assert len(table) == 1 + 4 and "x bound" in table[0]
@@ -332,56 +339,19 @@ def test_benchmark_node_ratio_needs_a_matched_link(tmp_path, capsys) -> None:
 
 
 
-def test_host_calls_measured_with_collectives_free(tmp_path, monkeypatch, capsys) -> None:
-    """[Note: Host calls measured with collectives free] in
-    benchmarks/emulated_rates.py: ``--host-call-us auto`` runs the free
-    link first at each world, and each kind's later links declare the
-    compute its own free run declared, each host call priced at what that
-    run left unpriced (the floor and FSDP2, with no prediction, measure
-    their own); a number is passed to every worker as it is, and anything
-    else, or auto on CUDA, is an error before any worker runs. (The workers
-    are stood in for: the driver's arithmetic and order, not a measurement.)"""
+def test_benchmark_host_call_us_refused(tmp_path, capsys) -> None:
+    """``--host-call-us`` takes microseconds or ``measure``, and ``measure``
+    only on the CPU: anything else is an error before any worker runs."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import emulated
 
-    runs = []
-
-    def run_one(kind, world, link, args, rates=None):
-        runs.append((kind, world, link, rates))
-        res = {"kind": kind, "world": world, "link": link, "step_s": 0.5, "optimizer_s": 0.02,
-               "predicted_compute_s": 0.4, "topology": {"compute": {"flops_per_s": float(world), "host_call_s": 0.0}}}
-        if kind == "ours":  # (0.08 s unpriced over 100 host calls at W=8, 200 at W=64)
-            res["predicted_host_calls"] = 100 if world == 8 else 200
-        return res
-
-    monkeypatch.setattr(emulated, "run_one", run_one)
-    monkeypatch.setattr(emulated, "table", lambda results: "")
-    common = ["--device", "cpu", "--model", "tiny", "--match-gbps", "1.0", "--out", str(tmp_path)]
-    emulated.main([*common, "--worlds", "8", "64", "--links", "match", "free", "--kinds", "floor", "ours",
-                   "fsdp2_blocks", "--host-call-us", "auto"])
-    assert [r[:3] for r in runs] == [(k, w, link) for w in (8, 64) for link in ("free", "match")
-                                     for k in ("floor", "ours", "fsdp2_blocks") if k != "floor" or link == "free"]
-    assert {(k, w, link): rates for k, w, link, rates in runs if link == "match"} == {
-        ("ours", 8, "match"): {"flops_per_s": 8.0, "host_call_s": pytest.approx(8e-4)},
-        ("ours", 64, "match"): {"flops_per_s": 64.0, "host_call_s": pytest.approx(4e-4)},
-        ("fsdp2_blocks", 8, "match"): None, ("fsdp2_blocks", 64, "match"): None}
-    assert all(rates is None for _, _, link, rates in runs if link == "free")
-    # (the worker's side: the rates it is given, declared as they are)
-    from emulated_rates import priced_compute
-
-    from compiled_fsdp.passes.cost_model import ComputeConstants
-    given = {"flops_per_s": 1e11, "bytes_per_s": 1e10, "host_bytes_per_s": 1e10, "host_call_s": 5e-4}
-    assert priced_compute(emulated.argparse.Namespace(rates=emulated.json.dumps(given)), None) == \
-        ComputeConstants(**given)
-    runs.clear()
-    emulated.main([*common, "--worlds", "8", "--links", "match", "--kinds", "ours", "--host-call-us", "250"])
-    assert runs == [("ours", 8, "match", None)]
-    for bad, says in (("fast", "microseconds, or auto"), ("auto", "leave it out on CUDA")):
+    refused = (("cpu", "fast", "microseconds, or measure"), ("cuda", "measure", "leave it out on CUDA"))
+    for device, value, says in refused:
         with pytest.raises(SystemExit):
-            emulated.main([*common[:1], "cuda" if bad == "auto" else "cpu", *common[2:], "--kinds", "ours",
-                           "--host-call-us", bad])
+            emulated.main(["--device", device, "--model", "tiny", "--worlds", "8", "--links", "match", "--kinds",
+                           "ours", "--host-call-us", value, "--out", str(tmp_path)])
         assert says in capsys.readouterr().err
-    assert len(runs) == 1
+    assert not list(tmp_path.iterdir())  # (no worker ran)
 
 def test_paired_floor_ratios_are_per_pair() -> None:
     """``--paired-floor``'s figures ([Note: The floor paired in one

@@ -270,6 +270,13 @@ class EmulatedNetwork:
     def now(self) -> float:
         return time.perf_counter() - self._epoch
 
+    def set_topology(self, topology: Topology) -> None:
+        """Prices every collective issued from now on on ``topology``; graphs
+        compiled from now on are priced with its links and compute."""
+        with self._lock:
+            self.topology = topology
+            self._model = CostModel().with_links(topology.links)
+
     def price(self, kind: str, nbytes: int, ranks: Sequence[int]) -> float:
         """Seconds for ``kind`` over a group of ``ranks`` moving ``nbytes``
         (the cost model's ring; all-to-all and broadcast as a reduce-scatter
