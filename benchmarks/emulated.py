@@ -244,10 +244,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # many frames it compiled (identical blocks share one).
         compile_s = {k: [round(sum(v), 3), len(v)] for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
         frames_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        free = _prediction(args.kind, rec) if measuring else {}
         if measuring:  # (then compiled again, the schedule priced with them)
-            topology = dataclasses.replace(topology, compute=host_calls_measured(
-                args, lambda i: (net.reset(), _timed(step, i, device))[1], optimizer, _prediction(args.kind, rec),
-                compute))
+            measured, unpriced = host_calls_measured(
+                args, lambda i: (net.reset(), _timed(step, i, device))[1], optimizer, free, compute)
+            topology = dataclasses.replace(topology, compute=measured)
             net.set_topology(topology)
             torch._dynamo.reset()
             step(0)
@@ -302,6 +303,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         res["step_peak_mib"] = tensor_peak_mb(lambda: step(args.warmup + args.steps))
     res.update(_prediction(args.kind, rec))
     res["priced_host_call_s"] = topology.compute.host_call_s if topology.compute is not None else None
+    if measuring:  # ([Note: Host calls measured with collectives free])
+        res.update(free_predicted_compute_s=free["predicted_compute_s"], free_unpriced_s=unpriced)
     res["tokens_per_s"] = args.batch * cfg.seq / res["step_s"]
     res["mfu"] = res["tokens_per_s"] * model.flops_per_token() / args.peak_flops if device.type == "cuda" else None
     dist.destroy_process_group()
@@ -433,14 +436,19 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--link", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.host_call_us == "measure" and args.device != "cpu":
-        p.error("--host-call-us measure measures the CPU's host calls with collectives free; a GPU's host "
-                "calls overlap its kernels: leave it out on CUDA")
     if args.host_call_us != "measure":
         try:
             args.host_call_us = float(args.host_call_us)
         except ValueError:
             p.error(f"--host-call-us: microseconds, or measure, not {args.host_call_us!r}")
+        if not args.host_call_us >= 0:  # (NaN too)
+            p.error(f"--host-call-us: microseconds, 0 or more, not {args.host_call_us}")
+    if args.host_call_us and args.device != "cpu":
+        p.error("--host-call-us prices the CPU's host calls, which a CPU worker declares with its compute; a "
+                "GPU's host calls overlap its kernels: leave it out on CUDA")
+    if args.host_call_us and args.compute_gflops == 0:
+        p.error("--host-call-us prices host calls beside the compute a CPU worker declares; --compute-gflops 0 "
+                "declares none (the cost model's constants): give one or the other")
     args.model = args.model or ("8b" if args.device == "cuda" else "cpu")
     args.batch = args.batch or (1 if args.device == "cuda" else 4)
     if args.device == "cpu":

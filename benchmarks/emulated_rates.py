@@ -102,14 +102,18 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> Any:
 # 0.94-1.39x the measured (RESULTS, 2026-12-05). Tested by
 # tests/test_emulated.py::test_benchmark_cpu_path.
 def host_calls_measured(args: argparse.Namespace, timed: Callable[[int], float], optimizer: list[float],
-                        predicted: dict[str, Any], compute: Any) -> Any:
-    """``compute`` with each host call priced (see the note): ``timed(i)``
-    runs and times step ``i`` on the free network, ``optimizer`` collects
-    each step's optimizer time, ``predicted`` is the free compile's
-    ``_prediction``."""
+                        predicted: dict[str, Any], compute: Any) -> tuple[Any, float]:
+    """``compute`` with each host call priced (see the note), and the
+    seconds a step left unpriced: ``timed(i)`` runs and times step ``i`` on
+    the free network, ``optimizer`` collects each step's optimizer time,
+    ``predicted`` is the free compile's ``_prediction``."""
+    if not predicted.get("predicted_host_calls"):
+        raise RuntimeError(f"--host-call-us measure: the free compile left no prediction with host calls to price "
+                           f"({sorted(predicted)}): was the model compiled whole (kind {args.kind!r})?")
     for i in range(1, args.warmup):
         timed(i)
     optimizer.clear()
     step = statistics.median(timed(args.warmup + i) for i in range(3))
     unpriced = step - statistics.median(optimizer) - predicted["predicted_compute_s"]
-    return dataclasses.replace(compute, host_call_s=max(0.0, unpriced / predicted["predicted_host_calls"]))
+    # (none where the compute priced more than the steps took: a calibration on a faster moment)
+    return dataclasses.replace(compute, host_call_s=max(0.0, unpriced / predicted["predicted_host_calls"])), unpriced

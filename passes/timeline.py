@@ -283,9 +283,9 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             tl.steps.append(Step(at.name, "compute", "wait", t, ev.exposed_s))
         t += ev.exposed_s
         tl.exposed_s += ev.exposed_s
-        host(at)  # (the wait's host call)
         if ev.kind == "all_gather" and waited not in unowned:
             current = (ev.module_key, ev.unit)
+        host(at)  # (the wait's host call, in the module it gathered for)
 
     def spend(n: fx.Node, dt: float) -> None:
         nonlocal t
@@ -325,6 +325,7 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             rows = collective_bytes(key) // max(marker.world_size, 1)
             dur = cost.comm_time("all_reduce", rows, marker.replicas,
                                  across_nodes=cost.spans_nodes(marker.replicate_group_name))
+            host(at)  # (its issue)
             start = enqueue(dur)
             events[("all_reduce", key)] = CommEvent("all_reduce", -1, 0, rows, t, start, queue_end, -1.0, 0.0)
             unowned.add(("all_reduce", key))
@@ -343,9 +344,9 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
         if chain is not None and n.target in IN_OP:  # ([Note: Collectives inside an op])
             if n.target is REDUCE_LATER:
                 advance_reduces(n)
+            host(n)  # (the op's own call, which may issue nothing)
             if chain.skipped(n):
                 continue
-            host(n)  # (the op's own call)
             taken = chain.taken(n)
             if taken is None:
                 spend(n, chain.packed_bytes(n) / cost.compute.bytes_per_s)
@@ -370,7 +371,11 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
                     c = next((c for c in order if is_collective(c) and chain_tag(c) == tag), None)
                     if c is not None:
                         issue(c, regather=True)
-                        t = max(t, events[c].end_s) if c in events else t  # (none over one rank)
+                        if c in events:  # (none over one rank)
+                            t = max(t, events[c].end_s)
+                            host(n)  # (its wait)
+        if n.target in IN_OP:  # (the op's own call, as above)
+            host(n)
         info = chain_tag(n)
         owned = n.target in ISSUES and info is not None
         if foreign and joint and n not in backward and n.meta.get("partitioner_tag") == "must_be_in_backward" \

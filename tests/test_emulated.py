@@ -284,8 +284,11 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     assert all(r["priced_flops_per_s"] > 0 for r in results)  # (measured by each worker)
     # ([Note: Host calls measured with collectives free]: ours' workers measured theirs, compiled
     # again with it, and predicted the run above with it; the others priced none)
-    assert all(by_kind[k]["priced_host_call_s"] > 0 and by_kind[k]["predicted_host_calls"] > 0
-               for k in ("ours", "ours_regions")), [(r["kind"], r["priced_host_call_s"]) for r in results]
+    for kind in ("ours", "ours_regions"):  # (the tiny model's sharding costs its step more than its compute)
+        r = by_kind[kind]
+        assert r["priced_host_call_s"] > 0 and r["free_unpriced_s"] > 0, (kind, r["free_unpriced_s"])
+        priced = r["predicted_host_calls"] * r["priced_host_call_s"]  # (what compiling again added)
+        assert r["predicted_compute_s"] - r["free_predicted_compute_s"] == pytest.approx(priced, rel=1e-6), kind
     assert by_kind["ours_eager"]["priced_host_call_s"] == by_kind["fsdp2_eager"]["priced_host_call_s"] == 0.0
     with open(tmp_path / "emulated.json") as f:
         table = json.load(f)["table"].splitlines()
@@ -340,17 +343,21 @@ def test_benchmark_node_ratio_needs_a_matched_link(tmp_path, capsys) -> None:
 
 
 def test_benchmark_host_call_us_refused(tmp_path, capsys) -> None:
-    """``--host-call-us`` takes microseconds or ``measure``, and ``measure``
-    only on the CPU: anything else is an error before any worker runs."""
+    """``--host-call-us`` takes microseconds (0 or more) or ``measure``, only
+    on the CPU and beside a compute the workers declare: anything else is an
+    error before any worker runs."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import emulated
 
-    refused = (("cpu", "fast", "microseconds, or measure"), ("cuda", "measure", "leave it out on CUDA"))
-    for device, value, says in refused:
+    refused = (("cpu", "fast", [], "microseconds, or measure"), ("cpu", "-5", [], "0 or more"),
+               ("cpu", "nan", [], "0 or more"), ("cuda", "measure", [], "leave it out on CUDA"),
+               ("cuda", "100", [], "leave it out on CUDA"),
+               ("cpu", "measure", ["--compute-gflops", "0"], "give one or the other"))
+    for device, value, more, says in refused:
         with pytest.raises(SystemExit):
             emulated.main(["--device", device, "--model", "tiny", "--worlds", "8", "--links", "match", "--kinds",
-                           "ours", "--host-call-us", value, "--out", str(tmp_path)])
-        assert says in capsys.readouterr().err
+                           "ours", "--host-call-us", value, *more, "--out", str(tmp_path)])
+        assert says in capsys.readouterr().err, (device, value)
     assert not list(tmp_path.iterdir())  # (no worker ran)
 
 def test_paired_floor_ratios_are_per_pair() -> None:
@@ -475,15 +482,18 @@ def test_step_calibrated_prices_the_step_measured() -> None:
     torch._dynamo.reset()
 
 
-def _region_step(split: bool, counted: bool = False) -> Any:
+def _region_step(split: bool, counted: bool = False, host_s: float = 0.0) -> Any:
     """A hand-made outer graph: ``issue_ahead`` on a block's shards (read
     through ``permute``, as a shard on dim 1 is through ``to_canonical``),
     then the block's region call, whose body re-gathers them (whole, or one
     ``regather`` per parameter: reads cut into units). The predicted
-    gathers, (bytes, exposed); ``counted``: the host calls instead."""
+    gathers, (bytes, exposed); ``counted``: the host calls instead, and the
+    compute they added at ``host_s`` a call."""
+    import dataclasses
+
     import torch
 
-    from compiled_fsdp.passes.cost_model import CostModel
+    from compiled_fsdp.passes.cost_model import CPU_COMPUTE, CostModel
     from compiled_fsdp.passes.region_step import INVOKE_SUBGRAPH, RunTimeChain, expand_regions
     from compiled_fsdp.passes.timeline import ISSUE_AHEAD, REGATHER, simulate
 
@@ -521,8 +531,14 @@ def _region_step(split: bool, counted: bool = False) -> Any:
     users = {n: dict(n.users) for n in g.nodes}
     order, sources = expand_regions(outer, [n for n in g.nodes if n.op not in ("placeholder", "output")])
     assert {n: dict(n.users) for n in g.nodes} == users  # (the outer graph as it was)
-    tl = simulate(order, CostModel(), foreign=True, chain=RunTimeChain(order, sources))
-    return tl.host_calls if counted else [(c.bytes, c.exposed_s) for c in tl.comms]
+    def step(host_s: float) -> Any:
+        compute = dataclasses.replace(CPU_COMPUTE, host_call_s=host_s)
+        return simulate(order, CostModel(compute=compute), foreign=True, chain=RunTimeChain(order, sources))
+
+    tl = step(host_s)
+    if counted:
+        return tl.host_calls, tl.compute_s - step(0.0).compute_s
+    return [(c.bytes, c.exposed_s) for c in tl.comms]
 
 
 def test_a_region_takes_the_gather_issued_ahead() -> None:
@@ -646,6 +662,8 @@ def test_host_calls_priced_where_they_run() -> None:
         return simulate(order, CostModel(compute=dataclasses.replace(CPU_COMPUTE, host_call_s=host_s)), foreign=True)
 
     free, priced = timeline(0.0), timeline(1e-4)
+    plain = simulate(order, CostModel(), foreign=True)  # (the constants: nothing moves)
+    assert (plain.compute_s, plain.exposed_s, plain.makespan_s) == (free.compute_s, free.exposed_s, free.makespan_s)
     assert free.host_calls == priced.host_calls == 3  # (issue, the op, wait)
     assert priced.compute_s - free.compute_s == pytest.approx(3e-4, abs=1e-12)
     assert free.comm_s == priced.comm_s > 0
@@ -656,5 +674,7 @@ def test_host_calls_priced_where_they_run() -> None:
     assert with_host.compute_time(average) == pytest.approx(CostModel().compute_time(average) + 1e-4)
     assert with_host.compute_time(wait) == 1e-4 and CostModel().compute_time(wait) == 0.0
     # (regions: the issue-ahead's call and its issue, the region's regather's call and its wait)
-    assert _region_step(split=False, counted=True) == 4
+    assert _region_step(split=False, counted=True) == (4, pytest.approx(0.0))
+    calls, spent = _region_step(split=False, counted=True, host_s=1e-4)
+    assert calls == 4 and spent == pytest.approx(4e-4, abs=1e-12), spent
 

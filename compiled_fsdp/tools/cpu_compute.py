@@ -124,7 +124,7 @@ def step_calibrated(module: nn.Module, *inputs: object, rates: ComputeConstants,
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    priced = _Priced(CostModel(compute=rates))
+    priced = _Priced(CostModel(compute=dataclasses.replace(rates, host_call_s=0.0)))  # (the rates' work alone)
     needs_grad = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def no_grads() -> None:  # (each step's gradients fresh, as a training step's; none left behind)
