@@ -226,7 +226,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # driver gives each worker an empty kernel cache directory: run_one.)
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
-    compute = priced_compute(args, cfg)
+    compute, clock = priced_compute(args, cfg)
     topology = dataclasses.replace(_topology(args.link, args), compute=compute)
     # ([Note: Host calls measured with collectives free]: compiled first on a free network)
     measuring = args.host_call_us == "measure" and args.kind in ("ours", "ours_regions")
@@ -246,8 +246,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         frames_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         free = _prediction(args.kind, rec) if measuring else {}
         if measuring:  # (then compiled again, the schedule priced with them)
-            measured, unpriced = host_calls_measured(
-                args, lambda i: (net.reset(), _timed(step, i, device))[1], optimizer, free, compute)
+            measured, unpriced, speed = host_calls_measured(
+                args, lambda i: (net.reset(), _timed(step, i, device))[1], optimizer, free, compute, clock)
             topology = dataclasses.replace(topology, compute=measured)
             net.set_topology(topology)
             torch._dynamo.reset()
@@ -257,7 +257,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     floor_step = _paired_floor(args, cfg, device, step) if args.paired_floor and args.kind != "floor" else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, comm, exposed, late, floor_times = [], [], [], [], []
+    times, comm, exposed, late, floor_times, run_speed = [], [], [], [], [], []
     optimizer.clear()
     faults = 0
     for i in range(args.steps):
@@ -273,6 +273,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         late.append(s["late_s"])
         if floor_step is not None and i % 2 == 1:
             floor_times.append(_timed(floor_step, args.warmup + i, device))
+        if measuring and clock is not None:  # ([Note: The block's clock beside each priced step])
+            run_speed.append(clock.speed())
     res: dict[str, Any] = {
         "kind": args.kind, "world": args.world, "link": args.link, "device": str(device), "variant": _variant(args),
         "config": cfg.__dict__, "batch": args.batch, "first_step_s": first, "step_s": statistics.median(times),
@@ -304,7 +306,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     res.update(_prediction(args.kind, rec))
     res["priced_host_call_s"] = topology.compute.host_call_s if topology.compute is not None else None
     if measuring:  # ([Note: Host calls measured with collectives free])
-        res.update(free_predicted_compute_s=free["predicted_compute_s"], free_unpriced_s=unpriced)
+        res.update(free_predicted_compute_s=free["predicted_compute_s"], free_unpriced_s=unpriced, priced_speed=speed,
+                   run_speed=statistics.median(run_speed) if run_speed else None)
     res["tokens_per_s"] = args.batch * cfg.seq / res["step_s"]
     res["mfu"] = res["tokens_per_s"] * model.flops_per_token() / args.peak_flops if device.type == "cuda" else None
     dist.destroy_process_group()

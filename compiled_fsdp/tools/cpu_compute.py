@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from compiled_fsdp.core import compat
 from compiled_fsdp.passes.cost_model import CPU_COMPUTE, ComputeConstants, CostModel
 
-__all__ = ["cpu_compute_at", "measured_cpu_compute", "median_s", "step_calibrated"]
+__all__ = ["cpu_compute_at", "measured_cpu_compute", "median_s", "scaled_rates", "step_calibrated"]
 
 
 def cpu_compute_at(flops_per_s: float, attention_flops_per_s: float | None = None) -> ComputeConstants:
@@ -158,7 +158,12 @@ def step_calibrated(module: nn.Module, *inputs: object, rates: ComputeConstants,
         scale = sum(priced.seconds) / timer(step, reps)
     finally:
         no_grads()
+    return scaled_rates(rates, scale)
+
+
+def scaled_rates(rates: ComputeConstants, factor: float) -> ComputeConstants:
+    """Every rate of ``rates`` times ``factor``, in proportion (the host call's price unchanged)."""
     return dataclasses.replace(
-        rates, flops_per_s=rates.flops_per_s * scale, bytes_per_s=rates.bytes_per_s * scale,
-        host_bytes_per_s=rates.host_bytes_per_s * scale,
-        attention_flops_per_s=rates.attention_flops_per_s * scale if rates.attention_flops_per_s else None)
+        rates, flops_per_s=rates.flops_per_s * factor, bytes_per_s=rates.bytes_per_s * factor,
+        host_bytes_per_s=rates.host_bytes_per_s * factor,
+        attention_flops_per_s=rates.attention_flops_per_s * factor if rates.attention_flops_per_s else None)
