@@ -26,7 +26,8 @@ CPU), ``match/4`` 4x slower (communication-bound). ``--node-ratio R`` makes
 the link within a node R times the match link (NVLink against a network:
 about 8).
 
-The levers of a network-bound job: ``--hsdp`` (a 2-D mesh, replicated
+The levers of a network-bound job: ``--split-first-block`` (the first
+block's feed-forward sharded on its own), ``--hsdp`` (a 2-D mesh, replicated
 across the nodes, sharded within one, for ours and FSDP2) and
 ``--reduce-dtype bfloat16`` (gradients reduced in bf16).
 
@@ -237,7 +238,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     optimizer: list[float] = []  # (each step's optimizer step and zero_grad, host time)
     with recording() as rec:
         model, run, opt = build(args.kind, cfg, device, args.world, args.pattern, _mesh(args, topology.ranks_per_node),
-                                 args.reduce_dtype)
+                                 args.reduce_dtype, args.split_first_block)
         step = _stepper(args, args.kind, run, opt, optimizer)
         first = _timed(step, 0, device)
         # Where the compile went: Dynamo's timers (seconds summed, calls), and how
@@ -330,9 +331,10 @@ KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRES
 
 
 def _variant(args: argparse.Namespace) -> str:
-    """What this run changes of the plain job: ``hsdp``, ``rs-bf16``, ``nvlXR``."""
+    """What this run changes of the plain job: ``hsdp``, ``rs-bf16``, ``split1``, ``nvlXR``."""
     short = {"bfloat16": "bf16", "float32": "fp32"}
-    parts = (["hsdp"] if args.hsdp else []) + ([f"rs-{short[args.reduce_dtype]}"] if args.reduce_dtype else [])
+    parts = (["hsdp"] if args.hsdp else []) + ([f"rs-{short[args.reduce_dtype]}"] if args.reduce_dtype else []) \
+        + (["split1"] if args.split_first_block else [])
     return "+".join(parts + ([f"nvl{args.node_ratio:g}x"] if args.node_ratio != 1 else []))
 
 
@@ -357,7 +359,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
         cmd += ["--network-gbps", str(args.network_gbps)]
     cmd += ["--node-ratio", str(args.node_ratio)] + (["--hsdp"] if args.hsdp else []) \
         + (["--reduce-dtype", args.reduce_dtype] if args.reduce_dtype else []) \
-        + (["--paired-floor"] if args.paired_floor else [])
+        + (["--paired-floor"] if args.paired_floor else []) \
+        + (["--split-first-block"] if args.split_first_block else [])
     start = time.perf_counter()
     # Cold: a cache directory of its own (Inductor's compiled kernels, Triton's),
     # so no configuration's first step reuses kernels another run compiled.
@@ -420,6 +423,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                    help="match links: the link within a node this many times the match link's GB/s "
                         "(NVLink against the network: about 8)")
     p.add_argument("--hsdp", action="store_true", help="HSDP: replicate across nodes, shard within one")
+    p.add_argument("--split-first-block", action="store_true",
+                   help="the first block's feed-forward sharded on its own, for ours and FSDP2 "
+                        "([Note: The first block split by first use] in emulated_build.py)")
     p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
                    help="the gradients' reduce dtype (default: fp32)")
     p.add_argument("--paired-floor", action="store_true",
@@ -471,6 +477,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     if args.node_ratio != 1 and not all(link.startswith("match") for link in links):
         p.error("--node-ratio sets a matched link's speed within a node; the nccl link has its own "
                 "NVLink figure and a free one costs nothing: run those without it")
+    if args.split_first_block and (args.pattern != "plain" or "graph_trainer" in args.kinds):
+        p.error("--split-first-block shards the plain pattern's first block in two; torchtitan's pattern and "
+                "graph_trainer build their own: leave it out with --pattern titan* and --kinds graph_trainer")
     if args.pattern.startswith("titan"):
         args.kinds = [k for k in args.kinds if k not in ("ours", "ours_regions")]
     os.makedirs(args.out, exist_ok=True)

@@ -43,9 +43,24 @@ def sharding_api(kind: str, cuda: bool, reduce_dtype: Optional[str] = None) -> t
 # process: the key and value projections' 16 matmuls 10.7-13.8 ms against
 # 7.3-7.7; with ``torch.set_flush_denormal(True)``, 7.3 against 7.5). The
 # floor now draws its weights the same way.
+# [Note: The first block split by first use]
+# At a link where a block's gather takes as long as its forward, a step's
+# exposed communication is one chain across the optimizer step: the
+# embedding's gather and the first block's open the step, the first block's
+# reduce-scatter and the embedding's close it (DESIGN, "What no schedule
+# hides"). With the first block's feed-forward sharded on its own, the
+# block's gather holds its norms and attention alone (a quarter of its
+# bytes); the feed-forward's gather runs behind the attention's compute,
+# and in backward its reduce-scatter behind the attention's backward.
+# ``--split-first-block`` measures it, for ours and FSDP2 alike (RESULTS,
+# fifty-sixth session: at W=8 on the CPU the exposed communication 67-69 ->
+# 52-60 ms).
 def build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
-          pattern: str = "plain", mesh: Any = None, reduce_dtype: Optional[str] = None) -> tuple[nn.Module, Any, Any]:
-    """(the model, what a step calls, the optimizer)."""
+          pattern: str = "plain", mesh: Any = None, reduce_dtype: Optional[str] = None,
+          split_first_block: bool = False) -> tuple[nn.Module, Any, Any]:
+    """(the model, what a step calls, the optimizer). ``split_first_block``:
+    the first block's feed-forward sharded on its own, before the block
+    ([Note: The first block split by first use])."""
     cuda = device.type == "cuda"
     if kind == "graph_trainer":  # (its own recipe: the loss in its graph, so not the chunked one)
         import graph_trainer_peer
@@ -75,9 +90,11 @@ def build(kind: str, cfg: llama.LlamaConfig, device: torch.device, world: int,
         import compiled_fsdp
 
         compiled_fsdp.config.comm.block_regions = kind == "ours_regions"
-    for block in model.layers:
+    for i, block in enumerate(model.layers):
         if kind == "fsdp2_blocks":  # torchtitan: compile each block, then shard
             block.compile()
+        if split_first_block and i == 0:
+            fully_shard(block.feed_forward, mp_policy=mp, mesh=mesh)
         fully_shard(block, mp_policy=mp, mesh=mesh)
         if kind == "ours_blocks":
             block.compile()

@@ -312,14 +312,19 @@ def test_benchmark_levers_hsdp_bf16_reduce(tmp_path) -> None:
 
     results = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "16", "--links", "match",
                              "--match-gbps", "0.05", "--node-ratio", "8", "--hsdp", "--reduce-dtype", "bfloat16",
-                             "--kinds", "ours_eager", "fsdp2_eager", "ours_regions", "--warmup", "1", "--steps", "2",
-                             "--out", str(tmp_path)])
+                             "--split-first-block", "--kinds", "ours_eager", "fsdp2_eager", "ours_regions",
+                             "--warmup", "1", "--steps", "2", "--out", str(tmp_path)])
     assert not [r for r in results if "error" in r], [r["error"] for r in results if "error" in r]
     ours, fsdp2, regions = results
     assert [c[:2] for c in regions["predicted_collectives"]] == [[c["kind"], c["bytes"]] for c in regions["last_step"]]
     assert abs(regions["predicted_comm_s"] - regions["comm_s"]) < 1e-9
     results = [ours, fsdp2]
-    assert ours["variant"] == "hsdp+rs-bf16+nvl8x", ours["variant"]
+    assert ours["variant"] == "hsdp+rs-bf16+split1+nvl8x", ours["variant"]
+    # ([Note: The first block split by first use]: the first block's feed-forward gathered apart: the
+    # tiny model's 3 * 32 * 48 fp32 parameters, a bucket of its own, where a whole block's is 30,976 bytes)
+    for r in (ours, fsdp2, regions):
+        gathers = [c["bytes"] for c in r["last_step"] if c["kind"] == "all_gather"]
+        assert [b for b in gathers if 3 * 32 * 48 * 4 <= b < 3 * 32 * 48 * 4 + 8 * 64], (r["kind"], gathers)
     assert ours["collectives"] == fsdp2["collectives"], (ours["collectives"], fsdp2["collectives"])
     assert ours["collectives"]["all_reduce"] == ours["collectives"]["reduce_scatter"] > 0, ours["collectives"]
     for r in results:
