@@ -45,7 +45,9 @@ timeline model over the compiled forward and backward graphs; for
 ``passes.region_step.predict_with_regions``), and the
 optimizer's step with ``zero_grad`` (host time: all of it on the CPU); on the
 CPU ``--host-call-us measure`` prices the sharding's host calls at what
-each of ours' workers measured with collectives free (emulated_rates.py). With
+each of ours' workers measured with collectives free (emulated_rates.py;
+``priced_speed``: how much slower than its calibration the worker ran those
+steps, by an eager block's clock read beside each). With
 ``--paired-floor``, each kind's process also times the floor, a floor step
 beside each of its steps, and the table's ``paired x`` is the median of each
 step over its own bound ([Note: The floor paired in one process]).
@@ -258,7 +260,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     floor_step = _paired_floor(args, cfg, device, step) if args.paired_floor and args.kind != "floor" else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, comm, exposed, late, floor_times, run_speed = [], [], [], [], [], []
+    times, comm, exposed, late, floor_times = [], [], [], [], []
     optimizer.clear()
     faults = 0
     for i in range(args.steps):
@@ -274,8 +276,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         late.append(s["late_s"])
         if floor_step is not None and i % 2 == 1:
             floor_times.append(_timed(floor_step, args.warmup + i, device))
-        if measuring and clock is not None:  # ([Note: The block's clock beside each priced step])
-            run_speed.append(clock.speed())
     res: dict[str, Any] = {
         "kind": args.kind, "world": args.world, "link": args.link, "device": str(device), "variant": _variant(args),
         "config": cfg.__dict__, "batch": args.batch, "first_step_s": first, "step_s": statistics.median(times),
@@ -283,8 +283,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "minor_faults_per_step": faults / args.steps,
         "comm_s": statistics.median(comm), "exposed_s": statistics.median(exposed),
         "late_s": statistics.median(late),  # ([Note: What the emulated collectives write])
-        "priced_flops_per_s": compute.flops_per_s if compute is not None else None,
-        "priced_attention_flops_per_s": compute.attention_flops_per_s if compute is not None else None,
+        # (the rates the run declared: under --host-call-us measure at the free steps' speed)
+        "priced_flops_per_s": topology.compute.flops_per_s if topology.compute is not None else None,
+        "priced_attention_flops_per_s": topology.compute.attention_flops_per_s if topology.compute is not None
+        else None,
         "collectives": s["collectives"], "topology": dataclasses.asdict(net.topology),
         "compile_s": compile_s, "unique_graphs": frames_compiled,
         # The last step's collectives as the network ran them (ms from the step's start):
@@ -307,8 +309,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     res.update(_prediction(args.kind, rec))
     res["priced_host_call_s"] = topology.compute.host_call_s if topology.compute is not None else None
     if measuring:  # ([Note: Host calls measured with collectives free])
-        res.update(free_predicted_compute_s=free["predicted_compute_s"], free_unpriced_s=unpriced, priced_speed=speed,
-                   run_speed=statistics.median(run_speed) if run_speed else None)
+        res.update(free_predicted_compute_s=free["predicted_compute_s"], free_unpriced_s=unpriced, priced_speed=speed)
     res["tokens_per_s"] = args.batch * cfg.seq / res["step_s"]
     res["mfu"] = res["tokens_per_s"] * model.flops_per_token() / args.peak_flops if device.type == "cuda" else None
     dist.destroy_process_group()

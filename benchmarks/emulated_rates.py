@@ -62,11 +62,12 @@ class BlockClock:
         self.reference_s: Optional[float] = None
 
     def __call__(self) -> float:
-        self.block.zero_grad(set_to_none=True)
-        self.inputs[0].grad = None
         t = time.perf_counter()
         self.block(*self.inputs).sum().backward()
-        return time.perf_counter() - t
+        t = time.perf_counter() - t
+        self.block.zero_grad(set_to_none=True)  # (none left between reads)
+        self.inputs[0].grad = None
+        return t
 
     def speed(self) -> float:
         """Now against the calibration: above 1 where this process runs slower."""
@@ -82,10 +83,10 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> tuple[An
     attention at the matmuls' rate); each host call at ``--host-call-us``
     ([Note: The sharding's host work priced per call]). None on CUDA and
     with 0. Beside it the block's clock, read beside each calibrating step
-    (None where nothing was measured)."""
+    (None but in ours' workers under ``--host-call-us measure``)."""
     from torch._inductor.utils import fresh_inductor_cache
 
-    from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute, step_calibrated
+    from compiled_fsdp.tools.cpu_compute import cpu_compute_at, measured_cpu_compute, median_s, step_calibrated
 
     if args.device != "cpu" or args.compute_gflops == 0:
         return None, None
@@ -95,10 +96,13 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> tuple[An
         rates = measured_cpu_compute(args.batch * cfg.seq, cfg.dim, cfg.ffn, attention=heads)
         # ([Note: Compute measured on the model's own step]: a block's, in this process)
         block, inputs = one_block(args, cfg, torch.device("cpu"), torch.float32, requires_grad=True)
-        clock = BlockClock(args, cfg)
+        # (a clock where the host calls will be measured: [Note: The block's clock beside each priced step])
+        if args.host_call_us == "measure" and args.kind in ("ours", "ours_regions"):
+            clock = BlockClock(args, cfg)
+        timer = (lambda step, reps: _beside(clock, step, reps)) if clock is not None else median_s
         # (in a cache of its own: the run's first step reuses none of the block's kernels)
         with fresh_inductor_cache():
-            rates = step_calibrated(block, *inputs, rates=rates, timer=lambda step, reps: _beside(clock, step, reps))
+            rates = step_calibrated(block, *inputs, rates=rates, timer=timer)
         torch._dynamo.reset()  # (the block's compile is not the run's: counters and timers anew)
         torch._dynamo.utils.counters.clear()
         torch._dynamo.utils.compilation_time_metrics.clear()
@@ -157,9 +161,8 @@ def _beside(clock: BlockClock, step: Callable[[], object], reps: int) -> float:
 # reference), and the rates the run declares are the calibrated ones at the
 # free steps' median speed (``cpu_compute.scaled_rates``). Where the rates
 # were given (``--compute-gflops``) there is no clock and no scaling. The
-# clock is read beside each of the run's steps too (``run_speed``, in the
-# results), so a prediction that missed says whether the run computed at
-# the speed it was priced at.
+# results give the free steps' median speed (``priced_speed``); the rates
+# reported (``priced_flops_per_s``) are those the run declared.
 def host_calls_measured(args: argparse.Namespace, timed: Callable[[int], float], optimizer: list[float],
                         predicted: dict[str, Any], compute: Any,
                         clock: Optional[BlockClock]) -> tuple[Any, float, float]:
@@ -178,7 +181,6 @@ def host_calls_measured(args: argparse.Namespace, timed: Callable[[int], float],
         timed(i)
     unpriced, speeds = [], []
     for i in range(3):
-        optimizer.clear()
         step = timed(args.warmup + i)
         speeds.append(clock.speed() if clock is not None else 1.0)
         unpriced.append(step - optimizer[-1] - predicted["predicted_compute_s"] * speeds[-1])

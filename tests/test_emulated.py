@@ -291,7 +291,7 @@ def test_benchmark_cpu_path(tmp_path) -> None:
         # (the work at the free steps' speed: [Note: The block's clock beside each priced step])
         work = r["free_predicted_compute_s"] * r["priced_speed"]
         assert r["predicted_compute_s"] - work == pytest.approx(priced, rel=1e-6), kind
-        assert 0.2 < r["priced_speed"] < 5 and 0.2 < r["run_speed"] < 5, (kind, r["priced_speed"], r["run_speed"])
+        assert 0.2 < r["priced_speed"] < 5, (kind, r["priced_speed"])
     assert by_kind["ours_eager"]["priced_host_call_s"] == by_kind["fsdp2_eager"]["priced_host_call_s"] == 0.0
     with open(tmp_path / "emulated.json") as f:
         table = json.load(f)["table"].splitlines()
