@@ -53,12 +53,13 @@ def match_gbps(args: argparse.Namespace, cfg: llama.LlamaConfig, world: int) -> 
 
 class BlockClock:
     """How fast this process computes now: the seconds of one eager forward
-    and backward of the model's block (fp32, seed 0), against those it took
-    while the rates were calibrated (``reference_s``). [Note: The block's
-    clock beside each priced step]."""
+    and backward of ``block`` on ``inputs`` (the block the rates are
+    calibrated on, run as it is, not compiled), against those it took while
+    the rates were calibrated (``reference_s``). [Note: The block's clock
+    beside each priced step]."""
 
-    def __init__(self, args: argparse.Namespace, cfg: llama.LlamaConfig) -> None:
-        self.block, self.inputs = one_block(args, cfg, torch.device("cpu"), torch.float32, requires_grad=True)
+    def __init__(self, block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.block, self.inputs = block, inputs
         self.reference_s: Optional[float] = None
 
     def __call__(self) -> float:
@@ -98,7 +99,7 @@ def priced_compute(args: argparse.Namespace, cfg: llama.LlamaConfig) -> tuple[An
         block, inputs = one_block(args, cfg, torch.device("cpu"), torch.float32, requires_grad=True)
         # (a clock where the host calls will be measured: [Note: The block's clock beside each priced step])
         if args.host_call_us == "measure" and args.kind in ("ours", "ours_regions"):
-            clock = BlockClock(args, cfg)
+            clock = BlockClock(block, inputs)
         timer = (lambda step, reps: _beside(clock, step, reps)) if clock is not None else median_s
         # (in a cache of its own: the run's first step reuses none of the block's kernels)
         with fresh_inductor_cache():
