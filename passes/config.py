@@ -36,6 +36,11 @@ class OverlapConfig:
     # Units larger than this many bytes (unsharded) split at the modules they
     # call. None: no ceiling but the root's (half of its bytes).
     unit_max_bytes: int | None = None
+    # In a graph that holds the root's reads, cut the first block (the nested
+    # application read first) at the modules it calls, as the root is: the
+    # step's opening chain of gathers made shorter. See [Note: The step's
+    # opening block cut by first use] in units.py.
+    split_opening: bool = True
     # Where Inductor has its own overlap pass (simple_overlap, torch 2.14+):
     # True pins the schedule both ways so that pass leaves the collectives
     # where ours put them; False lets it move them further (collectives up,

@@ -237,15 +237,29 @@ def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -
         others = sorted([*regions, *(at for key, ats in first_reads.items() if key != plan.module_key for at in ats)])
         inputs.append((plan, uses, others))
 
+    opening = _opening(gathers, first_reads) if overlap.split_opening else None
+
     def choose(merge_below: int, largest: int | None) -> list[Unit]:
         return [u for plan, uses, others in inputs for u in choose_units(
             plan.module_key, uses, plan.slots[0].args.outermost,
             bool(plan.slots[0].args.reshard_after_forward), merge_below, overlap.unit_max_bytes,
-            others, largest)]
+            others, largest, opening=plan.module_key == opening)]
 
     # "Small" is relative to the graph's largest unmerged piece (see [Note: Units]).
     largest = max((u.nbytes for u in choose(0, None)), default=0)
     return choose(bucket_bytes, largest)
+
+
+def _opening(gathers: list[BucketPlan], first_reads: dict[int, list[int]]) -> int | None:
+    """The application cut as the step's opening block ([Note: The step's
+    opening block cut by first use] in units.py): the nested one read first,
+    where the root's parameters are read before it in this graph; or None."""
+    first = {p.module_key: min(first_reads[p.module_key]) for p in gathers}
+    roots = [first[p.module_key] for p in gathers if p.slots[0].args.outermost]
+    nested = sorted((first[p.module_key], p.module_key) for p in gathers if not p.slots[0].args.outermost)
+    if not roots or not nested or min(roots) > nested[0][0]:
+        return None
+    return nested[0][1]
 
 
 def _by_unit(plan: BucketPlan, units: list[Unit]) -> list[BucketPlan]:

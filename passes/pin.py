@@ -87,6 +87,25 @@ _SHAPE_ONLY = frozenset(getattr(torch.ops.aten, name) for name in (
     "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"))
 
 
+# [Note: A view anchors nothing]
+# The pin holds a wait below "the compute node before it" by making it depend
+# on that node. Where that node was a view (``permute``, ``t``, ``view``:
+# the transposed weight of the matmul before it, say) the dependency held
+# nothing: Inductor computes no view where the graph has it (a view is a
+# reinterpretation of its input, ready as soon as that input is), so the
+# wait was free to move up to wherever that input existed. Seen in the
+# emulated network's record (W=8, one graph, the benchmark's CPU model): the
+# head's reduce-scatter, which the schedule waits after the last block's
+# backward, was waited 4 ms after its issue in Inductor's code, and compute
+# stood still for 16.5 ms of it where the timeline had 0.3 (RESULTS,
+# fifty-seventh session). So a view, or an op that reads only its input's
+# metadata, is never the node a collective or a wait is pinned against; the
+# nearest node that computes is. Tested by
+# tests/test_schedule_fx.py::test_pin_anchors_no_view.
+def _anchors_nothing(n: fx.Node) -> bool:
+    return bool(getattr(n.target, "is_view", False)) or getattr(n.target, "overloadpacket", None) in _SHAPE_ONLY
+
+
 def _with_after(args: tuple, kwargs: dict, value: object) -> tuple[tuple, dict]:
     """An ``issue_ahead``'s arguments with ``value`` added to its ``after``."""
     if "after" in kwargs:
@@ -111,9 +130,11 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         # what is taken from its outputs: Inductor lowers the call again inside
         # the wrapper, and a region's backward returns None for the shards
         # whose reduce the registry waits, [Note: A region's reduce-scatter
-        # waited outside its graph] in compiled_fsdp/core/registry.py)
+        # waited outside its graph] in compiled_fsdp/core/registry.py; nor a
+        # view, which holds nothing in place: [Note: A view anchors nothing])
         call = n.args[0] if n.target is operator.getitem and n.args else n
-        return not owned(n) and getattr(call, "target", None) is not torch.ops.higher_order.invoke_subgraph
+        return not owned(n) and getattr(call, "target", None) is not torch.ops.higher_order.invoke_subgraph \
+            and not _anchors_nothing(n)
 
     pos = {n: i for i, n in enumerate(graph.nodes)}
     known: dict[fx.Node, set[fx.Node]] = {}  # a node -> nodes found to depend on it

@@ -15,7 +15,9 @@ single ``fully_shard(model)`` gathers and reduces layer by layer:
    call, or the root's leftovers when the user nested) starts as one piece per
    module its node calls, in first-use order, plus one piece for the
    parameters the node reads itself (``GPT.pos``). An application the user
-   nested inside another starts whole: their nesting is their choice of units.
+   nested inside another starts whole: their nesting is their choice of units,
+   but for the step's opening block, which is cut as the root is ([Note: The
+   step's opening block cut by first use]).
 3. A piece larger than the ceiling splits the same way at the modules its node
    calls, recursively (a piece read by one module only cannot split). The
    ceiling is ``config.overlap.unit_max_bytes`` (None: none), and for the root also
@@ -52,6 +54,26 @@ so every rank decides the same. A graph without module stacks (hand-built
 graphs) keeps one unit per application. Tested by tests/test_units_fx.py and
 tests/test_units_dist.py.
 """
+
+# [Note: The step's opening block cut by first use]
+# A step's first gathers (the root's first unit, then the first block) and
+# its last reduce-scatters (the first block's, then the root's) lie on one
+# chain across the optimizer step, with nothing of the step to run beside
+# them (DESIGN, "What no schedule hides"). Only a finer bucket shortens it.
+# So in a graph that holds the root's reads, the nested application whose
+# parameters are first read first after the root's (the first block) is
+# cut at the modules it calls, as the root is (its norms merging with a
+# neighbour by the bucketing rule): its attention's parameters gathered
+# first, the feed-forward's behind the attention's compute, and in backward
+# the feed-forward's reduced behind the attention's backward. It is what a
+# user gets by sharding the first block's feed-forward on its own, chosen
+# from the graph: the emulated benchmark's ``--split-first-block`` measured
+# that at W=8 on the CPU, 67-69 -> 52-60 ms exposed a step (RESULTS,
+# fifty-sixth session). Every other block stays whole: its gather runs
+# behind the block before it, and a cut would cost one more collective a
+# block. ``config.overlap.split_opening`` (default True) turns it off.
+# Tested by tests/test_units_fx.py::test_the_opening_block_is_cut_by_first_use
+# and tests/test_units_dist.py.
 
 from __future__ import annotations
 
@@ -187,17 +209,25 @@ def _split(piece: _Piece, ceiling: Optional[float]) -> list[_Piece]:
 def choose_units(
     module_key: int, uses: Sequence[SlotUse], outermost: bool, reshard: bool,
     bucket_bytes: int, max_bytes: Optional[int], others: Sequence[int] = (),
-    largest: Optional[int] = None,
+    largest: Optional[int] = None, opening: bool = False,
 ) -> list[Unit]:
     """The units of one application, in forward use order. ``others``: the
     graph positions where other applications' parameters are first read;
     ``largest``: the largest piece of the graph's applications (default: of
-    this one). ``bucket_bytes=0`` merges nothing. See [Note: Units]."""
+    this one); ``opening``: a nested application cut at the modules it calls
+    all the same ([Note: The step's opening block cut by first use]).
+    ``bucket_bytes=0`` merges nothing. See [Note: Units]."""
     ordered = sorted(uses, key=lambda s: s.first)
     whole = _Piece(_common([s.path for s in ordered]), ordered, "")
     if not any(s.path for s in ordered):
         whole.reason = "one unit: the graph records no module calls"
         pieces = [whole]
+    elif not outermost and opening:  # ([Note: The step's opening block cut by first use])
+        pieces = []
+        for kid in _children(whole):
+            kid.reason = (f"{_name(kid.path, kid.own)}: the step's opening block cut by first use "
+                          "(config.overlap.split_opening)")
+            pieces.extend([kid] if kid.own else _split(kid, max_bytes))
     elif not outermost:
         whole.reason = "one unit: the user's fully_shard nesting"
         pieces = _split(whole, max_bytes)

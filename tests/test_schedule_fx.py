@@ -552,3 +552,44 @@ def test_pin_orders_gathers_issued_ahead_by_their_after() -> None:
     fake_args, fake_kwargs = normalize_function(ISSUE_AHEAD, *second.meta["eager_input_vals"])
     lowered, _ = constrain_to_fake_tensors(args, kwargs, fake_args, fake_kwargs)
     assert [a.name for a in lowered[1]] == after
+
+
+def test_pin_anchors_no_view() -> None:
+    """[Note: A view anchors nothing] in passes/pin.py: the node before a
+    wait is a view of an input (ready at the graph's start); the wait is
+    held below the matmul before it, not below the view, and the matmul
+    after the collective is held below the collective."""
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    from compiled_fsdp.passes.pin import pin_order
+
+    mode = FakeTensorMode()
+    g = fx.Graph()
+
+    def node(target, *args, meta=None):
+        n = g.call_function(target, args)
+        with mode:
+            n.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        if meta:
+            n.meta["compiled_fsdp"] = meta
+        return n
+
+    def ph(name, shape):
+        n = g.placeholder(name)
+        with mode:
+            n.meta["val"] = torch.empty(shape)
+        return n
+
+    a, b, grad = ph("a", (D, D)), ph("b", (D, D)), ph("grad", (D * D,))
+    meta = ChainTag("reduce_chain", 0, 0, ((0, 0),), None)
+    rs = node(RS, grad, "sum", 2, GROUP, meta=meta)
+    m1 = node(aten.mm.default, a, b)
+    p = node(aten.permute.default, a, [1, 0])
+    wait = node(WAIT, rs, meta=meta)
+    m2 = node(aten.mm.default, m1, p)
+    g.output((m2, node(aten.div.Tensor, wait, 2, meta=meta)))
+    fx.GraphModule(torch.nn.Module(), g)  # (the pin wraps nodes in subgraphs of the graph's module)
+    pin_order(g, both_ways=True)
+    held = [d.name for n in g.nodes if n.target is control_deps for d in n.args[0]]
+    assert m1.name in held, held  # the wait below the matmul before it
+    assert p.name not in held, held  # never below the view

@@ -88,6 +88,20 @@ def test_a_nested_application_is_one_unit() -> None:
     assert "nesting" in units[0].reason
 
 
+def test_the_opening_block_is_cut_by_first_use() -> None:
+    """[Note: The step's opening block cut by first use]: the nested block
+    read first is cut at the modules it calls, as the root is; its norms
+    merge with a neighbour."""
+    norm = [SlotUse(8, _path("layers.0", "layers.0.norm1"), 1, 1, 1 * KB),
+            SlotUse(9, _path("layers.0", "layers.0.norm2"), 2, 2, 1 * KB)]
+    uses = [u for u in _gpt_uses() if u.param_index in (2, 3)] + norm
+    units = choose_units(3, uses, outermost=False, reshard=True, bucket_bytes=BUCKET, max_bytes=None,
+                         opening=True)
+    assert _layout(units) == [(("layers.0.norm1", "layers.0.attn", "layers.0.norm2"), (2, 8, 9), True),
+                              (("layers.0.mlp",), (3,), True)]
+    assert "the step's opening block" in units[1].reason
+
+
 def test_ceiling_splits_at_submodules() -> None:
     units = choose_units(0, _gpt_uses(), outermost=True, reshard=True, bucket_bytes=BUCKET, max_bytes=150 * KB)
     assert [u.modules for u in units][1:5] == [
@@ -205,3 +219,50 @@ def test_units_off_is_one_bucket_per_application() -> None:
         overlap.units = True
     assert [(b.kind, b.units, b.reshard_after_forward) for b in plan.buckets] == [
         ("gather", [(0, 0)], False), ("reduce", [(0, 0)], None)]
+
+
+def _nested_graph() -> fx.GraphModule:
+    """A root (module 0: ``embed``, then ``head``) around two nested blocks
+    (modules 1 and 2), each reading ``attn`` then ``mlp``."""
+    reads = [(0, 0, "embed"), (1, 0, "layers.0.attn"), (1, 1, "layers.0.mlp"),
+             (2, 0, "layers.1.attn"), (2, 1, "layers.1.mlp"), (0, 1, "head")]
+
+    def joint(*args):
+        *shards, x = args
+        h = x
+        for s, (key, index, _) in zip(shards, reads):
+            w = torch.ops.compiled_fsdp.unshard(s, [48, 48], GROUP, N, key, index, s.shape[0], True,
+                                                outermost=key == 0)
+            h = torch.tanh(h @ w.t())
+        out = h.sum()
+        return (out, *torch.autograd.grad(out, shards))
+
+    shards = [torch.randn(24, 48, requires_grad=True) for _ in reads]
+    gm = make_fx(joint, tracing_mode="fake")(*shards, torch.randn(4, 48))
+    by_read = {(key, index): name for key, index, name in reads}
+    for node in gm.graph.nodes:
+        if is_unshard(node):
+            args = parse_marker(node)[1]
+            name = by_read[(args.module_key, args.param_index)]
+            stack = [(f"k{name}", ("L['self']." + name, torch.nn.Linear))]
+            if name.startswith("layers"):
+                stack.insert(0, (f"k{name[:8]}", ("L['self']." + name[:8], torch.nn.Module)))
+            node.meta["nn_module_stack"] = dict(stack)
+    return gm
+
+
+def test_only_the_opening_block_is_cut_in_the_lowering() -> None:
+    """The first nested block gathers and reduces as two buckets, the second
+    as one; ``split_opening`` off, both whole ([Note: The step's opening
+    block cut by first use])."""
+    plan = plan_lowering(_nested_graph(), bucket_bytes=0)
+    gathers = sorted(b.units for b in plan.buckets if b.kind == "gather")
+    assert gathers == [[(0, 0)], [(0, 1)], [(1, 0)], [(1, 1)], [(2, 0)]], gathers
+    reduces = sorted(b.units for b in plan.buckets if b.kind == "reduce")
+    assert reduces == gathers
+    overlap.split_opening = False
+    try:
+        plan = plan_lowering(_nested_graph(), bucket_bytes=0)
+    finally:
+        overlap.split_opening = True
+    assert sorted(b.units for b in plan.buckets if b.kind == "gather") == [[(0, 0)], [(0, 1)], [(1, 0)], [(2, 0)]]
