@@ -65,15 +65,18 @@ tests/test_units_dist.py.
 # cut at the modules it calls, as the root is (its norms merging with a
 # neighbour by the bucketing rule): its attention's parameters gathered
 # first, the feed-forward's behind the attention's compute, and in backward
-# the feed-forward's reduced behind the attention's backward. It is what a
-# user gets by sharding the first block's feed-forward on its own, chosen
+# the feed-forward's reduced behind the attention's backward. Its parts
+# merge with a neighbour below ``config.overlap.bucket_bytes`` whatever the
+# graph's largest piece: a part worth less than a collective's latency gains
+# nothing from the cut, and a small model's first block stays whole. It is
+# what a user gets by sharding the first block's feed-forward on its own, chosen
 # from the graph: the emulated benchmark's ``--split-first-block`` measured
 # that at W=8 on the CPU, 67-69 -> 52-60 ms exposed a step (RESULTS,
 # fifty-sixth session). Every other block stays whole: its gather runs
 # behind the block before it, and a cut would cost one more collective a
 # block. ``config.overlap.split_opening`` (default True) turns it off.
 # Tested by tests/test_units_fx.py::test_the_opening_block_is_cut_by_first_use
-# and tests/test_units_dist.py.
+# and ::test_only_the_opening_block_is_cut_in_the_lowering.
 
 from __future__ import annotations
 
@@ -241,7 +244,9 @@ def choose_units(
     def adjacent(group: list[_Piece], nxt: _Piece) -> bool:
         return not any(group[-1].first < at < nxt.first for at in others)
 
-    groups = group_small(pieces, lambda p: p.nbytes, bucket_bytes, adjacent, largest)
+    # (the opening block's parts merge below the threshold alone: [Note: The step's opening block cut by first use])
+    below = largest if not (opening and not outermost) else 8 * max(bucket_bytes, whole.nbytes)
+    groups = group_small(pieces, lambda p: p.nbytes, bucket_bytes, adjacent, below)
     last_use = [max(s.last for p in g for s in p.slots) for g in groups]
     units = []
     for i, g in enumerate(groups):

@@ -2,6 +2,8 @@
 [Note: Units] in passes/units.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -94,12 +96,18 @@ def test_the_opening_block_is_cut_by_first_use() -> None:
     merge with a neighbour."""
     norm = [SlotUse(8, _path("layers.0", "layers.0.norm1"), 1, 1, 1 * KB),
             SlotUse(9, _path("layers.0", "layers.0.norm2"), 2, 2, 1 * KB)]
-    uses = [u for u in _gpt_uses() if u.param_index in (2, 3)] + norm
+    uses = [dataclasses.replace(u, nbytes=3 * u.nbytes) for u in _gpt_uses() if u.param_index in (2, 3)] + norm
     units = choose_units(3, uses, outermost=False, reshard=True, bucket_bytes=BUCKET, max_bytes=None,
                          opening=True)
     assert _layout(units) == [(("layers.0.norm1", "layers.0.attn", "layers.0.norm2"), (2, 8, 9), True),
                               (("layers.0.mlp",), (3,), True)]
     assert "the step's opening block" in units[1].reason
+    # A part below the bucket threshold (the attention's 100 KiB) is not worth a collective: one
+    # unit, though it is more than 1/8 of the largest piece.
+    uses = [u for u in _gpt_uses() if u.param_index in (2, 3)] + norm
+    units = choose_units(3, uses, outermost=False, reshard=True, bucket_bytes=BUCKET, max_bytes=None,
+                         opening=True)
+    assert [u.param_indices for u in units] == [(2, 3, 8, 9)]
 
 
 def test_ceiling_splits_at_submodules() -> None:
