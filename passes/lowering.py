@@ -239,25 +239,27 @@ def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -
 
     opening = _opening(gathers, first_reads) if overlap.split_opening else None
 
-    def choose(merge_below: int, largest: int | None) -> list[Unit]:
+    def choose(merge_below: int, largest: int | None, cut: int | None) -> list[Unit]:
         return [u for plan, uses, others in inputs for u in choose_units(
             plan.module_key, uses, plan.slots[0].args.outermost,
             bool(plan.slots[0].args.reshard_after_forward), merge_below, overlap.unit_max_bytes,
-            others, largest, opening=plan.module_key == opening)]
+            others, largest, opening=plan.module_key == cut)]
 
-    # "Small" is relative to the graph's largest unmerged piece (see [Note: Units]).
-    largest = max((u.nbytes for u in choose(0, None)), default=0)
-    return choose(bucket_bytes, largest)
+    # "Small" is relative to the graph's largest unmerged piece (see [Note: Units]),
+    # the opening block's taken whole (its cut merges by the threshold alone).
+    largest = max((u.nbytes for u in choose(0, None, None)), default=0)
+    return choose(bucket_bytes, largest, opening)
 
 
 def _opening(gathers: list[BucketPlan], first_reads: dict[int, list[int]]) -> int | None:
     """The application cut as the step's opening block ([Note: The step's
     opening block cut by first use] in units.py): the nested one read first,
-    where the root's parameters are read before it in this graph; or None."""
+    where the root's parameters, one application, are read before it in this
+    graph; or None (blocks sharded with no root above them are roots each)."""
     first = {p.module_key: min(first_reads[p.module_key]) for p in gathers}
     roots = [first[p.module_key] for p in gathers if p.slots[0].args.outermost]
     nested = sorted((first[p.module_key], p.module_key) for p in gathers if not p.slots[0].args.outermost)
-    if not roots or not nested or min(roots) > nested[0][0]:
+    if len(roots) != 1 or not nested or roots[0] > nested[0][0]:
         return None
     return nested[0][1]
 

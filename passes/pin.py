@@ -102,8 +102,12 @@ _SHAPE_ONLY = frozenset(getattr(torch.ops.aten, name) for name in (
 # metadata, is never the node a collective or a wait is pinned against; the
 # nearest node that computes is. Tested by
 # tests/test_schedule_fx.py::test_pin_anchors_no_view.
-def _anchors_nothing(n: fx.Node) -> bool:
-    return bool(getattr(n.target, "is_view", False)) or getattr(n.target, "overloadpacket", None) in _SHAPE_ONLY
+def _anchors_nothing(n: object) -> bool:
+    """A view (``_unsafe_view`` too, lowered as ``view``; a part of a
+    ``split`` through its ``getitem``: the caller) or a metadata read."""
+    target = getattr(n, "target", None)
+    return bool(getattr(target, "is_view", False)) or target is torch.ops.aten._unsafe_view.default \
+        or getattr(target, "overloadpacket", None) in _SHAPE_ONLY
 
 
 def _with_after(args: tuple, kwargs: dict, value: object) -> tuple[tuple, dict]:
@@ -134,7 +138,7 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         # view, which holds nothing in place: [Note: A view anchors nothing])
         call = n.args[0] if n.target is operator.getitem and n.args else n
         return not owned(n) and getattr(call, "target", None) is not torch.ops.higher_order.invoke_subgraph \
-            and not _anchors_nothing(n)
+            and not _anchors_nothing(n) and not (call is not n and _anchors_nothing(call))
 
     pos = {n: i for i, n in enumerate(graph.nodes)}
     known: dict[fx.Node, set[fx.Node]] = {}  # a node -> nodes found to depend on it

@@ -46,7 +46,8 @@ single ``fully_shard(model)`` gathers and reduces layer by layer:
 
 Blocks sharded with ``fully_shard`` but no ``fully_shard`` on the root are each
 outermost, so each is cut at the modules it calls; applying ``fully_shard`` to
-the root as well (the usual form) keeps them whole.
+the root as well (the usual form) keeps them whole, but for the first ([Note:
+The step's opening block cut by first use]).
 
 Reduce buckets use the same units (the gradient of a parameter is reduced with
 its unit's). Everything above depends on graph structure and agreed sizes only,
@@ -247,6 +248,9 @@ def choose_units(
     # (the opening block's parts merge below the threshold alone: [Note: The step's opening block cut by first use])
     below = largest if not (opening and not outermost) else 8 * max(bucket_bytes, whole.nbytes)
     groups = group_small(pieces, lambda p: p.nbytes, bucket_bytes, adjacent, below)
+    if opening and not outermost and len(groups) == 1:  # (merged back whole: said as the user's nesting)
+        whole.reason = "one unit: the user's fully_shard nesting"
+        groups = [[whole]]
     last_use = [max(s.last for p in g for s in p.slots) for g in groups]
     units = []
     for i, g in enumerate(groups):

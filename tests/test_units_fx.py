@@ -108,6 +108,7 @@ def test_the_opening_block_is_cut_by_first_use() -> None:
     units = choose_units(3, uses, outermost=False, reshard=True, bucket_bytes=BUCKET, max_bytes=None,
                          opening=True)
     assert [u.param_indices for u in units] == [(2, 3, 8, 9)]
+    assert "the user's fully_shard nesting" in units[0].reason, units[0].reason  # (whole: said so)
 
 
 def test_ceiling_splits_at_submodules() -> None:
