@@ -77,7 +77,8 @@ tests/test_units_dist.py.
 # behind the block before it, and a cut would cost one more collective a
 # block. ``config.overlap.split_opening`` (default True) turns it off.
 # Tested by tests/test_units_fx.py::test_the_opening_block_is_cut_by_first_use
-# and ::test_only_the_opening_block_is_cut_in_the_lowering.
+# and ::test_only_the_opening_block_is_cut_in_the_lowering; on two ranks,
+# bitwise, by tests/test_compile_parity.py::test_the_opening_block_cut_on_ranks.
 
 from __future__ import annotations
 

@@ -187,9 +187,14 @@ def test_no_grad_inference(backend: str) -> None:
         assert res["gather_buckets"] == ([4] if backend == "inductor" else [])
 
 
-def _structure_rank(rank: int, world: int, reshard: bool) -> dict:
+def _structure_rank(rank: int, world: int, reshard: bool, opening: bool | None = None) -> dict:
     one_graph()  # (its structure: tests/_graphs.py)
     from torch._dynamo.utils import counters
+
+    from compiled_fsdp.passes.config import overlap
+
+    if opening is not None:  # (nothing merged, so that the tiny first block's parts are units)
+        overlap.bucket_bytes, overlap.split_opening = 0, opening
 
     torch._dynamo.reset()
     counters.clear()
@@ -212,8 +217,23 @@ def _structure_rank(rank: int, world: int, reshard: bool) -> dict:
         "saved_gathered": saved_gathered(fw[0]),
         "marker_left": any(str(n.target) in MARKER_OPS for g in fw + bw for n in g.graph.nodes),
         "counts": res["counts"],
-        "param": res["param"],
+        "param": res["param"], "loss": res["loss"], "grad": res["grad"],
     }
+
+
+def test_the_opening_block_cut_on_ranks() -> None:
+    """[Note: The step's opening block cut by first use]: with nothing merged,
+    one graph gathers and reduces the first block's parts apart (the second
+    block whole), bitwise equal to the reference; with the setting off, one
+    collective each way for the block."""
+    off, on = (run_distributed(_structure_rank, 2, True, opening)[0] for opening in (False, True))
+    for res in (off, on):
+        assert_close(res, 0.0)
+        assert res["graphs"] == (1, 1) and res["breaks"] == 0
+    more = on["fw_gathers"] - off["fw_gathers"]
+    assert more >= 1, (on["fw_gathers"], off["fw_gathers"])
+    assert on["bw_reduces"] - off["bw_reduces"] == more
+    assert on["bw_gathers"] - off["bw_gathers"] == more  # (the block's weights read again in backward)
 
 
 @pytest.mark.parametrize("reshard", [True, False])
