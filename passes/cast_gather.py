@@ -359,7 +359,8 @@ def _rewrite(graph: fx.Graph, reads: list[_Read]) -> None:
     for r, m in parsed.items():
         replay = replays[_param_key(m)]
         with graph.inserting_before(r.marker):
-            b = NodeBuilder(graph, {k: r.marker.meta[k] for k in ("partitioner_tag", "stack_trace")
+            # (the module stack too: the units place a parameter where it is first read, [Note: Units])
+            b = NodeBuilder(graph, {k: r.marker.meta[k] for k in ("partitioner_tag", "stack_trace", "nn_module_stack")
                                     if k in r.marker.meta})
             gathered: dict[fx.Node, fx.Node] = {}
             for cast, leaf in r.casts.items():
