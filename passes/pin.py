@@ -138,7 +138,7 @@ def pin_order(graph: fx.Graph, both_ways: bool = False) -> int:
         # view, which holds nothing in place: [Note: A view anchors nothing])
         call = n.args[0] if n.target is operator.getitem and n.args else n
         return not owned(n) and getattr(call, "target", None) is not torch.ops.higher_order.invoke_subgraph \
-            and not _anchors_nothing(n) and not (call is not n and _anchors_nothing(call))
+            and not any(_anchors_nothing(x) for x in (n, call))
 
     pos = {n: i for i, n in enumerate(graph.nodes)}
     known: dict[fx.Node, set[fx.Node]] = {}  # a node -> nodes found to depend on it

@@ -224,10 +224,11 @@ def choose_units(
     ``bucket_bytes=0`` merges nothing. See [Note: Units]."""
     ordered = sorted(uses, key=lambda s: s.first)
     whole = _Piece(_common([s.path for s in ordered]), ordered, "")
+    cut = opening and not outermost  # ([Note: The step's opening block cut by first use])
     if not any(s.path for s in ordered):
         whole.reason = "one unit: the graph records no module calls"
         pieces = [whole]
-    elif not outermost and opening:  # ([Note: The step's opening block cut by first use])
+    elif cut:
         pieces = []
         for kid in _children(whole):
             kid.reason = (f"{_name(kid.path, kid.own)}: the step's opening block cut by first use "
@@ -246,10 +247,10 @@ def choose_units(
     def adjacent(group: list[_Piece], nxt: _Piece) -> bool:
         return not any(group[-1].first < at < nxt.first for at in others)
 
-    # (the opening block's parts merge below the threshold alone: [Note: The step's opening block cut by first use])
-    below = largest if not (opening and not outermost) else 8 * max(bucket_bytes, whole.nbytes)
-    groups = group_small(pieces, lambda p: p.nbytes, bucket_bytes, adjacent, below)
-    if opening and not outermost and len(groups) == 1:  # (merged back whole: said as the user's nesting)
+    # (the opening block's parts merge below the threshold alone, whatever the largest piece)
+    groups = group_small(pieces, lambda p: p.nbytes, bucket_bytes, adjacent,
+                         8 * max(bucket_bytes, whole.nbytes) if cut else largest)
+    if cut and len(groups) == 1:  # (merged back whole: said as the user's nesting)
         whole.reason = "one unit: the user's fully_shard nesting"
         groups = [[whole]]
     last_use = [max(s.last for p in g for s in p.slots) for g in groups]

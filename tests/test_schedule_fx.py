@@ -25,6 +25,28 @@ GROUP = "g0"
 D = 64
 
 
+def _builders(g: fx.Graph):
+    """``node(target, *args, meta=)`` and ``ph(name, shape)``: nodes added to
+    ``g`` with their fake values (and ``meta`` as their chain tag)."""
+    mode = FakeTensorMode()
+
+    def node(target, *args, meta=None):
+        n = g.call_function(target, args)
+        with mode:
+            n.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        if meta:
+            n.meta["compiled_fsdp"] = meta
+        return n
+
+    def ph(name, shape):
+        n = g.placeholder(name)
+        with mode:
+            n.meta["val"] = torch.empty(shape)
+        return n
+
+    return node, ph
+
+
 def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = None,
            interleaved: bool = False, reduce_group: str = GROUP, all_to_all: bool = False,
            first_reduce_factor: int = 1, replicas_group: str | None = None,
@@ -38,25 +60,8 @@ def _build(n_modules: int = 3, reduce: bool = False, foreign_at: int | None = No
     module 0's gradient is that many times larger (the output layer's).
     ``replicas_group``: HSDP, each reduced shard then all-reduced on that group.
     ``foreign_group``: the foreign all_reduce's group (another: tensor parallelism's)."""
-    mode = FakeTensorMode()
     g = fx.Graph()
-    vals: dict[fx.Node, torch.Tensor] = {}
-
-    def node(target, *args, meta=None):
-        n = g.call_function(target, args)
-        with mode:
-            n.meta["val"] = target(*[vals.get(a, a) if isinstance(a, fx.Node) else a for a in args])
-        vals[n] = n.meta["val"]
-        if meta:
-            n.meta["compiled_fsdp"] = meta
-        return n
-
-    def ph(name, shape):
-        n = g.placeholder(name)
-        with mode:
-            n.meta["val"] = torch.empty(shape)
-        vals[n] = n.meta["val"]
-        return n
+    node, ph = _builders(g)
 
     def reduce_scatter(i: int, out: fx.Node) -> fx.Node:
         meta = ChainTag("reduce_chain", i, 0, ((i, 0),), None)
@@ -557,29 +562,13 @@ def test_pin_orders_gathers_issued_ahead_by_their_after() -> None:
 def test_pin_anchors_no_view() -> None:
     """[Note: A view anchors nothing] in passes/pin.py: the node before a
     wait is a view of an input (ready at the graph's start); the wait is
-    held below the matmul before it, not below the view, and the matmul
-    after the collective is held below the collective."""
+    held below the matmul before it, and nothing is held below the view."""
     from torch._inductor.fx_passes.control_dependencies import control_deps
 
     from compiled_fsdp.passes.pin import pin_order
 
-    mode = FakeTensorMode()
     g = fx.Graph()
-
-    def node(target, *args, meta=None):
-        n = g.call_function(target, args)
-        with mode:
-            n.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
-        if meta:
-            n.meta["compiled_fsdp"] = meta
-        return n
-
-    def ph(name, shape):
-        n = g.placeholder(name)
-        with mode:
-            n.meta["val"] = torch.empty(shape)
-        return n
-
+    node, ph = _builders(g)
     a, b, grad = ph("a", (D, D)), ph("b", (D, D)), ph("grad", (D * D,))
     meta = ChainTag("reduce_chain", 0, 0, ((0, 0),), None)
     rs = node(RS, grad, "sum", 2, GROUP, meta=meta)
