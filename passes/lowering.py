@@ -255,7 +255,10 @@ def _opening(gathers: list[BucketPlan], first_reads: dict[int, list[int]]) -> in
     """The application cut as the step's opening block ([Note: The step's
     opening block cut by first use] in units.py): the nested one read first,
     where the root's parameters, one application, are read before it in this
-    graph; or None (blocks sharded with no root above them are roots each)."""
+    graph; a compile region's block, whose graph is the first block's too;
+    or None (blocks sharded with no root above them are roots each)."""
+    if len(gathers) == 1 and gathers[0].slots[0].args.take_ahead and not gathers[0].slots[0].args.outermost:
+        return gathers[0].module_key  # (a compile region's block: [Note: Every compile region cut as the opening block])
     first = {p.module_key: min(first_reads[p.module_key]) for p in gathers}
     roots = [first[p.module_key] for p in gathers if p.slots[0].args.outermost]
     nested = sorted((first[p.module_key], p.module_key) for p in gathers if not p.slots[0].args.outermost)

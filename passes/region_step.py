@@ -116,25 +116,29 @@ class RunTimeChain:
     """What the ops that collect inside take, wait and issue in an order
     with its regions' calls expanded (the note above; ``timeline.Chain``).
 
-    The run time keys a pending gather by its shards' storage (a whole
-    group's bucket): here, by the nodes the shards come from, through the
-    copies' inputs and through views (a shard on a dim other than 0 is read
-    through ``to_canonical``). An ``issue_ahead`` issues only for shards some
-    forward ``regather`` reads whole (a region whose reads were cut into
-    several units takes none, and the run time issues none), and the
-    backward's chain runs through the region calls that re-gather once
-    (their whole bucket), the others gathering where they stand."""
+    The run time keys a pending gather by its shards' storage: here, by the
+    nodes the shards come from, through the copies' inputs and through views
+    (a shard on a dim other than 0 is read through ``to_canonical``). An
+    ``issue_ahead`` issues the gather of each part of its bucket some
+    forward ``regather`` reads, in the order they are read (the whole bucket
+    where one reads it whole; [Note: A bucket issued in the parts its graph
+    takes] in compiled_fsdp/core/registry.py), each standing for the
+    ``regather`` that takes it; the backward's chain runs through the region
+    calls that re-gather, each issuing every re-gather of the next call
+    when its first re-gather runs."""
 
     def __init__(self, order: list[fx.Node], sources: dict[fx.Node, fx.Node]) -> None:
         self.sources = sources
         regathers = [n for n in order if n.target is REGATHER]
         backward = [n for n in regathers if Regather.bind(n.args, dict(n.kwargs)).backward]
-        per_call = collections.Counter(n.graph for n in backward)
-        back = [n for n in backward if per_call[n.graph] == 1]
-        self.read_whole = {self._key(n) for n in regathers if n not in backward}
-        self.next = dict(zip(back, back[1:]))
-        self.issued_first = back[:1]  # (when the root's compiled backward begins)
-        self.pending: dict[object, fx.Node] = {n: n for n in back[:1]}
+        calls: dict[fx.Graph, list[fx.Node]] = collections.defaultdict(list)
+        for n in backward:
+            calls[n.graph].append(n)
+        groups = list(calls.values())
+        self.forward_reads = [n for n in regathers if n not in set(backward)]
+        self.next = {group[0]: later for group, later in zip(groups, groups[1:])}
+        self.issued_first = groups[0] if groups else []  # (when the root's compiled backward begins)
+        self.pending: dict[object, fx.Node] = {n: n for n in self.issued_first}
 
     def _source(self, x: object) -> object:
         while True:
@@ -150,23 +154,28 @@ class RunTimeChain:
             return n
         return tuple(self._source(s) for s in IN_OP_MARKERS[n.target].bind(n.args, dict(n.kwargs)).shards)
 
-    def skipped(self, n: fx.Node) -> bool:
-        """An ``issue_ahead`` no ``regather`` would take: it issues nothing."""
-        return n.target is ISSUE_AHEAD and self._key(n) not in self.read_whole
+    def issued_ahead(self, n: fx.Node) -> list[fx.Node]:
+        """The forward ``regather``s an ``issue_ahead`` issues for, one
+        gather each (none: it issues nothing)."""
+        whole, parts, seen = set(self._key(n)), [], set()
+        for r in self.forward_reads:
+            key = self._key(r)
+            if key not in seen and whole.issuperset(key):
+                seen.add(key)
+                parts.append(r)
+                self.pending[key] = r
+        return parts
 
     def taken(self, n: fx.Node) -> fx.Node | None:
         """The node whose gather a ``regather`` takes (None: it gathers)."""
-        if n.target is ISSUE_AHEAD:
-            self.pending[self._key(n)] = n
         return self.pending.pop(self._key(n), None) if n.target is REGATHER else None
 
     def issued_after(self, n: fx.Node) -> list[fx.Node]:
-        """A backward ``regather`` of the chain issues the next one's gather."""
-        then = self.next.get(n)
-        if then is None:
-            return []
-        self.pending[then] = then
-        return [then]
+        """A region call's first backward ``regather`` issues the next call's."""
+        then = self.next.get(n, [])
+        for t in then:
+            self.pending[t] = t
+        return then
 
     def packed_bytes(self, n: fx.Node) -> int:
         """What an op that collects inside copies before its collective: the

@@ -208,7 +208,7 @@ class Chain(Protocol):
     sources: dict[fx.Node, fx.Node]  # a copy's input -> the node it stands for; a pinned node -> its op's copy
     issued_first: list[fx.Node]  # the gathers issued when the graph begins
 
-    def skipped(self, n: fx.Node) -> bool: ...
+    def issued_ahead(self, n: fx.Node) -> list[fx.Node]: ...
 
     def taken(self, n: fx.Node) -> fx.Node | None: ...
 
@@ -345,7 +345,10 @@ def simulate(order: list[fx.Node], cost: CostModel, *, joint: bool = False, fore
             if n.target is REDUCE_LATER:
                 advance_reduces(n)
             host(n)  # (the op's own call, which may issue nothing)
-            if chain.skipped(n):
+            if n.target is ISSUE_AHEAD:  # (a gather for each regather that takes a part of its bucket)
+                for part in chain.issued_ahead(n):
+                    spend(n, chain.packed_bytes(part) / cost.compute.bytes_per_s)
+                    issue(part)
                 continue
             taken = chain.taken(n)
             if taken is None:

@@ -80,6 +80,19 @@ tests/test_units_dist.py.
 # and ::test_only_the_opening_block_is_cut_in_the_lowering; on two ranks,
 # bitwise, by tests/test_compile_parity.py::test_the_opening_block_cut_on_ranks.
 
+# [Note: Every compile region cut as the opening block]
+# With compile regions (the default) the first block is a region whose one
+# graph every block runs, so the opening block's cut is every block's: a
+# region's graph (its reads taken from gathers issued ahead, one nested
+# application) is cut as the opening block is, its parts merging below
+# ``bucket_bytes`` alike. Each block then gathers and reduces its parts apart,
+# a collective more each way a block; the outer graph still issues each
+# region's whole bucket ahead, and the run time issues it in the parts the
+# region's graph took ([Note: A bucket issued in the parts its graph takes] in
+# compiled_fsdp/core/registry.py). Measured at W=8 on the CPU's matched link
+# (RESULTS, fifty-eighth session). ``config.overlap.split_opening`` turns both
+# off. Tested by tests/test_block_regions.py::test_regions_cut_take_their_parts_issued_ahead.
+
 from __future__ import annotations
 
 import dataclasses

@@ -374,14 +374,19 @@ def issue_if_wanted(shards: list[torch.Tensor], specs: list[ShardSpec], param_dt
                     device: Optional[str] = None) -> bool:
     """Issue the gather of ``shards`` for a ``regather`` to take, not waited,
     if one of its kind (``backward`` or not) took this bucket before and none
-    is pending; returns whether it was issued ([Note: Backward re-gathers
-    prefetched across graphs] in registry.py)."""
+    is pending, or of each part of it such ops took ([Note: A bucket issued
+    in the parts its graph takes] in registry.py); returns whether any was
+    issued ([Note: Backward re-gathers prefetched across graphs] in registry.py)."""
     key = shards_key(shards)
     gathers = registry.CORE.backward_gathers
-    if not gathers.wanted(key, backward):
-        return False
-    gathers.issue(key, issue_gather(shards, specs, param_dtype, group_name, module_key, False, device), kept)
-    return True
+    parts = gathers.wanted(key, backward)
+    at = {shard: i for i, shard in enumerate(key)}
+    for part in parts:
+        mine = [at[shard] for shard in part]
+        gathered = issue_gather([shards[i] for i in mine], [specs[i] for i in mine], param_dtype, group_name,
+                                module_key, False, device)
+        gathers.issue(part, gathered, kept, whole=key)
+    return bool(parts)
 
 
 def _regather_specs(m: Regather) -> list[ShardSpec]:

@@ -56,6 +56,22 @@ class MarkerOwner(Protocol):
 BucketKey = tuple[tuple[int, int], ...]
 
 
+# [Note: A bucket issued in the parts its graph takes]
+# The issue ahead names a module's whole bucket (a compile region's shards,
+# a block's for its backward), but the graph that takes it may gather it in
+# parts: a compile region's block cut at the modules it calls ([Note: Every
+# compile region cut as the opening block] in passes/units.py) gathers its
+# attention's parameters and its feed-forward's apart. Taken whole, no part
+# was ever issued ahead, and each part gathered where it stood. So each
+# ``regather`` records the bucket it took (its shards, in its order), per
+# kind, and forgets any it overlaps (the graph's units changed); an issue
+# for a bucket issues each recorded part of it, in the order the parts were
+# first taken (forward: the attention's first; backward: the
+# feed-forward's), each packed from its own shards in its own order, so
+# that taking it is bitwise the part's own gather; a part issued remembers
+# its bucket, so that the backward chain (``then``, keyed by buckets) goes
+# on from any part's ``regather``. Tested by
+# tests/test_block_regions.py::test_regions_cut_take_their_parts_issued_ahead.
 class BackwardGathers:
     """[Note: Backward re-gathers prefetched across graphs]
     A block compiled on its own that reshards after forward gathers its
@@ -71,8 +87,10 @@ class BackwardGathers:
     of the block before it in the forward order, as FSDP2's backward prefetch
     does. Only buckets whose backward ``regather`` has run once (``takers``,
     per kind: a compile region's forward takes through the same op) are
-    issued for a backward: a graph that re-gathers a subset of its
-    parameters, or none (kept from forward), is never sent one. A gather left pending at the end of backward is waited
+    issued for a backward: a graph that re-gathers none of its parameters
+    (kept from forward) is never sent one, and one that re-gathers them in
+    parts is sent those parts ([Note: A bucket issued in the parts its graph
+    takes]). A gather left pending at the end of backward is waited
     for and dropped (``drop_pending``). What is gathered is one pack of the
     shards with the layout functions of [Note: Bucket layout], so taking it is
     bitwise the graph's own gather. Every rank runs the same program over the
@@ -91,7 +109,12 @@ class BackwardGathers:
     Tested by tests/test_handoff.py::test_backward_regathers_prefetched."""
 
     def __init__(self) -> None:
-        self.takers: set[tuple[bool, BucketKey]] = set()  # (backward, bucket)
+        # (backward, bucket) -> when it was first taken; and (backward, a shard
+        # of it) -> that bucket: [Note: A bucket issued in the parts its graph takes]
+        self.takers: dict[tuple[bool, BucketKey], int] = {}
+        self._holder: dict[tuple[bool, tuple[int, int]], BucketKey] = {}
+        self._first_takes = 0
+        self.whole: dict[BucketKey, BucketKey] = {}  # a part issued -> the bucket it was issued for
         self.pending: dict[BucketKey, torch.Tensor] = {}
         self.kept: set[BucketKey] = set()  # pending ones that outlive a backward's end
         self.taken = 0  # regathers served by a pending gather (for the tests and the benchmarks)
@@ -108,6 +131,8 @@ class BackwardGathers:
         """Shards moved: no key holds any more (pending gathers waited and dropped)."""
         self.drop_pending()
         self.takers.clear()
+        self._holder.clear()
+        self.whole.clear()
         self.then.clear()
 
     def chain(self, key: BucketKey, issue: Callable[[], object]) -> None:
@@ -116,21 +141,41 @@ class BackwardGathers:
 
     def issue_next(self, key: BucketKey) -> None:
         """The gather chained after bucket ``key``'s (``then``), if any."""
-        ref = self.then.get(key)
+        ref = self.then.get(key) or self.then.get(self.whole.get(key, key))
         issue = ref() if ref is not None else None
         if issue is not None:
             issue()
 
-    def wanted(self, key: BucketKey, backward: bool) -> bool:
-        return (backward, key) in self.takers and key not in self.pending
+    def wanted(self, key: BucketKey, backward: bool) -> list[BucketKey]:
+        """The parts of bucket ``key`` to issue for ``regather``s of this
+        kind: each bucket such an op took before whose shards are all in
+        ``key``, none pending, in the order they were first taken (``key``
+        itself where it was taken whole)."""
+        shards = set(key)
+        parts = {held for shard in key if (held := self._holder.get((backward, shard))) is not None
+                 and held not in self.pending and shards.issuperset(held)}
+        return sorted(parts, key=lambda part: self.takers[(backward, part)])
 
-    def issue(self, key: BucketKey, gathered: torch.Tensor, kept: bool = False) -> None:
+    def issue(self, key: BucketKey, gathered: torch.Tensor, kept: bool = False, whole: Optional[BucketKey] = None
+              ) -> None:
+        """``gathered`` pending for ``key`` (``whole``: the bucket it is a part of)."""
         self.pending[key] = gathered
+        if whole is not None:
+            self.whole[key] = whole
         if kept:
             self.kept.add(key)
 
     def take(self, key: BucketKey, backward: bool) -> Optional[torch.Tensor]:
-        self.takers.add((backward, key))
+        if (backward, key) not in self.takers:  # (a bucket taken anew: any it overlaps is not taken any more)
+            for shard in key:
+                held = self._holder.get((backward, shard))
+                if held is not None and held != key:
+                    self.takers.pop((backward, held), None)
+                    for other in held:
+                        self._holder.pop((backward, other), None)
+            self._holder.update(((backward, shard), key) for shard in key)
+            self.takers[(backward, key)] = self._first_takes
+            self._first_takes += 1
         self.kept.discard(key)
         gathered = self.pending.pop(key, None)
         if gathered is not None:
