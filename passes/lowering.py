@@ -258,7 +258,7 @@ def _opening(gathers: list[BucketPlan], first_reads: dict[int, list[int]]) -> in
     graph; a compile region's block, whose graph is the first block's too;
     or None (blocks sharded with no root above them are roots each)."""
     if len(gathers) == 1 and gathers[0].slots[0].args.take_ahead and not gathers[0].slots[0].args.outermost:
-        return gathers[0].module_key  # (a compile region's block: [Note: Every compile region cut as the opening block])
+        return gathers[0].module_key  # ([Note: Every compile region cut as the opening block] in units.py)
     first = {p.module_key: min(first_reads[p.module_key]) for p in gathers}
     roots = [first[p.module_key] for p in gathers if p.slots[0].args.outermost]
     nested = sorted((first[p.module_key], p.module_key) for p in gathers if not p.slots[0].args.outermost)

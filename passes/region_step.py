@@ -39,7 +39,6 @@ from compiled_fsdp.core.marker import ReduceLater, Regather
 from .cost_model import CostModel, node_bytes
 from .timeline import (
     IN_OP_MARKERS,
-    ISSUE_AHEAD,
     REDUCE_LATER,
     REGATHER,
     Timeline,
