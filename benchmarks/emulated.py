@@ -27,7 +27,9 @@ the link within a node R times the match link (NVLink against a network:
 about 8).
 
 The levers of a network-bound job: ``--split-first-block`` (the first
-block's feed-forward sharded on its own), ``--hsdp`` (a 2-D mesh, replicated
+block's feed-forward sharded on its own), ``--split-regions`` (every compile
+region's block gathered and reduced in parts, ``overlap.split_regions``),
+``--hsdp`` (a 2-D mesh, replicated
 across the nodes, sharded within one, for ours and FSDP2) and
 ``--reduce-dtype bfloat16`` (gradients reduced in bf16).
 
@@ -220,6 +222,7 @@ def _prediction(kind: str, rec: Any) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from compiled_fsdp.compile.install import recording
+    from compiled_fsdp.passes.config import overlap
     from compiled_fsdp.tools.emulated import init_emulated_network
 
     device = torch.device(args.device)
@@ -233,6 +236,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     topology = dataclasses.replace(_topology(args.link, args), compute=compute)
     # ([Note: Host calls measured with collectives free]: compiled first on a free network)
     measuring = args.host_call_us == "measure" and args.kind in ("ours", "ours_regions")
+    overlap.split_regions = args.split_regions
     net = init_emulated_network(args.world, device=args.device, topology=dataclasses.replace(
         _topology("free", args), compute=compute) if measuring else topology)
     if device.type == "cuda":
@@ -335,7 +339,7 @@ def _variant(args: argparse.Namespace) -> str:
     """What this run changes of the plain job: ``hsdp``, ``rs-bf16``, ``split1``, ``nvlXR``."""
     short = {"bfloat16": "bf16", "float32": "fp32"}
     parts = (["hsdp"] if args.hsdp else []) + ([f"rs-{short[args.reduce_dtype]}"] if args.reduce_dtype else []) \
-        + (["split1"] if args.split_first_block else [])
+        + (["split1"] if args.split_first_block else []) + (["splitr"] if args.split_regions else [])
     return "+".join(parts + ([f"nvl{args.node_ratio:g}x"] if args.node_ratio != 1 else []))
 
 
@@ -361,7 +365,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
     cmd += ["--node-ratio", str(args.node_ratio)] + (["--hsdp"] if args.hsdp else []) \
         + (["--reduce-dtype", args.reduce_dtype] if args.reduce_dtype else []) \
         + (["--paired-floor"] if args.paired_floor else []) \
-        + (["--split-first-block"] if args.split_first_block else [])
+        + (["--split-first-block"] if args.split_first_block else []) \
+        + (["--split-regions"] if args.split_regions else [])
     start = time.perf_counter()
     # Cold: a cache directory of its own (Inductor's compiled kernels, Triton's),
     # so no configuration's first step reuses kernels another run compiled.
@@ -427,6 +432,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--split-first-block", action="store_true",
                    help="the first block's feed-forward sharded on its own, for ours and FSDP2 "
                         "([Note: The first block split by first use] in emulated_build.py)")
+    p.add_argument("--split-regions", action="store_true",
+                   help="ours: every compile region cut as the opening block (compiled_fsdp.passes.config."
+                        "overlap.split_regions; [Note: Every compile region cut as the opening block])")
     p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
                    help="the gradients' reduce dtype (default: fp32)")
     p.add_argument("--paired-floor", action="store_true",

@@ -4,7 +4,8 @@
 # caches): torchtitan's pattern beside FSDP2 under the emulated network at 8
 # and 64 GPUs (step, first step, peak memory, exposed communication), then
 # the whole model compiled at 8, as one graph and with compile regions (the
-# default, never yet run on a GPU). Run from the repository root:
+# default, never yet run on a GPU), and the regions cut in parts
+# (--split-regions). Run from the repository root:
 #
 #     bash benchmarks/gpu_session.sh OUT_DIR
 #
@@ -39,6 +40,8 @@ run() {  # name, then emulated.py's arguments
 }
 run titan_plain --pattern titan_plain --worlds 8 64 --kinds floor ours_blocks fsdp2_blocks --warmup 3 --steps 10
 run whole_model --pattern plain --worlds 8 --kinds ours ours_regions --warmup 2 --steps 6
+# (every region cut in parts: off by default, as on the CPU its collectives' host work outweighed what it hid)
+run regions_split --pattern plain --worlds 8 --kinds ours_regions --split-regions --warmup 2 --steps 6
 kinds="offload_ours_compiled offload_ours_blocks offload_fsdp2_blocks"
 if python3 -c 'import torchao.float8' 2>/dev/null; then
     kinds="f8_ours_compiled f8_ours_blocks f8_fsdp2_blocks $kinds"

@@ -41,6 +41,11 @@ class OverlapConfig:
     # step's opening chain of gathers made shorter. See [Note: The step's
     # opening block cut by first use] in units.py.
     split_opening: bool = True
+    # With compile regions, whose one graph every block runs, cut every block
+    # so (a collective more each way a block). Off: on the CPU's emulated
+    # network the host work of the collectives added outweighed the link time
+    # hidden. See [Note: Every compile region cut as the opening block] in units.py.
+    split_regions: bool = False
     # Where Inductor has its own overlap pass (simple_overlap, torch 2.14+):
     # True pins the schedule both ways so that pass leaves the collectives
     # where ours put them; False lets it move them further (collectives up,

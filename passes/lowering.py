@@ -237,7 +237,7 @@ def _plan_units(graph: fx.Graph, gathers: list[BucketPlan], bucket_bytes: int) -
         others = sorted([*regions, *(at for key, ats in first_reads.items() if key != plan.module_key for at in ats)])
         inputs.append((plan, uses, others))
 
-    opening = _opening(gathers, first_reads) if overlap.split_opening else None
+    opening = _opening(gathers, first_reads)
 
     def choose(merge_below: int, largest: int | None, cut: int | None) -> list[Unit]:
         return [u for plan, uses, others in inputs for u in choose_units(
@@ -255,10 +255,14 @@ def _opening(gathers: list[BucketPlan], first_reads: dict[int, list[int]]) -> in
     """The application cut as the step's opening block ([Note: The step's
     opening block cut by first use] in units.py): the nested one read first,
     where the root's parameters, one application, are read before it in this
-    graph; a compile region's block, whose graph is the first block's too;
-    or None (blocks sharded with no root above them are roots each)."""
+    graph; a compile region's block, whose graph is the first block's too
+    (``split_regions``); or None (blocks sharded with no root above them are
+    roots each)."""
     if len(gathers) == 1 and gathers[0].slots[0].args.take_ahead and not gathers[0].slots[0].args.outermost:
-        return gathers[0].module_key  # ([Note: Every compile region cut as the opening block] in units.py)
+        # ([Note: Every compile region cut as the opening block] in units.py)
+        return gathers[0].module_key if overlap.split_regions else None
+    if not overlap.split_opening:
+        return None
     first = {p.module_key: min(first_reads[p.module_key]) for p in gathers}
     roots = [first[p.module_key] for p in gathers if p.slots[0].args.outermost]
     nested = sorted((first[p.module_key], p.module_key) for p in gathers if not p.slots[0].args.outermost)

@@ -245,7 +245,7 @@ def choose_units(
         pieces = []
         for kid in _children(whole):
             kid.reason = (f"{_name(kid.path, kid.own)}: the step's opening block cut by first use "
-                          "(config.overlap.split_opening)")
+                          "(config.overlap.split_opening; in a compile region, split_regions)")
             pieces.extend([kid] if kid.own else _split(kid, max_bytes))
     elif not outermost:
         whole.reason = "one unit: the user's fully_shard nesting"

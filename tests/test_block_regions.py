@@ -199,7 +199,7 @@ def _regions_cut_rank(rank: int, world: int, split: bool) -> dict:
     from compiled_fsdp.passes.config import overlap
 
     overlap.bucket_bytes = 0  # (nothing merges: the tiny block's parts gathered apart)
-    overlap.split_opening = split
+    overlap.split_regions = split
     return _regions_rank(rank, world, "aot_eager")
 
 
@@ -213,7 +213,7 @@ def test_regions_cut_take_their_parts_issued_ahead(split: bool) -> None:
     region's whole bucket ([Note: A bucket issued in the parts its graph
     takes]); each part's reduce waited after the region's graph. Bitwise
     equal to the reference after 3 steps under ``aot_eager``. With
-    ``split_opening`` off the block is one bucket, as before."""
+    ``split_regions`` off (the default) the block is one bucket."""
     parts = 4 if split else 1
     for res in run_distributed(_regions_cut_rank, 2, split, timeout=900):
         assert_close(res, 0.0)
