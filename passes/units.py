@@ -89,9 +89,14 @@ tests/test_units_dist.py.
 # a collective more each way a block; the outer graph still issues each
 # region's whole bucket ahead, and the run time issues it in the parts the
 # region's graph took ([Note: A bucket issued in the parts its graph takes] in
-# compiled_fsdp/core/registry.py). Measured at W=8 on the CPU's matched link
-# (RESULTS, fifty-eighth session). ``config.overlap.split_opening`` turns both
-# off. Tested by tests/test_block_regions.py::test_regions_cut_take_their_parts_issued_ahead.
+# compiled_fsdp/core/registry.py). Measured at W=8 on the CPU's matched link,
+# two rounds each way (RESULTS, fifty-eighth session): 12-13 ms a step less
+# exposed (69 -> 56-57 ms; the step's first gathers 35 -> 25.6 ms, its last
+# reduce-scatters 34.7 -> 22.7), and 21-26 ms more host work (88 more host
+# calls a step), the step 1-2% slower. So ``config.overlap.split_regions``
+# is off by default; on a GPU, whose host runs ahead of its kernels, it should
+# pay, and benchmarks/gpu_session.sh measures it (``--split-regions``).
+# Tested by tests/test_block_regions.py::test_regions_cut_take_their_parts_issued_ahead.
 
 from __future__ import annotations
 
