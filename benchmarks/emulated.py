@@ -237,6 +237,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # ([Note: Host calls measured with collectives free]: compiled first on a free network)
     measuring = args.host_call_us == "measure" and args.kind in ("ours", "ours_regions")
     overlap.split_regions = args.split_regions
+    if args.bucket_bytes is not None:
+        overlap.bucket_bytes = args.bucket_bytes
     net = init_emulated_network(args.world, device=args.device, topology=dataclasses.replace(
         _topology("free", args), compute=compute) if measuring else topology)
     if device.type == "cuda":
@@ -366,7 +368,8 @@ def run_one(kind: str, world: int, link: str, args: argparse.Namespace) -> dict[
         + (["--reduce-dtype", args.reduce_dtype] if args.reduce_dtype else []) \
         + (["--paired-floor"] if args.paired_floor else []) \
         + (["--split-first-block"] if args.split_first_block else []) \
-        + (["--split-regions"] if args.split_regions else [])
+        + (["--split-regions"] if args.split_regions else []) \
+        + (["--bucket-bytes", str(args.bucket_bytes)] if args.bucket_bytes is not None else [])
     start = time.perf_counter()
     # Cold: a cache directory of its own (Inductor's compiled kernels, Triton's),
     # so no configuration's first step reuses kernels another run compiled.
@@ -435,6 +438,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p.add_argument("--split-regions", action="store_true",
                    help="ours: every compile region cut as the opening block (compiled_fsdp.passes.config."
                         "overlap.split_regions; [Note: Every compile region cut as the opening block])")
+    p.add_argument("--bucket-bytes", type=int, default=None,
+                   help="ours: compiled_fsdp.passes.config.overlap.bucket_bytes (0: no bucket merges)")
     p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
                    help="the gradients' reduce dtype (default: fp32)")
     p.add_argument("--paired-floor", action="store_true",

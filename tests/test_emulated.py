@@ -298,6 +298,32 @@ def test_benchmark_cpu_path(tmp_path) -> None:
     assert len(table) == 1 + 4 and "x bound" in table[0]
 
 
+def test_benchmark_regions_cut_predicted(tmp_path) -> None:
+    """``benchmarks/emulated.py --split-regions --bucket-bytes 0``: every
+    compile region's block gathered and reduced in parts ([Note: Every
+    compile region cut as the opening block] in passes/units.py), each part
+    issued ahead by the outer graph's issue of the whole bucket, forward and
+    backward ([Note: A bucket issued in the parts its graph takes] in
+    compiled_fsdp/core/registry.py); the prediction lists the collectives the
+    run issued, in its order, with their bytes, and the same busy time, each
+    part issued ahead ([Note: A step with compile regions predicted] in
+    passes/region_step.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import emulated
+
+    (r,) = emulated.main(["--device", "cpu", "--model", "tiny", "--worlds", "8", "--links", "match",
+                          "--kinds", "ours_regions", "--split-regions", "--bucket-bytes", "0",
+                          "--warmup", "2", "--steps", "2", "--out", str(tmp_path)])
+    assert "error" not in r, r.get("error")
+    assert r["variant"] == "splitr", r["variant"]
+    layers = r["config"]["n_layers"]
+    gathers = [c for c in r["last_step"] if c["kind"] == "all_gather"]
+    # (each block's parts: more gathers than one per block, forward and backward, and the root's)
+    assert len(gathers) >= 2 * 2 * layers, [c["bytes"] for c in gathers]
+    assert [c[:2] for c in r["predicted_collectives"]] == [[c["kind"], c["bytes"]] for c in r["last_step"]]
+    assert abs(r["predicted_comm_s"] - r["comm_s"]) < 1e-9
+
+
 def test_benchmark_levers_hsdp_bf16_reduce(tmp_path) -> None:
     """``benchmarks/emulated.py --hsdp --reduce-dtype bfloat16 --node-ratio
     8`` at W = 16 (two nodes): ours eager and FSDP2 eager send the same
