@@ -96,6 +96,8 @@ def expand_regions(owner: fx.GraphModule, order: list[fx.Node]) -> tuple[list[fx
         if n.target is not INVOKE_SUBGRAPH and isinstance(result, fx.Node):
             sources[n] = result
         inner, more = expand_regions(body, [c for c in copy.nodes if c.op not in ("placeholder", "output")])
+        for c in inner:  # (each copy names the call of the owner's graph it runs in: ``RunTimeChain``)
+            c.meta["region_call"] = n
         out += inner
         sources.update(more)
     return out, sources
@@ -130,9 +132,9 @@ class RunTimeChain:
         self.sources = sources
         regathers = [n for n in order if n.target is REGATHER]
         backward = [n for n in regathers if Regather.bind(n.args, dict(n.kwargs)).backward]
-        calls: dict[fx.Graph, list[fx.Node]] = collections.defaultdict(list)
-        for n in backward:
-            calls[n.graph].append(n)
+        calls: dict[object, list[fx.Node]] = collections.defaultdict(list)
+        for n in backward:  # (by the outermost call: a pinned node's body is a copy of its own)
+            calls[n.meta.get("region_call", n.graph)].append(n)
         groups = list(calls.values())
         self.forward_reads = [n for n in regathers if n not in set(backward)]
         self.next = {group[0]: later for group, later in zip(groups, groups[1:])}

@@ -75,14 +75,17 @@ tests/test_units_dist.py.
 # that at W=8 on the CPU, 67-69 -> 52-60 ms exposed a step (RESULTS,
 # fifty-sixth session). Every other block stays whole: its gather runs
 # behind the block before it, and a cut would cost one more collective a
-# block. ``config.overlap.split_opening`` (default True) turns it off.
+# block. ``config.overlap.split_opening`` (default True) turns it off. (With
+# compile regions the first block is not cut unless every block is: the
+# note below.)
 # Tested by tests/test_units_fx.py::test_the_opening_block_is_cut_by_first_use
 # and ::test_only_the_opening_block_is_cut_in_the_lowering; on two ranks,
 # bitwise, by tests/test_compile_parity.py::test_the_opening_block_cut_on_ranks.
 
 # [Note: Every compile region cut as the opening block]
 # With compile regions (the default) the first block is a region whose one
-# graph every block runs, so the opening block's cut is every block's: a
+# graph every block runs, so a cut of the opening block would be every
+# block's. With ``config.overlap.split_regions`` (off by default: below) a
 # region's graph (its reads taken from gathers issued ahead, one nested
 # application) is cut as the opening block is, its parts merging below
 # ``bucket_bytes`` alike. Each block then gathers and reduces its parts apart,

@@ -579,12 +579,13 @@ def test_a_region_takes_the_gather_issued_ahead() -> None:
     """[Note: A step with compile regions predicted]: with a region's call expanded, its
     ``regather`` takes the gather the outer graph issued ahead for the same
     shards, matched through the copy's inputs and through views; where the
-    region re-gathers its parameters one by one, the run time issues nothing
-    ahead (it keys a whole bucket), and neither does the prediction."""
+    region re-gathers its parameters one by one, the issue ahead of its
+    whole bucket issues each part ([Note: A bucket issued in the parts its
+    graph takes] in compiled_fsdp/core/registry.py), and both are hidden."""
     whole = _region_step(split=False)
     assert whole == [(2 * 16 * 4, 0.0)], whole  # (the one issued ahead, taken: hidden by the matmul)
     split = _region_step(split=True)
-    assert [b for b, _ in split] == [16 * 4, 16 * 4], split  # (each gathered where it stands)
+    assert split == [(16 * 4, 0.0), (16 * 4, 0.0)], split  # (each part issued ahead, taken)
 
 
 def test_region_reduces_staged_under_hsdp() -> None:

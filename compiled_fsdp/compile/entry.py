@@ -260,9 +260,10 @@ class CompiledEntry:
 
     def issue_backward_gather(self, kept: bool = False) -> bool:
         """This module's gather for its backward graph's ``regather``, issued
-        now, not waited, if that op gathers this bucket and none is pending
-        (see [Note: Backward re-gathers prefetched across graphs] in
-        core/registry.py). Returns whether it was issued."""
+        now, not waited, if that op gathers this bucket and none is pending,
+        or of each part such ops gather (see [Note: Backward re-gathers
+        prefetched across graphs] and [Note: A bucket issued in the parts its
+        graph takes] in core/registry.py). Returns whether any was issued."""
         group = self.group
         return ops.issue_if_wanted([p.canonical_shard() for p in group.fsdp_params], list(group.specs),
                                    group.fsdp_params[0].param_dtype, group.group_name, group.key,

@@ -68,7 +68,9 @@ core/registry.py):
 - before the outer graph calls region i it traces
   ``compiled_fsdp::issue_ahead`` on region i+1's shards (``predict_order``:
   the regions in the model's order), which issues that gather if a
-  ``regather`` took the bucket before (none in the first step) and does not
+  ``regather`` took the bucket before (none in the first step), or the
+  gather of each part of it that one took ([Note: A bucket issued in the
+  parts its graph takes] in core/registry.py), and does not
   wait for it; before the first region, on its own shards first (issued by
   itself, it waited behind the second region's on the link: 36 ms a step in
   RESULTS' setting);
@@ -77,6 +79,7 @@ core/registry.py):
   chain runs at run time instead: ``_partition`` marks the re-gathers of a
   region's backward graph ``backward``, and each, having taken or issued
   its own gather, issues the gather of the region before it in the model
+  (its first does; the others find it pending)
   (``BackwardGathers.then``, filled by ``predict_order``): FSDP2's backward
   prefetch. The first region's backward in each backward that gathers (the
   last block's, or the one before it where the last is kept from forward)

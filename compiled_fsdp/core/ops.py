@@ -380,9 +380,11 @@ def issue_if_wanted(shards: list[torch.Tensor], specs: list[ShardSpec], param_dt
     key = shards_key(shards)
     gathers = registry.CORE.backward_gathers
     parts = gathers.wanted(key, backward)
+    if len(set(key)) < len(key):  # (two shards on one place, empty ones: no part is told apart by place)
+        parts = [part for part in parts if part == key]
     at = {shard: i for i, shard in enumerate(key)}
     for part in parts:
-        mine = [at[shard] for shard in part]
+        mine = range(len(key)) if part == key else [at[shard] for shard in part]
         gathered = issue_gather([shards[i] for i in mine], [specs[i] for i in mine], param_dtype, group_name,
                                 module_key, False, device)
         gathers.issue(part, gathered, kept, whole=key)

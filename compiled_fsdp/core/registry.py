@@ -70,7 +70,12 @@ BucketKey = tuple[tuple[int, int], ...]
 # feed-forward's), each packed from its own shards in its own order, so
 # that taking it is bitwise the part's own gather; a part issued remembers
 # its bucket, so that the backward chain (``then``, keyed by buckets) goes
-# on from any part's ``regather``. Tested by
+# on from any part's ``regather``. (Two graphs taking overlapping buckets of
+# the same shards in one step, two compiled variants alternating, would
+# each forget the other's, and the one not taken next is waited and dropped
+# at the backward's end: a gather wasted, the same on every rank. A bucket
+# whose shards share a place, empty ones, is issued whole or not at all:
+# ``ops.issue_if_wanted``.) Tested by
 # tests/test_block_regions.py::test_regions_cut_take_their_parts_issued_ahead.
 class BackwardGathers:
     """[Note: Backward re-gathers prefetched across graphs]
