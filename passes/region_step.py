@@ -136,7 +136,8 @@ class RunTimeChain:
         for n in backward:  # (by the outermost call: a pinned node's body is a copy of its own)
             calls[n.meta.get("region_call", n.graph)].append(n)
         groups = list(calls.values())
-        self.forward_reads = [n for n in regathers if n not in set(backward)]
+        behind = set(backward)
+        self.forward_reads = [(self._key(n), n) for n in regathers if n not in behind]  # (keyed once)
         self.next = {group[0]: later for group, later in zip(groups, groups[1:])}
         self.issued_first = groups[0] if groups else []  # (when the root's compiled backward begins)
         self.pending: dict[object, fx.Node] = {n: n for n in self.issued_first}
@@ -159,8 +160,7 @@ class RunTimeChain:
         """The forward ``regather``s an ``issue_ahead`` issues for, one
         gather each (none: it issues nothing)."""
         whole, parts, seen = set(self._key(n)), [], set()
-        for r in self.forward_reads:
-            key = self._key(r)
+        for key, r in self.forward_reads:
             if key not in seen and whole.issuperset(key):
                 seen.add(key)
                 parts.append(r)
