@@ -377,3 +377,63 @@ def test_what_a_region_returns(how: str) -> None:
         else:
             assert res["error"] in ("UncapturedHigherOrderOpError", "BackendCompilerFailed"), res
             assert any("block_regions = False" in n for n in res["notes"]), res
+
+
+class _Row(torch.nn.Module):
+    """A scale of one row: over 2 ranks the second holds none of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(1, 8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _Gated(_Widening):
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.gate = _Row()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.gate(x))))
+
+
+class _GatedStack(_Stack):
+    def __init__(self, blocks: int) -> None:
+        super().__init__(blocks)
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_Gated(12) for _ in range(blocks))
+        self.shift = torch.nn.Parameter(torch.zeros(8))  # (every block's input then requires grad: one trace)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.shift)
+
+
+def _cut_empty_rank(rank: int, world: int) -> dict:
+    from compiled_fsdp.core.registry import CORE
+    from compiled_fsdp.passes.config import overlap
+
+    compiled_fsdp.config.comm.block_regions = True
+    overlap.bucket_bytes = 0  # (nothing merges: each module a part of its own)
+    overlap.split_regions = True
+    CORE.backward_gathers.reset()
+    CORE.later_reduces.reset()
+    return _stack_parity(rank, lambda: _GatedStack(3), 3, after_step=lambda m: (
+        in_regions(m), CORE.backward_gathers.taken, CORE.later_reduces.delivered))
+
+
+def test_a_cut_region_with_a_rank_holding_no_row() -> None:
+    """[Note: Every compile region cut as the opening block] where one part's
+    parameter has fewer rows than ranks: each block's region cut into its
+    three modules (gate, up, down), the gate's one row held by rank 0 alone,
+    rank 1's shard of it empty. Every part is taken from a gather issued ahead
+    from the second step on, forward and backward, each part's reduce waited
+    after the region's graph; no eager collective; bitwise equal to the
+    reference after 3 steps under ``aot_eager``."""
+    for res in run_distributed(_cut_empty_rank, 2, timeout=900):
+        assert_close(res, 0.0)
+        assert res["counts"] == [{}] * 3, res["counts"]
+        n = 3 * 3  # (parts a block, blocks)
+        assert [a[1:] for a in res["after"]] == [(0, n), (2 * n, 2 * n), (4 * n, 3 * n)], res["after"]
+        assert res["after"][-1][0] == [False] + [True] * 3, res["after"]

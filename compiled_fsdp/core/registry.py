@@ -76,7 +76,10 @@ BucketKey = tuple[tuple[int, int], ...]
 # at the backward's end: a gather wasted, the same on every rank. A bucket
 # whose shards share a place, empty ones, is issued whole or not at all:
 # ``ops.issue_if_wanted``.) Tested by
-# tests/test_block_regions.py::test_regions_cut_take_their_parts_issued_ahead.
+# tests/test_block_regions.py::test_regions_cut_take_their_parts_issued_ahead,
+# with a rank's shard of a part empty by
+# tests/test_region_variants.py::test_a_cut_region_with_a_rank_holding_no_row,
+# and under HSDP by tests/test_hsdp.py::test_hsdp_2x2_matches_reference[regions_cut].
 class BackwardGathers:
     """[Note: Backward re-gathers prefetched across graphs]
     A block compiled on its own that reshards after forward gathers its
