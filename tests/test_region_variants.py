@@ -4,8 +4,9 @@ block with a forward of its own (read in the root's graph), and a block
 that differs from its equals in a Python int (traced again, with a
 warning). See [Note: A region traced again for an equal block] in
 compiled_fsdp/compile/regions.py and [Note: A block whose region never
-runs] in compiled_fsdp/compile/region_reads.py; and a block with hooks of
-its user's."""
+runs] in compiled_fsdp/compile/region_reads.py; a block with hooks of
+its user's; and a region cut in its modules' parts where a rank's shard
+of a part is empty."""
 from __future__ import annotations
 
 import copy
