@@ -402,7 +402,7 @@ class _Gated(_Widening):
 
 class _GatedStack(_Stack):
     def __init__(self, blocks: int) -> None:
-        super().__init__(blocks)
+        torch.nn.Module.__init__(self)
         torch.manual_seed(0)
         self.layers = torch.nn.ModuleList(_Gated(12) for _ in range(blocks))
         self.shift = torch.nn.Parameter(torch.zeros(8))  # (every block's input then requires grad: one trace)
